@@ -1,2 +1,14 @@
-"""torchforge: PyTorch-native 4-bit compression for dense and MoE LLMs."""
+"""torchforge: PyTorch-native 4-bit compression for dense and MoE LLMs.
+
+    model = torchforge.quantize(model, "w4a16-rtn")
+    torchforge.save_quantized(model, "out/")          # vLLM's AWQ layout
+    model = torchforge.load_quantized("out/")
+"""
 __version__ = "0.1.0"
+
+from torchforge import ops  # noqa: F401  (registers the torchforge:: ops)
+from torchforge.export import load_quantized, save_quantized
+from torchforge.quantize import quantize
+from torchforge.recipe import Recipe
+
+__all__ = ["Recipe", "load_quantized", "ops", "quantize", "save_quantized"]

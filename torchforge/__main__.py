@@ -1,0 +1,5 @@
+import sys
+
+from torchforge.cli import main
+
+sys.exit(main())

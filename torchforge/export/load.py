@@ -1,0 +1,110 @@
+"""load_quantized(path): rebuild an HF model with torchforge modules from an exported folder."""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from torchforge.export.naming import EXPERT_KEY
+from torchforge.io import CheckpointError, checkpoint_tensor_names, iter_checkpoint
+from torchforge.matching import is_fused_experts
+from torchforge.nn.awq_experts import ForgeAWQExperts
+from torchforge.nn.awq_linear import ForgeAWQLinear
+from torchforge.nn.moe import ForgeMoE
+
+
+def _build_skeleton(path: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    qcfg = getattr(config, "quantization_config", None)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # keep transformers' own quantizers out: torchforge owns these layers
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, qcfg if isinstance(qcfg, dict) else (qcfg.to_dict() if qcfg is not None else {})
+
+
+def _swap_quantized_modules(model: nn.Module, names: set[str], group_size: int, symmetric: bool) -> None:
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and f"{name}.qweight" in names:
+            new = ForgeAWQLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group_size=group_size,
+                                 symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
+            model.set_submodule(name, new)
+        elif is_fused_experts(mod) and f"{name}.0.gate_proj.qweight" in names:
+            E, two_i, H = mod.gate_up_proj.shape
+            experts = ForgeAWQExperts(E, H, two_i // 2, group_size=group_size, symmetric=symmetric,
+                                      act_fn=mod.act_fn, device="meta")
+            block_name = name.rsplit(".", 1)[0]
+            model.set_submodule(block_name, ForgeMoE.from_hf(model.get_submodule(block_name), experts))
+
+
+def _stack_experts(model: nn.Module, per_expert: dict) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors -> the stacked buffers of ForgeAWQExperts / HF fused experts."""
+    out = {}
+    for module_name, parts in per_expert.items():
+        mod = model.get_submodule(module_name)
+        E = mod.num_experts if isinstance(mod, ForgeAWQExperts) else mod.gate_up_proj.shape[0]
+
+        def stack(proj, kind):
+            missing = [e for e in range(E) if (e, proj, kind) not in parts]
+            if missing:
+                raise CheckpointError(f"{module_name}: experts {missing[:8]} have no {proj}.{kind} in the checkpoint")
+            return torch.stack([parts[(e, proj, kind)] for e in range(E)])
+
+        if isinstance(mod, ForgeAWQExperts):
+            for kind in ("qweight", "qzeros", "scales"):
+                out[f"{module_name}.gate_up_{kind}"] = torch.cat([stack("gate_proj", kind), stack("up_proj", kind)], -1)
+                out[f"{module_name}.down_{kind}"] = stack("down_proj", kind)
+        else:
+            out[f"{module_name}.gate_up_proj"] = torch.cat([stack("gate_proj", "weight"), stack("up_proj", "weight")], 1)
+            out[f"{module_name}.down_proj"] = stack("down_proj", "weight")
+    return out
+
+
+def _rebuild_rotary(model: nn.Module, device) -> None:
+    """Non-persistent buffers (RoPE inv_freq) are not in checkpoints: recompute them on the real device."""
+    for name, mod in list(model.named_modules()):
+        if "RotaryEmbedding" in type(mod).__name__ and hasattr(mod, "inv_freq"):
+            model.set_submodule(name, type(mod)(config=mod.config, device=device))
+
+
+def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Loads a folder written by `torchforge.save_quantized` (vllm-awq) as an HF model with torchforge modules."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"load_quantized: {path} has no config.json (not a checkpoint folder, or an unfinished save)")
+    model, qcfg = _build_skeleton(path, dtype)
+    if qcfg.get("quant_method") != "awq":
+        raise CheckpointError(f"load_quantized: {path}/config.json has quant_method={qcfg.get('quant_method')!r}; "
+                              "this reader handles 'awq' (vllm-awq) checkpoints")
+    meta_path = os.path.join(path, "torchforge.json")
+    symmetric = True
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            symmetric = json.load(f).get("symmetric", [True]) == [True]
+    names = set(checkpoint_tensor_names(path))
+    _swap_quantized_modules(model, names, int(qcfg["group_size"]), symmetric)
+    model.to_empty(device=device)
+    state, per_expert = {}, defaultdict(dict)
+    for key, t in iter_checkpoint(path):
+        m = EXPERT_KEY.match(key)
+        if m:
+            per_expert[m["module"]][(int(m["e"]), m["proj"], m["kind"])] = t
+        else:
+            state[key] = t
+    state.update(_stack_experts(model, per_expert))
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise CheckpointError(f"load_quantized: checkpoint does not match the model: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    _rebuild_rotary(model, device)
+    model.eval()
+    return model

@@ -1,0 +1,157 @@
+"""Export to an HF-style folder that vLLM's AWQ loader reads as is (`format="vllm-awq"`)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from torchforge.export.naming import vllm_names
+from torchforge.io import atomic_write_json, save_sharded
+from torchforge.matching import is_fused_experts
+from torchforge.nn.awq_experts import ForgeAWQExperts
+from torchforge.nn.awq_linear import ForgeAWQLinear
+
+FORMATS = ("vllm-awq",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+TORCHFORGE_META = "torchforge.json"
+
+
+def _quantized_modules(model: nn.Module):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (ForgeAWQLinear, ForgeAWQExperts))]
+
+
+def _keep_fp32(model: nn.Module) -> tuple[str, ...]:
+    return tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + tuple(
+        getattr(model, "_keep_in_fp32_modules", None) or ())
+
+
+@torch.no_grad()
+def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors: AWQ buffers as stored, per-expert names, everything else in `dtype`."""
+    out: dict[str, torch.Tensor] = {}
+    expert_prefixes = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, ForgeAWQExperts):
+            expert_prefixes.append(name + ".")
+            I8, I = mod.intermediate_size // 8, mod.intermediate_size
+            for e in range(mod.num_experts):
+                p = f"{name}.{e}"
+                # gate = output columns [0, I), up = [I, 2I): an exact split of the packed words (I % 8 == 0).
+                out[f"{p}.gate_proj.qweight"] = mod.gate_up_qweight[e, :, :I8]
+                out[f"{p}.up_proj.qweight"] = mod.gate_up_qweight[e, :, I8:]
+                out[f"{p}.gate_proj.qzeros"] = mod.gate_up_qzeros[e, :, :I8]
+                out[f"{p}.up_proj.qzeros"] = mod.gate_up_qzeros[e, :, I8:]
+                out[f"{p}.gate_proj.scales"] = mod.gate_up_scales[e, :, :I]
+                out[f"{p}.up_proj.scales"] = mod.gate_up_scales[e, :, I:]
+                out[f"{p}.down_proj.qweight"] = mod.down_qweight[e]
+                out[f"{p}.down_proj.qzeros"] = mod.down_qzeros[e]
+                out[f"{p}.down_proj.scales"] = mod.down_scales[e]
+        elif is_fused_experts(mod):  # unquantized HF experts: back to the per-expert names vLLM expects
+            expert_prefixes.append(name + ".")
+            I = mod.gate_up_proj.shape[1] // 2
+            for e in range(mod.gate_up_proj.shape[0]):
+                out[f"{name}.{e}.gate_proj.weight"] = mod.gate_up_proj[e, :I].to(dtype)
+                out[f"{name}.{e}.up_proj.weight"] = mod.gate_up_proj[e, I:].to(dtype)
+                out[f"{name}.{e}.down_proj.weight"] = mod.down_proj[e].to(dtype)
+    fp32_keys = _keep_fp32(model)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    for key, t in model.state_dict().items():
+        if any(key.startswith(p) for p in expert_prefixes):
+            continue
+        if tied and key == "lm_head.weight":
+            continue  # tied to embed_tokens; HF and vLLM re-tie at load
+        if t.is_floating_point() and not any(k in key for k in fp32_keys) and not key.endswith(".scales"):
+            t = t.to(dtype)
+        out[key] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _unquantized_linear_prefixes(model: nn.Module) -> list[str]:
+    skip = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and not isinstance(mod, ForgeAWQLinear):
+            skip.append(name)
+        elif is_fused_experts(mod):
+            skip.append(name)
+    return skip
+
+
+def vllm_awq_quantization_config(model: nn.Module) -> dict:
+    quantized = _quantized_modules(model)
+    if not quantized:
+        raise ValueError("save_quantized: the model has no torchforge quantized modules; call torchforge.quantize first")
+    group_sizes = {m.group_size for _, m in quantized}
+    if len(group_sizes) != 1:
+        raise ValueError(f"vllm-awq holds one group_size per checkpoint; the model mixes {sorted(group_sizes)}")
+    skip = _unquantized_linear_prefixes(model)
+    # vLLM skips a layer when any entry is a SUBSTRING of its prefix (is_layer_skipped_awq), so the list holds
+    # full module names only, and none of them may be a substring of a quantized module's vLLM name.
+    qnames = set()
+    for n, m in quantized:
+        qnames |= vllm_names(n) | ({f"{n}.{i}" for i in range(m.num_experts)} if isinstance(m, ForgeAWQExperts) else set())
+    for s in skip:
+        hit = next((q for q in sorted(qnames) if s in q), None)
+        if hit is not None:
+            raise ValueError(f"vllm-awq export: unquantized module {s!r} is a substring of quantized {hit!r}; vLLM "
+                             "would skip both. Quantize both or neither (fused parts must match).")
+    return {"quant_method": "awq", "bits": 4, "group_size": group_sizes.pop(), "zero_point": True,
+            "version": "gemm", "modules_to_not_convert": skip}
+
+
+def _copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
+    copied = []
+    if src and os.path.isdir(src):
+        for f in TOKENIZER_FILES:
+            p = os.path.join(src, f)
+            if os.path.isfile(p):
+                tmp = os.path.join(out_dir, f".{f}.tmp")
+                shutil.copyfile(p, tmp)
+                os.replace(tmp, os.path.join(out_dir, f))
+                copied.append(f)
+    return copied
+
+
+def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, tokenizer=None, source_dir=None,
+                   max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
+    """Writes an HF-style checkpoint folder that vLLM loads as is. Returns `out_dir`.
+
+    config.json carries `quantization_config = {quant_method: awq, bits: 4, group_size, zero_point: true,
+    version: gemm, modules_to_not_convert}`; routed experts are written one by one
+    (`...mlp.experts.{e}.{gate,up,down}_proj.{qweight,qzeros,scales}`), unquantized tensors in bf16.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"save_quantized: unknown format {format!r}; choose one of {FORMATS}")
+    from torchforge.quantize import RECIPE_ATTR
+
+    recipe = getattr(model, RECIPE_ATTR, None)
+    if dtype is None:
+        dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16
+    qcfg = vllm_awq_quantization_config(model)
+    os.makedirs(out_dir, exist_ok=True)
+    state = export_state_dict(model, dtype)
+    save_sharded(state, out_dir, max_shard_bytes=max_shard_bytes, metadata={"format": "pt", "torchforge": format})
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    cfg["quantization_config"] = qcfg
+    # transformers 5 writes `dtype`; older readers (and vLLM versions) look for `torch_dtype`.
+    cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
+            "symmetric": sorted({m.symmetric for _, m in _quantized_modules(model)})}
+    atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    _copy_tokenizer_files(source_dir or getattr(model, "name_or_path", None), out_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):
+        atomic_write_json(os.path.join(out_dir, "generation_config.json"), gen.to_dict())
+    atomic_write_json(os.path.join(out_dir, "config.json"), cfg)  # last: a folder with config.json is complete
+    return out_dir
+
+
+def read_quantization_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("quantization_config") or {}

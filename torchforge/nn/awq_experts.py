@@ -1,0 +1,97 @@
+"""ForgeAWQExperts: all routed experts of one MoE layer in AWQ W4 form, a drop-in for HF's fused experts."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchforge import ops
+
+
+def _act(name_or_fn):
+    if callable(name_or_fn):
+        return name_or_fn
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name_or_fn]
+
+
+class ForgeAWQExperts(nn.Module):
+    """Routed experts stacked along dim 0, each projection in vLLM's AWQ layout.
+
+    HF transformers 5 keeps experts fused as `gate_up_proj [E, 2I, H]` (gate rows first) and
+    `down_proj [E, H, I]`. Here OC = 2I for gate_up: the gate is output columns [0, I) and up is [I, 2I).
+    AWQ groups run along the input dim and words pack 8 output columns, so with I % 8 == 0 the fused
+    tensors split exactly into vLLM's per-expert `gate_proj` / `up_proj` at export time.
+
+      gate_up_qweight int32 [E, H, 2I // 8]   gate_up_scales fp16 [E, H // G, 2I]   gate_up_qzeros [E, H // G, 2I // 8]
+      down_qweight    int32 [E, I, H // 8]    down_scales    fp16 [E, I // G, H]    down_qzeros    [E, I // G, H // 8]
+
+    forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) matches HF's experts signature. Every
+    routed (token, expert) pair is one row of a grouped W4A16 GEMM: no Python loop over experts.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group_size: int = 128,
+                 symmetric: bool = True, act_fn="silu", device=None):
+        super().__init__()
+        E, H, I, G = num_experts, hidden_size, intermediate_size, group_size
+        for name, dim in (("hidden_size", H), ("intermediate_size", I)):
+            if dim % G:
+                raise ValueError(f"ForgeAWQExperts: {name}={dim} is not divisible by group_size={G}; choose a group "
+                                 "size that divides it or ignore the experts (re:.*mlp\\.experts$)")
+            if dim % 8:
+                raise ValueError(f"ForgeAWQExperts: {name}={dim} must be divisible by 8 (AWQ packs 8 columns per int32)")
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
+        self.group_size, self.symmetric = G, symmetric
+        self.act_fn = _act(act_fn)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.register_buffer("gate_up_qweight", torch.empty(E, H, 2 * I // 8, **i32))
+        self.register_buffer("gate_up_scales", torch.empty(E, H // G, 2 * I, dtype=torch.float16, device=device))
+        self.register_buffer("gate_up_qzeros", torch.empty(E, H // G, 2 * I // 8, **i32))
+        self.register_buffer("down_qweight", torch.empty(E, I, H // 8, **i32))
+        self.register_buffer("down_scales", torch.empty(E, I // G, H, dtype=torch.float16, device=device))
+        self.register_buffer("down_qzeros", torch.empty(E, I // G, H // 8, **i32))
+
+    @torch.no_grad()
+    def pack_weights(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> "ForgeAWQExperts":
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        if tuple(gate_up_proj.shape) != (E, 2 * I, H):
+            raise ValueError(f"ForgeAWQExperts: gate_up_proj has shape {tuple(gate_up_proj.shape)}, expected [E, 2I, H] = [{E}, {2 * I}, {H}]")
+        if tuple(down_proj.shape) != (E, H, I):
+            raise ValueError(f"ForgeAWQExperts: down_proj has shape {tuple(down_proj.shape)}, expected [E, H, I] = [{E}, {H}, {I}]")
+        q = lambda w: ops.awq_quantize(w, group_size=self.group_size, symmetric=self.symmetric)  # noqa: E731
+        self.gate_up_qweight, self.gate_up_scales, self.gate_up_qzeros = q(gate_up_proj)
+        self.down_qweight, self.down_scales, self.down_qzeros = q(down_proj)
+        return self
+
+    @classmethod
+    def from_hf(cls, experts: nn.Module, group_size: int = 128, symmetric: bool = True) -> "ForgeAWQExperts":
+        gu, down = experts.gate_up_proj, experts.down_proj
+        if getattr(experts, "is_transposed", False):
+            raise ValueError(f"{type(experts).__name__} stores transposed expert weights; not supported yet")
+        if getattr(experts, "has_bias", False):
+            raise ValueError(f"{type(experts).__name__} has expert biases; not supported yet")
+        E, two_i, H = gu.shape
+        mod = cls(E, H, two_i // 2, group_size=group_size, symmetric=symmetric, act_fn=experts.act_fn, device=gu.device)
+        return mod.pack_weights(gu, down)
+
+    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        G = self.group_size
+        return (ops.awq_dequantize(self.gate_up_qweight, self.gate_up_scales, self.gate_up_qzeros, G),
+                ops.awq_dequantize(self.down_qweight, self.down_scales, self.down_qzeros, G))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        T, k = top_k_index.shape
+        G = self.group_size
+        flat_ids = top_k_index.reshape(-1)
+        rows = hidden_states.repeat_interleave(k, dim=0)  # row t*k + j is token t's j-th pick
+        gate_up = ops.awq_grouped_linear(rows, flat_ids, self.gate_up_qweight, self.gate_up_scales, self.gate_up_qzeros, G)
+        gate, up = gate_up.chunk(2, dim=-1)
+        down = ops.awq_grouped_linear(self.act_fn(gate) * up, flat_ids, self.down_qweight, self.down_scales,
+                                      self.down_qzeros, G)
+        # Weighted sum over the k picks in fp32 (router weights are fp32), then back to the activation dtype.
+        out = (down.view(T, k, -1).float() * top_k_weights.unsqueeze(-1).float()).sum(dim=1)
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, intermediate_size="
+                f"{self.intermediate_size}, group_size={self.group_size}, symmetric={self.symmetric}")

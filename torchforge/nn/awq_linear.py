@@ -1,0 +1,65 @@
+"""ForgeAWQLinear: a Linear whose weight is stored in vLLM's AWQ W4 layout."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchforge import ops
+
+
+class ForgeAWQLinear(nn.Module):
+    """y = x @ dequant(W).T + b with W stored as AWQ W4 buffers (plain tensors, no subclass).
+
+    Buffers carry the exact names and layouts vLLM's AWQ loader reads, so the state dict exports as is:
+      qweight int32 [IC, OC // 8]  (8 output channels per word, nibble order 0,2,4,6,1,3,5,7)
+      scales  fp16  [IC // G, OC]
+      qzeros  int32 [IC // G, OC // 8]
+    Built in two phases: construct (any device, including meta) then `pack_weight`, or `from_linear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
+                 symmetric: bool = True, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if out_features % 8:
+            raise ValueError(f"ForgeAWQLinear: out_features={out_features} must be divisible by 8 (AWQ packs 8 output "
+                             "channels per int32); keep this layer unquantized with the recipe's `ignore`")
+        if in_features % group_size:
+            raise ValueError(f"ForgeAWQLinear: in_features={in_features} is not divisible by group_size={group_size}; "
+                             "choose a group size that divides it or ignore this layer")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.symmetric = group_size, symmetric
+        ng = in_features // group_size
+        self.register_buffer("qweight", torch.empty(in_features, out_features // 8, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.empty(ng, out_features, dtype=torch.float16, device=device))
+        self.register_buffer("qzeros", torch.empty(ng, out_features // 8, dtype=torch.int32, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+
+    @torch.no_grad()
+    def pack_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "ForgeAWQLinear":
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"ForgeAWQLinear.pack_weight: weight has shape {tuple(weight.shape)}, expected "
+                             f"[out_features, in_features] = [{self.out_features}, {self.in_features}]")
+        qweight, scales, qzeros = ops.awq_quantize(weight, group_size=self.group_size, symmetric=self.symmetric)
+        self.qweight, self.scales, self.qzeros = qweight, scales, qzeros
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("ForgeAWQLinear.pack_weight: got a bias but the module was built with bias=False")
+            self.bias = bias.detach().to(device=qweight.device, dtype=self.bias.dtype)
+        return self
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, symmetric: bool = True) -> "ForgeAWQLinear":
+        w = linear.weight
+        mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group_size=group_size,
+                  symmetric=symmetric, device=w.device, dtype=w.dtype)
+        return mod.pack_weight(w, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return ops.awq_dequantize(self.qweight, self.scales, self.qzeros, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"group_size={self.group_size}, symmetric={self.symmetric}")

@@ -1,0 +1,58 @@
+"""torchforge.quantize(model, recipe): swap an HF model's modules for torchforge's quantized ones, in place."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from torchforge.matching import is_fused_experts, paired_modules_error, select_modules
+from torchforge.nn.awq_experts import ForgeAWQExperts
+from torchforge.nn.awq_linear import ForgeAWQLinear
+from torchforge.nn.moe import ForgeMoE
+from torchforge.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+RECIPE_ATTR = "_torchforge_recipe"
+
+
+def _parent_name(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, calib_data=None) -> nn.Module:
+    """Quantizes `model` in place and returns it.
+
+    Linear layers matched by `recipe.targets` and not by `recipe.ignore` become `ForgeAWQLinear`; an HF
+    sparse-MoE block whose fused experts are matched becomes a `ForgeMoE` holding `ForgeAWQExperts`
+    (router kept as is). `calib_data` is accepted for calibrated schemes and unused by `w4a16-rtn`.
+    """
+    recipe = Recipe.coerce(recipe)
+    if recipe.scheme != "w4a16-rtn":
+        raise ValueError(f"quantize: scheme {recipe.scheme!r} is not implemented here; use 'w4a16-rtn'")
+    if calib_data is not None:
+        log.info("quantize: scheme w4a16-rtn needs no calibration data; ignoring calib_data")
+    selected = select_modules(model, recipe.targets, recipe.ignore)
+    all_names = [n for n, _ in model.named_modules()]
+    err = paired_modules_error([n for n, _ in selected], all_names)
+    if err:
+        raise ValueError(err)
+    G, sym = recipe.group_size, recipe.symmetric
+    n_linear = n_moe = 0
+    for name, module in selected:
+        if is_fused_experts(module):
+            if not recipe.quantize_experts:
+                continue
+            block_name = _parent_name(name)
+            block = model.get_submodule(block_name)
+            experts = ForgeAWQExperts.from_hf(module, group_size=G, symmetric=sym)
+            model.set_submodule(block_name, ForgeMoE.from_hf(block, experts))
+            n_moe += 1
+        elif isinstance(module, nn.Linear):
+            model.set_submodule(name, ForgeAWQLinear.from_linear(module, group_size=G, symmetric=sym))
+            n_linear += 1
+    setattr(model, RECIPE_ATTR, recipe)
+    log.info("quantize: %d linear layers and %d MoE expert blocks -> %s", n_linear, n_moe, recipe.scheme)
+    return model
