@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call does it all: install torchforge (building csrc/), run the whole test suite with the CUDA
+# tests, run the benchmarks and the demo. Logs go under $OUT (the device tool brings them back).
+#   device run:  bash bench/gpu_suite.sh        (carry .whl: wheels missing on the device, e.g. expecttest)
+set -uo pipefail
+OUT=${OUT:-/tmp/torchforge-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
+start=$(date +%s)
+python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; }
+echo "build: $(( $(date +%s) - start )) s; extension: $(python3 -c 'from torchforge.ops._ext import has_cuda_ext; print(has_cuda_ext())')"
+step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail
+  local name=$1; shift
+  local t0=$(date +%s)
+  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name: rc=$rc, $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+SUITE=${SUITE:-tests bench demo}
+case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -x -p no:cacheprovider tests ${PYTEST_ARGS:-} ;; esac
+case " $SUITE " in *" bench "*)
+  for b in ${BENCHES:-bench/w4a16_linear.py bench/awq_quantize.py}; do
+    [ -f "$b" ] && TAIL=40 step "$(basename "$b" .py)" python3 "$b"
+  done ;;
+esac
+case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
