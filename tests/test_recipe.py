@@ -1,0 +1,244 @@
+import dataclasses
+import json
+import os
+
+import expecttest
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from torchforge.recipe import DEFAULT_IGNORE, SCHEMES, Recipe, RecipeError
+
+
+def test_presets_load():
+    assert Recipe.presets() == ["w4a16-rtn", "w4a16-rtn-asym", "w4a16-rtn-g64"]
+    rtn = Recipe.from_preset("w4a16-rtn")
+    assert (rtn.scheme, rtn.bits, rtn.group_size, rtn.symmetric) == ("w4a16-rtn", 4, 128, True)
+    assert rtn == Recipe(scheme="w4a16-rtn")  # the preset is the defaults
+    asym = Recipe.from_preset("w4a16-rtn-asym")
+    assert (asym.group_size, asym.symmetric) == (128, False)
+    g64 = Recipe.from_preset("w4a16-rtn-g64")
+    assert (g64.group_size, g64.symmetric) == (64, True)
+    for name in Recipe.presets():
+        r = Recipe.from_preset(name)
+        assert r.scheme in SCHEMES and r.ignore == DEFAULT_IGNORE and r.targets == ("Linear",)
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(RecipeError, match=r"unknown recipe preset 'w8a8'.*w4a16-rtn, w4a16-rtn-asym, w4a16-rtn-g64"):
+        Recipe.from_preset("w8a8")
+
+
+@pytest.mark.parametrize("name", Recipe.presets())
+def test_dict_round_trip(name):
+    r = Recipe.from_preset(name)
+    d = r.to_dict()
+    assert list(d) == [f.name for f in dataclasses.fields(Recipe)]
+    assert isinstance(d["targets"], list) and isinstance(d["ignore"], list)
+    assert json.loads(json.dumps(d)) == d  # plain JSON types only
+    assert Recipe.from_dict(d) == r
+    assert Recipe.from_dict(json.loads(json.dumps(d))) == r
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
+def test_file_round_trip(tmp_path, suffix):
+    r = Recipe.from_preset("w4a16-rtn-asym").replace(
+        ignore=list(DEFAULT_IGNORE) + [r"re:.*mlp\.experts$"], dtype="float16", quantize_experts=False
+    )
+    path = tmp_path / f"recipe{suffix}"
+    assert r.to_file(path) == path
+    assert Recipe.from_file(path) == r
+    assert Recipe.from_file(str(path)) == r
+    assert Recipe.coerce(path) == r and Recipe.coerce(str(path)) == r
+    text = path.read_text()
+    parsed = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
+    assert parsed == r.to_dict()
+    # Atomic write leaves no temporary file behind, and overwriting works.
+    r2 = r.replace(group_size=32)
+    r2.to_file(path)
+    assert Recipe.from_file(path) == r2
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+
+
+def test_hand_written_yaml(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "scheme: w4a16-rtn\n"
+        "group_size: 64\n"
+        "ignore:\n"
+        "  - lm_head\n"
+        "  - 're:.*mlp\\.experts$'\n"
+    )
+    r = Recipe.from_file(path)
+    assert r.group_size == 64 and r.ignore == ("lm_head", r"re:.*mlp\.experts$")
+    assert r.targets == ("Linear",)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(RecipeError, match=r"unsupported extension '\.toml'.*\.yaml, \.yml, \.json"):
+        Recipe.from_preset("w4a16-rtn").to_file(tmp_path / "r.toml")
+    with pytest.raises(RecipeError, match="cannot read recipe file"):
+        Recipe.from_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(RecipeError, match="not valid JSON"):
+        Recipe.from_file(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- scheme\n")
+    with pytest.raises(RecipeError, match="must be a mapping"):
+        Recipe.from_file(lst)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("scheme: w4a16-rtn\ngroupsize: 64\n")
+    with pytest.raises(RecipeError, match=r"unknown\.yaml.*unknown recipe key\(s\): 'groupsize'; valid keys: scheme, bits"):
+        Recipe.from_file(unknown)
+
+
+def test_unknown_keys_listed():
+    with pytest.raises(RecipeError) as e:
+        Recipe.from_dict({"scheme": "w4a16-rtn", "groupsize": 64, "zero_point": True})
+    msg = str(e.value)
+    assert "'groupsize', 'zero_point'" in msg
+    assert "valid keys: scheme, bits, group_size, symmetric, targets, ignore, quantize_experts, export_format, dtype" in msg
+    with pytest.raises(RecipeError, match="missing the required key 'scheme'"):
+        Recipe.from_dict({"bits": 4})
+    with pytest.raises(RecipeError, match="must be a mapping"):
+        Recipe.from_dict(["scheme"])
+
+
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        ({"scheme": "foo"}, r"Recipe\.scheme: invalid value 'foo' \(str\); allowed: one of 'w4a16-rtn'"),
+        ({"scheme": "w4a16-awq"}, r"Recipe\.scheme: invalid value 'w4a16-awq'"),  # not implemented yet
+        ({"bits": 3}, r"Recipe\.bits: invalid value 3 \(int\); allowed: 4 for scheme 'w4a16-rtn'"),
+        ({"bits": 8}, r"Recipe\.bits: invalid value 8"),
+        ({"bits": True}, r"Recipe\.bits: invalid value True \(bool\)"),
+        ({"group_size": 100}, r"Recipe\.group_size: invalid value 100 \(int\); allowed: a power of two >= 16"),
+        ({"group_size": 8}, r"Recipe\.group_size: invalid value 8"),
+        ({"group_size": 0}, r"Recipe\.group_size: invalid value 0"),
+        ({"group_size": -1}, r"Recipe\.group_size: invalid value -1 .*group_size=-1\) is not supported"),
+        ({"group_size": "128"}, r"Recipe\.group_size: invalid value '128' \(str\)"),
+        ({"group_size": 128.0}, r"Recipe\.group_size: invalid value 128\.0 \(float\)"),
+        ({"symmetric": "yes"}, r"Recipe\.symmetric: invalid value 'yes' \(str\); allowed: True or False"),
+        ({"symmetric": 1}, r"Recipe\.symmetric: invalid value 1 \(int\)"),
+        ({"targets": ["Linear", 3]}, r"Recipe\.targets: invalid entry 3 \(int\) in \['Linear', 3\]"),
+        ({"targets": "Linear"}, r"Recipe\.targets: invalid value 'Linear' \(str\); allowed: a list of strings"),
+        ({"targets": []}, r"Recipe\.targets: invalid value \[\] .*\(at least one\)"),
+        ({"targets": [""]}, r"Recipe\.targets: invalid entry ''"),
+        ({"ignore": None}, r"Recipe\.ignore: invalid value None \(NoneType\)"),
+        ({"ignore": ["re:(unclosed"]}, r"Recipe\.ignore: invalid regex in 're:\(unclosed'"),
+        ({"quantize_experts": "false"}, r"Recipe\.quantize_experts: invalid value 'false'"),
+        ({"export_format": "gguf"}, r"Recipe\.export_format: invalid value 'gguf' \(str\); allowed: one of 'vllm-awq'"),
+        ({"dtype": "fp16"}, r"Recipe\.dtype: invalid value 'fp16' \(str\); allowed: one of 'bfloat16', 'float16', 'float32'"),
+    ],
+)
+def test_bad_values(changes, pattern):
+    base = Recipe.from_preset("w4a16-rtn")
+    with pytest.raises(RecipeError, match=pattern):
+        base.replace(**changes)
+    with pytest.raises(RecipeError, match=pattern):
+        Recipe.from_dict({**base.to_dict(), **changes})
+    assert issubclass(RecipeError, ValueError)
+
+
+@pytest.mark.parametrize("gs", [16, 32, 64, 128, 256, 1024])
+def test_good_group_sizes(gs):
+    assert Recipe(scheme="w4a16-rtn", group_size=gs).group_size == gs
+
+
+def test_frozen_and_hashable():
+    r = Recipe(scheme="w4a16-rtn", targets=["Linear"], ignore=["lm_head"])
+    assert r.targets == ("Linear",) and r.ignore == ("lm_head",)  # lists stored as tuples
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.group_size = 64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.targets = ("Embedding",)
+    assert {r: 1}[Recipe(scheme="w4a16-rtn", targets=("Linear",), ignore=("lm_head",))] == 1
+
+
+def test_replace():
+    r = Recipe.from_preset("w4a16-rtn")
+    r64 = r.replace(group_size=64)
+    assert r64 == Recipe.from_preset("w4a16-rtn-g64") and r.group_size == 128
+    assert r.replace(ignore=["lm_head"]).ignore == ("lm_head",)
+    with pytest.raises(RecipeError, match=r"unknown recipe field\(s\): 'groupsize'; valid fields: scheme"):
+        r.replace(groupsize=64)
+
+
+def test_coerce(tmp_path):
+    r = Recipe.from_preset("w4a16-rtn-g64")
+    assert Recipe.coerce(r) is r
+    assert Recipe.coerce("w4a16-rtn-g64") == r
+    assert Recipe.coerce(r.to_dict()) == r
+    assert Recipe.coerce({"scheme": "w4a16-rtn", "group_size": 64}) == r
+    path = r.to_file(tmp_path / "r.json")
+    assert Recipe.coerce(path) == r and Recipe.coerce(str(path)) == r
+    with pytest.raises(RecipeError, match=r"'w4a16' is neither a recipe preset \(w4a16-rtn, "):
+        Recipe.coerce("w4a16")
+    with pytest.raises(RecipeError, match="cannot read recipe file"):
+        Recipe.coerce(str(tmp_path / "nope.yaml"))
+    with pytest.raises(RecipeError, match="cannot make a Recipe from int"):
+        Recipe.coerce(4)
+
+
+def test_torch_dtype():
+    assert Recipe(scheme="w4a16-rtn").torch_dtype is torch.bfloat16
+    assert Recipe(scheme="w4a16-rtn", dtype="float32").torch_dtype is torch.float32
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)  # an old-style nn.Linear router
+        self.shared_expert_gate = nn.Linear(8, 1, bias=False)
+        self.experts = nn.ModuleList([nn.ModuleDict({"up_proj": nn.Linear(8, 16)}) for _ in range(2)])
+        self.shared_expert = nn.ModuleDict({"up_proj": nn.Linear(8, 16)})
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(10, 8)
+        self.mlp = _MoEBlock()
+        self.lm_head = nn.Linear(8, 10)
+
+
+def test_recipe_matches_and_select():
+    model = _Tiny()
+    r = Recipe.from_preset("w4a16-rtn")
+    names = [n for n, _ in r.select(model)]
+    assert names == ["mlp.experts.0.up_proj", "mlp.experts.1.up_proj", "mlp.shared_expert.up_proj"]
+    assert r.matches("mlp.shared_expert.up_proj", model.mlp.shared_expert.up_proj)
+    assert not r.matches("mlp.gate", model.mlp.gate)
+    assert not r.matches("lm_head", model.lm_head)
+    no_experts = r.replace(quantize_experts=False)
+    assert not no_experts.matches("mlp.experts.0.up_proj", model.mlp.experts[0].up_proj)
+    assert [n for n, _ in no_experts.select(model)] == ["mlp.shared_expert.up_proj"]
+
+
+class TestPinnedPreset(expecttest.TestCase):
+    def test_preset_dict(self):
+        self.assertExpectedInline(
+            json.dumps(Recipe.from_preset("w4a16-rtn").to_dict(), indent=1),
+            """\
+{
+ "scheme": "w4a16-rtn",
+ "bits": 4,
+ "group_size": 128,
+ "symmetric": true,
+ "targets": [
+  "Linear"
+ ],
+ "ignore": [
+  "lm_head",
+  "re:.*embed_tokens$",
+  "re:.*mlp\\\\.gate$",
+  "re:.*shared_expert_gate$",
+  "re:.*self_attn\\\\.kv_b_proj$"
+ ],
+ "quantize_experts": true,
+ "export_format": "vllm-awq",
+ "dtype": "bfloat16"
+}""",
+        )

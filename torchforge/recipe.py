@@ -1,0 +1,358 @@
+"""The quantization recipe: what to quantize, how, and in which format to export it.
+
+A :class:`Recipe` is a frozen, validated dataclass. Build one directly, from a preset
+(``Recipe.from_preset("w4a16-rtn")``), from a dict, or from a YAML/JSON file;
+``Recipe.coerce`` accepts any of these (it is what ``torchforge.quantize(model, recipe)``
+uses). Invalid values raise :class:`RecipeError` (a ``ValueError``) naming the field, the
+bad value and what is allowed.
+
+Module selection (``targets``/``ignore``) follows compressed-tensors' pattern language;
+see :mod:`torchforge.matching`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from torchforge import matching
+
+__all__ = [
+    "DEFAULT_IGNORE",
+    "DTYPES",
+    "EXPORT_FORMATS",
+    "PRESETS",
+    "Recipe",
+    "RecipeError",
+    "SCHEMES",
+]
+
+
+class RecipeError(ValueError):
+    """An invalid recipe: bad field value, unknown key, unknown preset, unreadable file."""
+
+
+# Implemented quantization schemes. Planned: "w4a16-awq", "w4a16-gptq", "nvfp4" -- add each
+# here (and to _SCHEME_BITS / _check_group_size as needed) when its algorithm lands.
+SCHEMES: tuple[str, ...] = ("w4a16-rtn",)
+
+# Weight bit widths each scheme supports.
+_SCHEME_BITS: dict[str, tuple[int, ...]] = {
+    "w4a16-rtn": (4,),
+}
+
+# Checkpoint layouts the exporter can write.
+EXPORT_FORMATS: tuple[str, ...] = ("vllm-awq",)
+
+# dtype of the tensors left unquantized (norms, embeddings, lm_head, routers, ...) at export.
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+MIN_GROUP_SIZE = 16
+
+DEFAULT_IGNORE: tuple[str, ...] = (
+    # The output head stays in bf16: 4-bit logits cost accuracy for little memory.
+    "lm_head",
+    # Token embeddings are a lookup table, not a matmul: keep them in bf16.
+    r"re:.*embed_tokens$",
+    # MoE routers are never quantized: routing decisions are very sensitive to error. In
+    # transformers 5 they are *TopkRouter modules (not nn.Linear, so "Linear" skips them
+    # anyway), but older and remote-code models use a plain nn.Linear named mlp.gate.
+    r"re:.*mlp\.gate$",
+    # Qwen2-MoE's shared_expert_gate is a 1-row sigmoid gate (hidden -> 1): nothing to gain.
+    r"re:.*shared_expert_gate$",
+    # MLA's kv_b_proj: vLLM dequantizes it at load (it is split into W_UK / W_UV and
+    # absorbed into the attention computation), so quantizing it only adds error.
+    r"re:.*self_attn\.kv_b_proj$",
+)
+
+# name -> field values (on top of the dataclass defaults).
+PRESETS: dict[str, dict[str, Any]] = {
+    "w4a16-rtn": {"scheme": "w4a16-rtn", "bits": 4, "group_size": 128, "symmetric": True},
+    "w4a16-rtn-asym": {"scheme": "w4a16-rtn", "bits": 4, "group_size": 128, "symmetric": False},
+    "w4a16-rtn-g64": {"scheme": "w4a16-rtn", "bits": 4, "group_size": 64, "symmetric": True},
+}
+
+_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _fail(field: str, value: Any, allowed: str) -> RecipeError:
+    return RecipeError(f"Recipe.{field}: invalid value {value!r} ({type(value).__name__}); allowed: {allowed}")
+
+
+def _check_str_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise _fail(field, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def _check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _fail(field, value, "True or False (a bool)")
+
+
+def _check_int(field: str, value: Any, allowed: str) -> None:
+    # bool is an int subclass; True/False are not valid sizes.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(field, value, allowed)
+
+
+def _to_patterns(field: str, value: Any, allow_empty: bool) -> tuple[str, ...]:
+    allowed = (
+        "a list of strings: class names (e.g. 'Linear'), exact module names "
+        "(e.g. 'lm_head') or 're:<regex>' patterns"
+    )
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise _fail(field, value, allowed)
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise RecipeError(
+                f"Recipe.{field}: invalid entry {item!r} ({type(item).__name__}) in {list(value)!r}; "
+                f"allowed: {allowed}"
+            )
+        if item.startswith(matching.REGEX_PREFIX):
+            try:
+                re.compile(item[len(matching.REGEX_PREFIX):])
+            except re.error as e:
+                raise RecipeError(f"Recipe.{field}: invalid regex in {item!r}: {e}") from None
+    if not value and not allow_empty:
+        raise _fail(field, value, allowed + " (at least one)")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to quantize a model.
+
+    Fields:
+        scheme: quantization algorithm + format family, one of :data:`SCHEMES`.
+        bits: weight bits (4 for the w4a16 schemes).
+        group_size: weights per quantization group along the input dimension; a power of
+            two >= 16. Per-channel quantization (group_size=-1) is not supported.
+        symmetric: True -> scale only; False -> scale and zero point.
+        targets: patterns of the modules to quantize (see :mod:`torchforge.matching`).
+        ignore: patterns of modules to leave unquantized, even if targeted.
+        quantize_experts: quantize the routed experts of MoE blocks (fused 3-D experts
+            modules of transformers 5, or per-expert ``experts.<i>.*`` linears).
+        export_format: checkpoint layout written at export, one of :data:`EXPORT_FORMATS`.
+        dtype: dtype of the unquantized tensors at export, one of :data:`DTYPES`.
+    """
+
+    scheme: str
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    quantize_experts: bool = True
+    export_format: str = "vllm-awq"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _check_str_choice("scheme", self.scheme, SCHEMES)
+        bits_allowed = _SCHEME_BITS[self.scheme]
+        _check_int("bits", self.bits, f"{' or '.join(map(str, bits_allowed))} for scheme {self.scheme!r}")
+        if self.bits not in bits_allowed:
+            raise _fail("bits", self.bits, f"{' or '.join(map(str, bits_allowed))} for scheme {self.scheme!r}")
+        gs_allowed = (
+            f"a power of two >= {MIN_GROUP_SIZE} (16, 32, 64, 128, ...); "
+            "per-channel quantization (group_size=-1) is not supported"
+        )
+        _check_int("group_size", self.group_size, gs_allowed)
+        gs = self.group_size
+        if gs < MIN_GROUP_SIZE or gs & (gs - 1):
+            raise _fail("group_size", gs, gs_allowed)
+        _check_bool("symmetric", self.symmetric)
+        # Frozen dataclass: normalise lists (from users, YAML, JSON) to tuples in place.
+        object.__setattr__(self, "targets", _to_patterns("targets", self.targets, allow_empty=False))
+        object.__setattr__(self, "ignore", _to_patterns("ignore", self.ignore, allow_empty=True))
+        _check_bool("quantize_experts", self.quantize_experts)
+        _check_str_choice("export_format", self.export_format, EXPORT_FORMATS)
+        _check_str_choice("dtype", self.dtype, DTYPES)
+
+    # ------------------------------------------------------------------ dicts
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/YAML-able dict of every field, in declaration order (tuples as lists)."""
+        out = {}
+        for name in self.field_names():
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Recipe:
+        """Build from a dict of field values; unknown keys and bad values raise RecipeError."""
+        if not isinstance(d, Mapping):
+            raise RecipeError(f"a recipe must be a mapping of field names to values, got {type(d).__name__}: {d!r}")
+        valid = cls.field_names()
+        unknown = [k for k in d if k not in valid]
+        if unknown:
+            raise RecipeError(
+                f"unknown recipe key(s): {', '.join(map(repr, unknown))}; valid keys: {', '.join(valid)}"
+            )
+        if "scheme" not in d:
+            raise RecipeError(f"recipe is missing the required key 'scheme' (one of {', '.join(SCHEMES)})")
+        return cls(**d)
+
+    # ---------------------------------------------------------------- presets
+
+    @staticmethod
+    def presets() -> list[str]:
+        """Names accepted by :meth:`from_preset`."""
+        return list(PRESETS)
+
+    @classmethod
+    def from_preset(cls, name: str) -> Recipe:
+        if not isinstance(name, str) or name not in PRESETS:
+            raise RecipeError(f"unknown recipe preset {name!r}; presets: {', '.join(PRESETS)}")
+        return cls(**PRESETS[name])
+
+    # ------------------------------------------------------------------ files
+
+    @staticmethod
+    def _file_kind(path: Path) -> str:
+        suffix = path.suffix.lower()
+        if suffix not in _FILE_SUFFIXES:
+            raise RecipeError(
+                f"recipe file {str(path)!r}: unsupported extension {path.suffix!r}; use one of "
+                f"{', '.join(_FILE_SUFFIXES)}"
+            )
+        return "json" if suffix == ".json" else "yaml"
+
+    def to_file(self, path: PathLike) -> Path:
+        """Write as YAML (``.yaml``/``.yml``) or JSON (``.json``), atomically; returns the path.
+
+        The text goes to a temporary file in the destination directory, which then replaces
+        ``path`` (``os.replace``), so readers never see a half-written recipe.
+        """
+        path = Path(path)
+        kind = self._file_kind(path)
+        if kind == "json":
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        else:
+            import yaml
+
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+        directory = path.parent
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            # mkstemp creates 0600; keep an existing file's mode, else the usual 0644.
+            mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return path
+
+    @classmethod
+    def from_file(cls, path: PathLike) -> Recipe:
+        """Read a recipe written by :meth:`to_file` (or by hand): a mapping of field values."""
+        path = Path(path)
+        kind = cls._file_kind(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise RecipeError(f"cannot read recipe file {str(path)!r}: {e}") from None
+        try:
+            if kind == "json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
+            raise RecipeError(f"recipe file {str(path)!r} is not valid {kind.upper()}: {e}") from None
+        try:
+            return cls.from_dict(data)
+        except RecipeError as e:
+            raise RecipeError(f"recipe file {str(path)!r}: {e}") from None
+
+    # ------------------------------------------------------------ conversions
+
+    def replace(self, **changes: Any) -> Recipe:
+        """A validated copy with some fields changed."""
+        valid = self.field_names()
+        unknown = [k for k in changes if k not in valid]
+        if unknown:
+            raise RecipeError(
+                f"unknown recipe field(s): {', '.join(map(repr, unknown))}; valid fields: {', '.join(valid)}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def coerce(cls, x: Recipe | str | os.PathLike | Mapping[str, Any]) -> Recipe:
+        """A Recipe from a Recipe, a preset name, a dict, or a path to a .yaml/.yml/.json file."""
+        if isinstance(x, Recipe):
+            return x
+        if isinstance(x, Mapping):
+            return cls.from_dict(x)
+        if isinstance(x, os.PathLike):
+            return cls.from_file(x)
+        if isinstance(x, str):
+            if x in PRESETS:
+                return cls.from_preset(x)
+            if Path(x).suffix.lower() in _FILE_SUFFIXES:
+                return cls.from_file(x)
+            raise RecipeError(
+                f"{x!r} is neither a recipe preset ({', '.join(PRESETS)}) nor a path to a "
+                f"{'/'.join(_FILE_SUFFIXES)} recipe file"
+            )
+        raise RecipeError(
+            f"cannot make a Recipe from {type(x).__name__} {x!r}: expected a Recipe, a preset name, "
+            "a dict or a path to a .yaml/.yml/.json file"
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """:attr:`dtype` as a ``torch.dtype``."""
+        return getattr(torch, self.dtype)
+
+    # --------------------------------------------------------------- matching
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        """True if this recipe quantizes ``module`` (named ``name``): targeted, not ignored,
+        and not a routed expert when ``quantize_experts`` is False."""
+        if not matching.is_target(name, module, self.targets, self.ignore):
+            return False
+        return self.quantize_experts or not matching.is_routed_expert(name, module)
+
+    def select(self, model: nn.Module, check_fused: bool = True) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of every module of ``model`` this recipe quantizes, in model order.
+
+        With ``check_fused`` (default), raises RecipeError if a group of modules that vLLM
+        fuses into one layer (MLA's q_a_proj + kv_a_proj_with_mqa, q/k/v, gate/up) would be
+        only partly quantized -- see :func:`torchforge.matching.paired_modules_error`.
+        """
+        selected = matching.select_modules(model, self.targets, self.ignore, predicate=self._expert_predicate)
+        if check_fused:
+            error = matching.paired_modules_error(
+                [n for n, _ in selected], [n for n, _ in model.named_modules()]
+            )
+            if error is not None:
+                raise RecipeError(error)
+        return selected
+
+    def _expert_predicate(self, name: str, module: nn.Module) -> bool:
+        return self.quantize_experts or not matching.is_routed_expert(name, module)
