@@ -1,0 +1,288 @@
+import json
+import os
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from torchforge.io import (
+    CheckpointError,
+    checkpoint_tensor_names,
+    iter_checkpoint,
+    load_state_dict,
+    save_sharded,
+)
+
+
+def _mixed_state_dict():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 32, generator=g).bfloat16(),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32, generator=g).half(),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(32, generator=g),
+        "model.layers.0.mlp.qweight": torch.randint(-(2**31), 2**31 - 1, (16, 8), dtype=torch.int32, generator=g),
+        "model.layers.1.mlp.codes": torch.randint(0, 256, (40, 7), dtype=torch.uint8, generator=g),
+        "model.layers.1.mlp.down_proj.weight": (torch.randn(24, 16, generator=g) * 10).to(torch.float8_e4m3fn),
+        "model.layers.1.positions": torch.arange(50, dtype=torch.int64),
+        "model.layers.1.mask": torch.rand(9, generator=g) > 0.5,
+        "model.norm.weight": torch.randn(32, generator=g).double(),
+        "lm_head.weight": torch.randn(64, 32, generator=g).bfloat16(),
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _assert_same_dict(got: dict, want: dict):
+    assert set(got) == set(want)
+    for k in want:
+        assert _same(got[k], want[k]), k
+
+
+class _SafeOpenSpy:
+    """Wraps safetensors.safe_open, recording the files opened and the most opened at once."""
+
+    def __init__(self, monkeypatch):
+        self.opened: list[str] = []
+        self.live = 0
+        self.max_live = 0
+        real = safetensors.safe_open
+        spy = self
+
+        class Handle:
+            def __init__(self, path, *a, **kw):
+                spy.opened.append(os.path.basename(path))
+                self.inner = real(path, *a, **kw)
+
+            def __enter__(self):
+                spy.live += 1
+                spy.max_live = max(spy.max_live, spy.live)
+                return self.inner.__enter__()
+
+            def __exit__(self, *exc):
+                spy.live -= 1
+                return self.inner.__exit__(*exc)
+
+        monkeypatch.setattr(safetensors, "safe_open", Handle)
+
+
+def test_roundtrip_several_shards_all_dtypes(tmp_path):
+    sd = _mixed_state_dict()
+    paths = save_sharded(sd, tmp_path, max_shard_bytes=4096)
+    shards = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
+    assert len(shards) >= 3
+    n = len(shards)
+    assert shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert paths[-1] == str(tmp_path / "model.safetensors.index.json")
+
+    seen = [name for name, _ in iter_checkpoint(tmp_path)]
+    assert sorted(seen) == sorted(sd)  # every tensor exactly once
+    _assert_same_dict(load_state_dict(tmp_path), sd)
+
+
+def test_single_file_roundtrip_and_any_single_safetensors_name(tmp_path):
+    sd = _mixed_state_dict()
+    assert save_sharded(sd, tmp_path) == [str(tmp_path / "model.safetensors")]
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    _assert_same_dict(load_state_dict(tmp_path), sd)
+
+    os.rename(tmp_path / "model.safetensors", tmp_path / "weights.safetensors")
+    _assert_same_dict(load_state_dict(tmp_path), sd)
+    # the path of a file works too
+    _assert_same_dict(load_state_dict(tmp_path / "weights.safetensors"), sd)
+
+
+def test_bin_single_and_sharded(tmp_path, monkeypatch):
+    sd = _mixed_state_dict()
+    single = tmp_path / "single"
+    single.mkdir()
+    torch.save(sd, single / "pytorch_model.bin")
+    (single / "training_args.bin").write_bytes(b"not weights")  # must not be picked up
+    _assert_same_dict(load_state_dict(single), sd)
+    # the pre-1.6 pickle format cannot be memory-mapped (nor hold float8 with weights_only=True)
+    legacy = {k: v for k, v in sd.items() if v.dtype in (torch.float32, torch.float16, torch.int64)}
+    torch.save(legacy, single / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    _assert_same_dict(load_state_dict(single), legacy)
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    names = list(sd)
+    parts = {"pytorch_model-00001-of-00002.bin": names[:4], "pytorch_model-00002-of-00002.bin": names[4:]}
+    for fname, keys in parts.items():
+        torch.save({k: sd[k] for k in keys}, sharded / fname)
+    weight_map = {k: f for f, keys in parts.items() for k in keys}
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _assert_same_dict(load_state_dict(sharded), sd)
+    assert checkpoint_tensor_names(sharded) == weight_map
+
+    loaded = []
+    real_load = torch.load
+
+    def spy_load(path, *a, **kw):
+        loaded.append(os.path.basename(path))
+        return real_load(path, *a, **kw)
+
+    monkeypatch.setattr(torch, "load", spy_load)
+    got = load_state_dict(sharded, prefixes="model.layers.1.")
+    assert set(got) == {k for k in names if k.startswith("model.layers.1.")}
+    assert loaded == ["pytorch_model-00002-of-00002.bin"]
+
+
+def test_prefixes_read_only_the_shards_that_hold_them(tmp_path, monkeypatch):
+    sd = {f"model.layers.{i}.w{j}": torch.full((64,), float(10 * i + j)) for i in range(4) for j in range(2)}
+    sd["lm_head.weight"] = torch.ones(64)
+    save_sharded(sd, tmp_path, max_shard_bytes=2 * 64 * 4)  # two tensors per shard
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    wanted_files = {weight_map[k] for k in sd if k.startswith(("model.layers.1.", "lm_head"))}
+    assert len(wanted_files) == 2 and len(set(weight_map.values())) == 5
+    # Damage every other shard: reading (or even parsing the header of) any of them would raise.
+    for f in set(weight_map.values()) - wanted_files:
+        (tmp_path / f).write_bytes(b"\xff" * 64)
+
+    spy = _SafeOpenSpy(monkeypatch)
+    got = load_state_dict(tmp_path, prefixes=["model.layers.1.", "lm_head"])
+    assert set(got) == {"model.layers.1.w0", "model.layers.1.w1", "lm_head.weight"}
+    for k, v in got.items():
+        assert _same(v, sd[k])
+    assert set(spy.opened) == wanted_files and len(spy.opened) == 2
+    assert spy.max_live == 1
+
+    # a single string is one prefix, not a set of characters
+    assert set(load_state_dict(tmp_path, prefixes="model.layers.1.w1")) == {"model.layers.1.w1"}
+    assert load_state_dict(tmp_path, prefixes=[]) == {}
+
+
+def test_dtype_casts_floating_tensors_only(tmp_path):
+    sd = _mixed_state_dict()
+    sd["model.layers.1.mlp.down_proj.weight_scale_inv"] = torch.tensor([[0.123456789]], dtype=torch.float32)
+    save_sharded(sd, tmp_path, max_shard_bytes=4096)
+    got = load_state_dict(tmp_path, dtype=torch.float16)
+    for k, v in sd.items():
+        if k.endswith("_scale_inv") or not v.is_floating_point() or v.dtype == torch.float8_e4m3fn:
+            assert _same(got[k], v), k  # ints, bools, fp8 and block scales as stored
+        else:
+            assert got[k].dtype == torch.float16 and torch.equal(got[k], v.half()), k
+
+
+def test_tied_and_noncontiguous_tensors_roundtrip(tmp_path):
+    emb = torch.randn(16, 8)
+    qkv = torch.randn(24, 8)
+    sd = {
+        "embed.weight": emb,
+        "lm_head.weight": emb,  # tied: same tensor object
+        "qkv.weight": qkv,
+        "q.weight": qkv[:8],  # overlapping view of the same storage
+        "k.weight": qkv[8:16],
+        "t.weight": torch.randn(8, 5).t(),  # non-contiguous
+    }
+    with pytest.raises(RuntimeError):  # what the clone avoids
+        safetensors.torch.save_file({"a": emb, "b": emb}, str(tmp_path / "plain.safetensors"))
+    save_sharded(sd, tmp_path / "out")
+    got = load_state_dict(tmp_path / "out")
+    _assert_same_dict(got, {k: v.contiguous() for k, v in sd.items()})
+
+
+def test_checkpoint_tensor_names(tmp_path):
+    sd = {"a": torch.zeros(100), "b": torch.zeros(100), "c": torch.zeros(3)}
+    save_sharded(sd, tmp_path / "sharded", max_shard_bytes=412)
+    assert checkpoint_tensor_names(tmp_path / "sharded") == {
+        "a": "model-00001-of-00002.safetensors",
+        "b": "model-00002-of-00002.safetensors",
+        "c": "model-00002-of-00002.safetensors",
+    }
+    save_sharded(sd, tmp_path / "single")
+    assert checkpoint_tensor_names(tmp_path / "single") == dict.fromkeys(sd, "model.safetensors")
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+def test_missing_folder_and_folder_without_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match=r"checkpoint folder .*nope does not exist"):
+        iter_checkpoint(tmp_path / "nope")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "training_args.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"no checkpoint files in .*: expected model.safetensors.index.json"):
+        iter_checkpoint(tmp_path)
+
+
+def test_missing_shard_is_reported_at_call_time(tmp_path):
+    save_sharded({f"t{i}": torch.zeros(256) for i in range(3)}, tmp_path, max_shard_bytes=1024)
+    os.remove(tmp_path / "model-00002-of-00003.safetensors")
+    msg = (
+        r"shard model-00002-of-00003\.safetensors listed in model\.safetensors\.index\.json is missing "
+        rf"from {tmp_path}: the download is incomplete"
+    )
+    with pytest.raises(CheckpointError, match=msg):
+        iter_checkpoint(tmp_path)  # no next(): the check does not wait for iteration
+    with pytest.raises(CheckpointError, match=msg):
+        checkpoint_tensor_names(tmp_path)
+
+
+def test_shards_without_index(tmp_path):
+    save_sharded({f"t{i}": torch.zeros(256) for i in range(3)}, tmp_path, max_shard_bytes=1024)
+    os.remove(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(CheckpointError, match=r"holds 3 \.safetensors files .* but no model\.safetensors\.index\.json"):
+        iter_checkpoint(tmp_path)
+
+
+def test_index_that_is_not_json_or_disagrees_with_its_shards(tmp_path):
+    save_sharded({"a": torch.zeros(256), "b": torch.ones(256)}, tmp_path, max_shard_bytes=1024)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(index_path.read_text()[:20])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json cannot be read as JSON"):
+        iter_checkpoint(tmp_path)
+    index["weight_map"]["ghost"] = "model-00001-of-00002.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"maps 'ghost' to model-00001-of-00002\.safetensors, but that shard"):
+        iter_checkpoint(tmp_path)
+
+
+def _write_single(tmp_path):
+    save_sharded({"x": torch.arange(1000, dtype=torch.float32)}, tmp_path)
+    return tmp_path / "model.safetensors"
+
+
+def test_truncated_safetensors_file(tmp_path):
+    path = _write_single(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(
+        CheckpointError,
+        match=r"corrupt or truncated safetensors file .*model\.safetensors: tensor 'x' needs data bytes \[0, 4000\) "
+        r"but the file holds only 3900 data bytes",
+    ):
+        iter_checkpoint(tmp_path)
+
+
+def test_header_length_bigger_than_file(tmp_path):
+    path = _write_single(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[:8] = (10**9).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: the header length field says 1000000000 bytes but the file has only"
+    ):
+        iter_checkpoint(tmp_path)
+    path.write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match=r"the file has 2 bytes, fewer than the 8-byte header length"):
+        iter_checkpoint(tmp_path)
+
+
+def test_header_that_is_not_json(tmp_path):
+    path = _write_single(tmp_path)
+    junk = b"{not json at all}"
+    path.write_bytes(len(junk).to_bytes(8, "little") + junk + b"\0" * 64)
+    with pytest.raises(CheckpointError, match=r"corrupt or truncated safetensors file .*: its 17-byte JSON header does not parse"):
+        iter_checkpoint(tmp_path)
+
+
+def test_corrupt_bin(tmp_path):
+    torch.save({"a": torch.zeros(1000)}, tmp_path / "pytorch_model.bin")
+    data = (tmp_path / "pytorch_model.bin").read_bytes()
+    (tmp_path / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cannot load .*pytorch_model\.bin with torch\.load\(weights_only=True\)"):
+        load_state_dict(tmp_path)

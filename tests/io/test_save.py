@@ -1,0 +1,220 @@
+import json
+import os
+import stat
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from torchforge.io import CheckpointError, iter_checkpoint, load_state_dict, save_sharded
+from torchforge.io.save import atomic_write_json, atomic_write_text
+
+
+def _sd(n=6, numel=256, offset=0.0):
+    return {f"model.layers.{i}.weight": torch.full((numel,), i + offset) for i in range(n)}
+
+
+def _equal_dicts(a, b):
+    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _listing(path):
+    return sorted(os.listdir(path))
+
+
+def test_sharded_layout_index_and_metadata(tmp_path):
+    sd = _sd(n=5, numel=256)  # 1 KiB each
+    sd["tiny"] = torch.zeros(3, dtype=torch.int32)
+    paths = save_sharded(sd, tmp_path, max_shard_bytes=2048, metadata={"producer": "torchforge", "format": "pt"})
+    shard_names = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert paths == [str(tmp_path / n) for n in shard_names] + [str(tmp_path / "model.safetensors.index.json")]
+    assert _listing(tmp_path) == shard_names + ["model.safetensors.index.json"]
+
+    text = (tmp_path / "model.safetensors.index.json").read_text()
+    index = json.loads(text)
+    assert index == {
+        "metadata": {"total_size": 5 * 1024 + 12},
+        "weight_map": {
+            "model.layers.0.weight": shard_names[0],
+            "model.layers.1.weight": shard_names[0],
+            "model.layers.2.weight": shard_names[1],
+            "model.layers.3.weight": shard_names[1],
+            "model.layers.4.weight": shard_names[2],
+            "tiny": shard_names[2],
+        },
+    }
+    assert text == json.dumps(index, indent=2, sort_keys=True) + "\n"  # same bytes as save_pretrained
+    for name in shard_names:
+        with safetensors.safe_open(str(tmp_path / name), framework="pt") as f:
+            assert f.metadata() == {"format": "pt", "producer": "torchforge"}
+            assert sorted(f.keys()) == sorted(k for k, v in index["weight_map"].items() if v == name)
+    assert _equal_dicts(load_state_dict(tmp_path), sd)
+
+
+def test_single_shard_is_model_safetensors_without_index(tmp_path):
+    sd = _sd(n=3)
+    assert save_sharded(sd, tmp_path) == [str(tmp_path / "model.safetensors")]
+    assert _listing(tmp_path) == ["model.safetensors"]
+    with safetensors.safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert _equal_dicts(safetensors.torch.load_file(str(tmp_path / "model.safetensors")), sd)
+
+
+def test_oversized_tensor_gets_its_own_shard(tmp_path):
+    sd = {"a": torch.zeros(10), "big": torch.zeros(1000), "c": torch.zeros(10), "d": torch.zeros(10)}
+    save_sharded(sd, tmp_path, max_shard_bytes=100)
+    wm = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    groups = {}
+    for k, f in wm.items():
+        groups.setdefault(f, set()).add(k)
+    assert sorted(groups.values(), key=sorted) == [{"a", "c"}, {"big"}, {"d"}]
+    for f, keys in groups.items():
+        if keys != {"big"}:
+            assert os.path.getsize(tmp_path / f) < 100 + 512  # data within the limit (+ header)
+    assert _equal_dicts(load_state_dict(tmp_path), sd)
+
+
+def test_tied_weights_in_one_shard(tmp_path):
+    emb = torch.randn(32, 16)
+    sd = {"embed.weight": emb, "lm_head.weight": emb, "half.weight": emb[:16], "other": emb[16:]}
+    save_sharded(sd, tmp_path)
+    got = load_state_dict(tmp_path)
+    assert _equal_dicts(got, {k: v.contiguous() for k, v in sd.items()})
+    # the caller's tensors were not modified or replaced
+    assert sd["lm_head.weight"] is emb
+
+
+def test_crash_on_second_shard_leaves_no_index_and_no_final_files(tmp_path, monkeypatch):
+    real = safetensors.torch.save_file
+    calls = []
+
+    def failing(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            with open(filename, "wb") as f:  # half a file, then the "crash"
+                f.write(b"\x00" * 10)
+            raise OSError("disk full")
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        save_sharded(_sd(), tmp_path, max_shard_bytes=2048)
+    assert len(calls) == 2
+    # nothing under a final name, temporary files cleaned up
+    assert _listing(tmp_path) == []
+
+
+def test_crash_keeps_previous_checkpoint_intact(tmp_path, monkeypatch):
+    old = _sd(offset=0.5)
+    save_sharded(old, tmp_path, max_shard_bytes=2048)
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    assert len(before) == 4  # 3 shards + index
+
+    real = safetensors.torch.save_file
+    calls = []
+
+    def failing(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(RuntimeError, match="killed"):
+        save_sharded(_sd(offset=100.0), tmp_path, max_shard_bytes=2048)  # same shard names as the old save
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before
+    assert _equal_dicts(load_state_dict(tmp_path), old)
+
+
+def test_crash_while_renaming_never_leaves_a_lying_index(tmp_path, monkeypatch):
+    save_sharded(_sd(offset=0.5), tmp_path, max_shard_bytes=2048)
+    real_replace = os.replace
+    calls = []
+
+    def failing(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the first new shard has replaced an old one of the same name
+            raise OSError("power cut")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="power cut"):
+        save_sharded(_sd(offset=100.0), tmp_path, max_shard_bytes=2048)
+    monkeypatch.setattr(os, "replace", real_replace)
+    # The old index would now describe a mix of old and new shards: it must be gone, so that readers
+    # refuse the folder instead of loading a blend of two checkpoints.
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert all(not f.startswith(".") for f in os.listdir(tmp_path))  # temporaries cleaned up
+    with pytest.raises(CheckpointError, match="no model.safetensors.index.json"):
+        iter_checkpoint(tmp_path)
+
+
+def test_resave_replaces_previous_layout_after_the_commit(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "extra.safetensors.bak").write_text("keep me")
+    save_sharded(_sd(n=6), tmp_path, max_shard_bytes=2048)  # 3 shards
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) == 3
+
+    events = []
+    real_replace, real_unlink = os.replace, os.unlink
+    monkeypatch.setattr(os, "replace", lambda s, d: (events.append(("replace", os.path.basename(d))), real_replace(s, d))[1])
+    monkeypatch.setattr(os, "unlink", lambda p: (events.append(("unlink", os.path.basename(p))), real_unlink(p))[1])
+    new = _sd(n=4, offset=7.0)
+    save_sharded(new, tmp_path, max_shard_bytes=2048)  # 2 shards, other names
+    assert _listing(tmp_path) == [
+        "config.json",
+        "extra.safetensors.bak",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert _equal_dicts(load_state_dict(tmp_path), new)
+    commit = events.index(("replace", "model.safetensors.index.json"))
+    stale = [i for i, e in enumerate(events) if e[0] == "unlink" and "-of-00003" in e[1]]
+    assert len(stale) == 3 and min(stale) > commit  # old shards removed only after the new index
+
+    events.clear()
+    single = _sd(n=2, offset=3.0)
+    save_sharded(single, tmp_path)  # back to one file: index and shards go
+    assert _listing(tmp_path) == ["config.json", "extra.safetensors.bak", "model.safetensors"]
+    assert _equal_dicts(load_state_dict(tmp_path), single)
+    assert events.index(("replace", "model.safetensors")) < events.index(("unlink", "model.safetensors.index.json"))
+
+    save_sharded(_sd(n=6), tmp_path, max_shard_bytes=2048)  # and sharded again: model.safetensors goes
+    assert "model.safetensors" not in os.listdir(tmp_path)
+    assert _equal_dicts(load_state_dict(tmp_path), _sd(n=6))
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(TypeError, match="entry 'x' is a list"):
+        save_sharded({"x": [1, 2]}, tmp_path)
+    with pytest.raises(TypeError, match="metadata must map str to str"):
+        save_sharded({"x": torch.zeros(1)}, tmp_path, metadata={"n": 1})
+    with pytest.raises(ValueError, match="meta device"):
+        save_sharded({"x": torch.empty(2, device="meta")}, tmp_path)
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        save_sharded({"x": torch.zeros(1)}, tmp_path, max_shard_bytes=0)
+    assert _listing(tmp_path) == []
+
+
+def test_atomic_write_text_and_json(tmp_path, monkeypatch):
+    path = tmp_path / "config.json"
+    old_umask = os.umask(0o022)
+    try:
+        atomic_write_json(path, {"b": 1, "a": [1, 2], "name": "é"})
+    finally:
+        os.umask(old_umask)
+    assert path.read_text(encoding="utf-8") == '{\n  "b": 1,\n  "a": [\n    1,\n    2\n  ],\n  "name": "é"\n}\n'
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644  # not mkstemp's 0600
+    atomic_write_json(path, {"b": 1, "a": 2}, sort_keys=True)
+    assert json.loads(path.read_text()) == {"a": 2, "b": 1} and path.read_text().index('"a"') < path.read_text().index('"b"')
+
+    def crash(src, dst):
+        raise OSError("crash before rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="crash before rename"):
+        atomic_write_text(path, "new content")
+    assert json.loads(path.read_text()) == {"a": 2, "b": 1}
+    assert _listing(tmp_path) == ["config.json"]
