@@ -39,20 +39,30 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     err = paired_modules_error([n for n, _ in selected], all_names)
     if err:
         raise ValueError(err)
-    G, sym = recipe.group_size, recipe.symmetric
-    n_linear = n_moe = 0
+    counts = {"linear": 0, "moe": 0}
     for name, module in selected:
-        if is_fused_experts(module):
-            if not recipe.quantize_experts:
-                continue
-            block_name = _parent_name(name)
-            block = model.get_submodule(block_name)
-            experts = ForgeAWQExperts.from_hf(module, group_size=G, symmetric=sym)
-            model.set_submodule(block_name, ForgeMoE.from_hf(block, experts))
-            n_moe += 1
-        elif isinstance(module, nn.Linear):
-            model.set_submodule(name, ForgeAWQLinear.from_linear(module, group_size=G, symmetric=sym))
-            n_linear += 1
+        try:
+            kind = _swap(model, name, module, recipe)
+        except ValueError as e:
+            raise ValueError(f"quantize: cannot quantize {name}: {e}") from e
+        if kind:
+            counts[kind] += 1
     setattr(model, RECIPE_ATTR, recipe)
-    log.info("quantize: %d linear layers and %d MoE expert blocks -> %s", n_linear, n_moe, recipe.scheme)
+    log.info("quantize: %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
     return model
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module, recipe: Recipe) -> str | None:
+    """Replaces one selected module; returns what it was ("linear", "moe") or None when left as is."""
+    G, sym = recipe.group_size, recipe.symmetric
+    if is_fused_experts(module):
+        if not recipe.quantize_experts:
+            return None
+        block_name = _parent_name(name)
+        experts = ForgeAWQExperts.from_hf(module, group_size=G, symmetric=sym)
+        model.set_submodule(block_name, ForgeMoE.from_hf(model.get_submodule(block_name), experts))
+        return "moe"
+    if isinstance(module, nn.Linear):
+        model.set_submodule(name, ForgeAWQLinear.from_linear(module, group_size=G, symmetric=sym))
+        return "linear"
+    return None

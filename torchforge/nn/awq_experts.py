@@ -74,10 +74,11 @@ class ForgeAWQExperts(nn.Module):
         mod = cls(E, H, two_i // 2, group_size=group_size, symmetric=symmetric, act_fn=experts.act_fn, device=gu.device)
         return mod.pack_weights(gu, down)
 
-    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized_weights(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) in HF's layout, computed in `dtype`."""
         G = self.group_size
-        return (ops.awq_dequantize(self.gate_up_qweight, self.gate_up_scales, self.gate_up_qzeros, G),
-                ops.awq_dequantize(self.down_qweight, self.down_scales, self.down_qzeros, G))
+        return (ops.awq_dequantize(self.gate_up_qweight, self.gate_up_scales.to(dtype), self.gate_up_qzeros, G),
+                ops.awq_dequantize(self.down_qweight, self.down_scales.to(dtype), self.down_qzeros, G))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, k = top_k_index.shape

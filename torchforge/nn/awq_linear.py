@@ -54,8 +54,9 @@ class ForgeAWQLinear(nn.Module):
                   symmetric=symmetric, device=w.device, dtype=w.dtype)
         return mod.pack_weight(w, linear.bias)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return ops.awq_dequantize(self.qweight, self.scales, self.qzeros, self.group_size)
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [OC, IC] this layer computes with, in `dtype`."""
+        return ops.awq_dequantize(self.qweight, self.scales.to(dtype), self.qzeros, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)

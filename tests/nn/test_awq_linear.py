@@ -1,0 +1,68 @@
+import pytest
+import torch
+from expecttest import TestCase
+
+from torchforge import ops
+from torchforge.nn import ForgeAWQLinear
+
+
+def _unpack_independent(words: torch.Tensor) -> torch.Tensor:
+    """[R, C//8] int32 AWQ words -> [R, C] codes; nibble k holds column [0, 2, 4, 6, 1, 3, 5, 7][k]."""
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.empty(words.shape[0], words.shape[1] * 8, dtype=torch.int64)
+    for k, col in enumerate(order):
+        out[:, col::8] = (w >> (4 * k)) & 0xF
+    return out
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_equals_dequantized_linear(symmetric, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 40, bias=bias)
+    q = ForgeAWQLinear.from_linear(lin, group_size=64, symmetric=symmetric)
+    # dequantize independently of the op under test: (q - z) * s per group of 64 input channels
+    codes = _unpack_independent(q.qweight).float()                          # [IC, OC]
+    zeros = _unpack_independent(q.qzeros).float().repeat_interleave(64, 0)  # [IC, OC]
+    scales = q.scales.float().repeat_interleave(64, 0)
+    w = ((codes - zeros) * scales).T
+    x = torch.randn(2, 3, 128)
+    expected = x @ w.T + (lin.bias if bias else 0)
+    torch.testing.assert_close(q(x), expected, rtol=1e-5, atol=1e-5)
+    assert (w - lin.weight).abs().max() <= scales.max() * (0.5 if symmetric else 1.0) + 1e-6
+
+
+class TestLayout(TestCase):
+    def test_meta_buffers(self):
+        q = ForgeAWQLinear(256, 64, bias=True, group_size=128, device="meta")
+        desc = "\n".join(f"{k}: {tuple(v.shape)} {v.dtype} {v.device}" for k, v in q.state_dict().items())
+        self.assertExpectedInline(desc, """\
+qweight: (256, 8) torch.int32 meta
+scales: (2, 64) torch.float16 meta
+qzeros: (2, 8) torch.int32 meta
+bias: (64,) torch.bfloat16 meta""")
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match="out_features=20 must be divisible by 8"):
+        ForgeAWQLinear(128, 20)
+    with pytest.raises(ValueError, match="in_features=100 is not divisible by group_size=128"):
+        ForgeAWQLinear(100, 16)
+    q = ForgeAWQLinear(128, 16, group_size=64)
+    with pytest.raises(ValueError, match="expected \\[out_features, in_features\\] = \\[16, 128\\]"):
+        q.pack_weight(torch.randn(128, 16))
+
+
+def test_nan_weight_rejected():
+    lin = torch.nn.Linear(128, 16)
+    with torch.no_grad():
+        lin.weight[3, 5] = float("nan")
+    with pytest.raises((ValueError, RuntimeError), match="(?i)nan"):
+        ForgeAWQLinear.from_linear(lin, group_size=64)
+
+
+def test_symmetric_zero_points_are_eight():
+    q = ForgeAWQLinear.from_linear(torch.nn.Linear(64, 16), group_size=32, symmetric=True)
+    assert bool((q.qzeros == ops.awq_pack(torch.full((2, 16), 8, dtype=torch.uint8))).all())
+    assert bool((q.qzeros == -2004318072).all())  # 0x88888888 as int32

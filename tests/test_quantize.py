@@ -1,0 +1,89 @@
+"""torchforge.quantize on every supported architecture built from its HF config."""
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import torchforge
+from tests import models
+from torchforge.nn import ForgeAWQExperts, ForgeAWQLinear, ForgeMoE
+
+RECIPE = {"scheme": "w4a16-rtn", "group_size": 32}
+
+
+def _kinds(model):
+    out = []
+    for n, m in model.named_modules():
+        if isinstance(m, (ForgeAWQLinear, ForgeAWQExperts, ForgeMoE, torch.nn.Linear)) or type(m).__name__.endswith("Experts"):
+            out.append(f"{n}: {type(m).__name__}")
+    return "\n".join(out)
+
+
+def test_deepseek_v3_swapped_modules_pinned():
+    model = models.build("deepseek_v3")
+    torchforge.quantize(model, RECIPE)
+    assert_expected_inline(_kinds(model), """\
+model.layers.0.self_attn.q_a_proj: ForgeAWQLinear
+model.layers.0.self_attn.q_b_proj: ForgeAWQLinear
+model.layers.0.self_attn.kv_a_proj_with_mqa: ForgeAWQLinear
+model.layers.0.self_attn.kv_b_proj: Linear
+model.layers.0.self_attn.o_proj: ForgeAWQLinear
+model.layers.0.mlp.gate_proj: ForgeAWQLinear
+model.layers.0.mlp.up_proj: ForgeAWQLinear
+model.layers.0.mlp.down_proj: ForgeAWQLinear
+model.layers.1.self_attn.q_a_proj: ForgeAWQLinear
+model.layers.1.self_attn.q_b_proj: ForgeAWQLinear
+model.layers.1.self_attn.kv_a_proj_with_mqa: ForgeAWQLinear
+model.layers.1.self_attn.kv_b_proj: Linear
+model.layers.1.self_attn.o_proj: ForgeAWQLinear
+model.layers.1.mlp: ForgeMoE
+model.layers.1.mlp.experts: ForgeAWQExperts
+model.layers.1.mlp.shared_experts.gate_proj: ForgeAWQLinear
+model.layers.1.mlp.shared_experts.up_proj: ForgeAWQLinear
+model.layers.1.mlp.shared_experts.down_proj: ForgeAWQLinear
+lm_head: Linear""")
+
+
+@pytest.mark.parametrize("arch", sorted(models.ALL_BUILDERS))
+def test_quantized_logits_close_to_float(arch):
+    model = models.build(arch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+        torchforge.quantize(model, RECIPE)
+        out = model(ids).logits
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert 1e-3 < rel < 0.35, rel  # 4-bit RTN error on random weights: present, bounded
+    n_quant = sum(isinstance(m, (ForgeAWQLinear, ForgeAWQExperts)) for m in model.modules())
+    assert n_quant > 0
+    if arch in models.MOE_BUILDERS:
+        assert any(isinstance(m, ForgeAWQExperts) for m in model.modules())
+
+
+def test_ignore_experts_keeps_hf_experts():
+    model = models.build("qwen3_moe")
+    torchforge.quantize(model, {**RECIPE, "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*mlp\\.experts$"]})
+    assert not any(isinstance(m, (ForgeMoE, ForgeAWQExperts)) for m in model.modules())
+    assert isinstance(model.model.layers[0].self_attn.q_proj, ForgeAWQLinear)
+
+
+def test_unpaired_mla_projection_is_an_error():
+    model = models.build("deepseek_v3")
+    with pytest.raises(ValueError, match="kv_a_proj_with_mqa"):
+        torchforge.quantize(model, {**RECIPE, "ignore": ["lm_head", "re:.*kv_b_proj$", "re:.*q_a_proj$"]})
+
+
+def test_indivisible_layer_names_the_module():
+    model = models.build("llama", vocab_size=96)
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 60, bias=False)  # OC=60: not a multiple of 8
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj.*out_features=60"):
+        torchforge.quantize(model, RECIPE)
+
+
+def test_compiled_moe_forward_has_no_graph_break():
+    model = models.build("deepseek_v3")
+    torchforge.quantize(model, RECIPE)
+    block = model.model.layers[1].mlp
+    x = torch.randn(1, 4, model.config.hidden_size)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)  # fullgraph: any graph break raises
+    torch.testing.assert_close(compiled(x), block(x), rtol=1e-4, atol=1e-5)
