@@ -74,8 +74,17 @@ ALL_BUILDERS = {**MOE_BUILDERS, **DENSE_BUILDERS}
 
 
 def build(name: str, seed: int = 0, dtype=torch.float32, **kw):
+    """Builds in fp32, then casts like transformers' loading does: RoPE inv_freq and `_keep_in_fp32_modules`
+    (e.g. DeepSeek-V3's e_score_correction_bias) stay fp32."""
     torch.manual_seed(seed)
-    return ALL_BUILDERS[name](**kw).to(dtype).eval()
+    model = ALL_BUILDERS[name](**kw).eval()
+    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    for mod_name, mod in model.named_modules():
+        for b_name, b in list(mod.named_buffers(recurse=False)) + list(mod.named_parameters(recurse=False)):
+            full = f"{mod_name}.{b_name}"
+            if b.is_floating_point() and "inv_freq" not in b_name and not any(k in full for k in keep):
+                b.data = b.data.to(dtype)
+    return model
 
 
 def moe_blocks(model):

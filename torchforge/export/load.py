@@ -69,7 +69,8 @@ def _rebuild_rotary(model: nn.Module, device) -> None:
     """Non-persistent buffers (RoPE inv_freq) are not in checkpoints: recompute them on the real device."""
     for name, mod in list(model.named_modules()):
         if "RotaryEmbedding" in type(mod).__name__ and hasattr(mod, "inv_freq"):
-            model.set_submodule(name, type(mod)(config=mod.config, device=device))
+            with torch.device(device):  # rotary __init__ signatures differ across models; all take the config
+                model.set_submodule(name, type(mod)(mod.config))
 
 
 def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> nn.Module:

@@ -64,8 +64,8 @@ def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
             continue
         if tied and key == "lm_head.weight":
             continue  # tied to embed_tokens; HF and vLLM re-tie at load
-        if t.is_floating_point() and not any(k in key for k in fp32_keys) and not key.endswith(".scales"):
-            t = t.to(dtype)
+        if t.is_floating_point() and not key.endswith(".scales"):
+            t = t.float() if any(k in key for k in fp32_keys) else t.to(dtype)
         out[key] = t
     return {k: v.contiguous() for k, v in out.items()}
 

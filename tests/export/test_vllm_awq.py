@@ -1,0 +1,133 @@
+"""vllm-awq export: names, config, dtypes, and a reload that reproduces the saved model's logits exactly."""
+import json
+import os
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from safetensors import safe_open
+
+import torchforge
+from tests import models
+from torchforge.export.vllm_awq import export_state_dict
+from torchforge.io import iter_checkpoint
+from torchforge.nn import ForgeAWQExperts
+
+RECIPE = {"scheme": "w4a16-rtn", "group_size": 32}
+
+
+def _quantized(arch, dtype=torch.bfloat16, recipe=RECIPE):
+    model = models.build(arch, dtype=dtype)
+    return torchforge.quantize(model, recipe)
+
+
+@pytest.mark.parametrize("arch", sorted(models.ALL_BUILDERS))
+def test_round_trip_logits_equal(arch, tmp_path):
+    model = _quantized(arch)
+    torchforge.save_quantized(model, str(tmp_path))
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_deepseek_v3_config_pinned(tmp_path):
+    model = _quantized("deepseek_v3")
+    torchforge.save_quantized(model, str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert_expected_inline(json.dumps(cfg["quantization_config"], indent=1), """\
+{
+ "quant_method": "awq",
+ "bits": 4,
+ "group_size": 32,
+ "zero_point": true,
+ "version": "gemm",
+ "modules_to_not_convert": [
+  "model.layers.0.self_attn.kv_b_proj",
+  "model.layers.1.self_attn.kv_b_proj",
+  "lm_head"
+ ]
+}""")
+
+
+def test_deepseek_v3_tensor_names_and_layouts(tmp_path):
+    model = _quantized("deepseek_v3")
+    torchforge.save_quantized(model, str(tmp_path))
+    tensors = dict(iter_checkpoint(str(tmp_path)))
+    layer1 = "\n".join(f"{k} {tuple(v.shape)} {str(v.dtype)[6:]}" for k, v in sorted(tensors.items())
+                       if k.startswith("model.layers.1.") and (".experts.0." in k or ".experts." not in k))
+    assert_expected_inline(layer1, """\
+model.layers.1.input_layernorm.weight (64,) bfloat16
+model.layers.1.mlp.experts.0.down_proj.qweight (32, 8) int32
+model.layers.1.mlp.experts.0.down_proj.qzeros (1, 8) int32
+model.layers.1.mlp.experts.0.down_proj.scales (1, 64) float16
+model.layers.1.mlp.experts.0.gate_proj.qweight (64, 4) int32
+model.layers.1.mlp.experts.0.gate_proj.qzeros (2, 4) int32
+model.layers.1.mlp.experts.0.gate_proj.scales (2, 32) float16
+model.layers.1.mlp.experts.0.up_proj.qweight (64, 4) int32
+model.layers.1.mlp.experts.0.up_proj.qzeros (2, 4) int32
+model.layers.1.mlp.experts.0.up_proj.scales (2, 32) float16
+model.layers.1.mlp.gate.e_score_correction_bias (8,) float32
+model.layers.1.mlp.gate.weight (8, 64) bfloat16
+model.layers.1.mlp.shared_experts.down_proj.qweight (32, 8) int32
+model.layers.1.mlp.shared_experts.down_proj.qzeros (1, 8) int32
+model.layers.1.mlp.shared_experts.down_proj.scales (1, 64) float16
+model.layers.1.mlp.shared_experts.gate_proj.qweight (64, 4) int32
+model.layers.1.mlp.shared_experts.gate_proj.qzeros (2, 4) int32
+model.layers.1.mlp.shared_experts.gate_proj.scales (2, 32) float16
+model.layers.1.mlp.shared_experts.up_proj.qweight (64, 4) int32
+model.layers.1.mlp.shared_experts.up_proj.qzeros (2, 4) int32
+model.layers.1.mlp.shared_experts.up_proj.scales (2, 32) float16
+model.layers.1.post_attention_layernorm.weight (64,) bfloat16
+model.layers.1.self_attn.kv_a_layernorm.weight (32,) bfloat16
+model.layers.1.self_attn.kv_a_proj_with_mqa.qweight (64, 5) int32
+model.layers.1.self_attn.kv_a_proj_with_mqa.qzeros (2, 5) int32
+model.layers.1.self_attn.kv_a_proj_with_mqa.scales (2, 40) float16
+model.layers.1.self_attn.kv_b_proj.weight (64, 32) bfloat16
+model.layers.1.self_attn.o_proj.qweight (32, 8) int32
+model.layers.1.self_attn.o_proj.qzeros (1, 8) int32
+model.layers.1.self_attn.o_proj.scales (1, 64) float16
+model.layers.1.self_attn.q_a_layernorm.weight (32,) bfloat16
+model.layers.1.self_attn.q_a_proj.qweight (64, 4) int32
+model.layers.1.self_attn.q_a_proj.qzeros (2, 4) int32
+model.layers.1.self_attn.q_a_proj.scales (2, 32) float16
+model.layers.1.self_attn.q_b_proj.qweight (32, 6) int32
+model.layers.1.self_attn.q_b_proj.qzeros (1, 6) int32
+model.layers.1.self_attn.q_b_proj.scales (1, 48) float16""")
+
+
+def test_per_expert_split_is_exact():
+    """gate/up halves of the fused packed tensors are the per-expert quantization of gate/up alone."""
+    model = models.build("deepseek_v3")
+    _, block = models.moe_blocks(model)[0]
+    gate_up = block.experts.gate_up_proj.detach().clone()
+    I = gate_up.shape[1] // 2
+    torchforge.quantize(model, RECIPE)
+    sd = export_state_dict(model)
+    for e in (0, 5):
+        qw, sc, qz = torchforge.ops.awq_quantize(gate_up[e, I:], group_size=32)  # up alone
+        assert torch.equal(sd[f"model.layers.1.mlp.experts.{e}.up_proj.qweight"], qw)
+        assert torch.equal(sd[f"model.layers.1.mlp.experts.{e}.up_proj.scales"], sc)
+        assert torch.equal(sd[f"model.layers.1.mlp.experts.{e}.up_proj.qzeros"], qz)
+
+
+def test_unquantized_experts_are_written_per_expert(tmp_path):
+    model = _quantized("mixtral", recipe={**RECIPE, "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*experts$"]})
+    torchforge.save_quantized(model, str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert "model.layers.0.mlp.experts" in cfg["quantization_config"]["modules_to_not_convert"]
+    names = set(dict(iter_checkpoint(str(tmp_path))))
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in names
+    assert not any(".experts." in n and n.endswith("qweight") for n in names)
+
+
+def test_save_refuses_unquantized_model(tmp_path):
+    with pytest.raises(ValueError, match="no torchforge quantized modules"):
+        torchforge.save_quantized(models.build("llama"), str(tmp_path))
+    assert not os.path.exists(tmp_path / "config.json")
+
+
+def test_load_rejects_folder_without_config(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        torchforge.load_quantized(str(tmp_path))
