@@ -17,7 +17,7 @@ def tiny_deepseek_v3_config(**overrides):
               num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
               num_experts_per_tok=4, n_group=4, topk_group=2, num_attention_heads=4, num_key_value_heads=4,
               q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-              max_position_embeddings=512, rope_scaling=None, tie_word_embeddings=False, initializer_range=0.05,
+              max_position_embeddings=512, rope_scaling=None, tie_word_embeddings=False, initializer_range=0.02,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
     kw.update(overrides)
     return DeepseekV3Config(**kw)
@@ -29,12 +29,14 @@ def _dir_bytes(path: str) -> int:
 
 def run_demo(out_dir: str | None = None, device: str | None = None, seed: int = 0, new_tokens: int = 24) -> dict:
     import torchforge
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config()).to(device=device, dtype=torch.bfloat16).eval()
+    # from_config with a dtype, as loading a checkpoint would: RoPE tables and the router bias stay fp32.
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(), dtype=torch.bfloat16).eval()
     # Random routers would route near-uniformly; give experts distinct preferences like a trained model.
     for layer in model.model.layers[model.config.first_k_dense_replace:]:
         layer.mlp.gate.e_score_correction_bias.normal_(0, 0.02)
@@ -69,6 +71,7 @@ def run_demo(out_dir: str | None = None, device: str | None = None, seed: int = 
         "compression": bf16_bytes / q_bytes,
         "max |logit error| vs bf16": err,
         "relative logit error": rel,
+        "mean weight rel. error": _mean_weight_error(ref, model),
         "top-1 agreement": (q_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
         "reload matches": bool(torch.equal(r_logits, q_logits)),
         "quantize seconds": t_quant,
@@ -79,6 +82,22 @@ def run_demo(out_dir: str | None = None, device: str | None = None, seed: int = 
     if tmp is not None:
         tmp.cleanup()
     return result
+
+
+def _mean_weight_error(ref, quantized) -> float:
+    """Mean over quantized layers of ||W - dequant(Q)|| / ||W|| (random Gaussian weights: about 0.1 at group 128)."""
+    from torchforge.nn import ForgeAWQExperts, ForgeAWQLinear
+
+    errs = []
+    for name, mod in quantized.named_modules():
+        if isinstance(mod, ForgeAWQLinear):
+            w = ref.get_submodule(name).weight.float()
+            errs.append(((mod.dequantized_weight() - w).norm() / w.norm()).item())
+        elif isinstance(mod, ForgeAWQExperts):
+            hf = ref.get_submodule(name)
+            for dq, w in zip(mod.dequantized_weights(), (hf.gate_up_proj.float(), hf.down_proj.float())):
+                errs.append(((dq - w).norm() / w.norm()).item())
+    return sum(errs) / len(errs)
 
 
 def format_table(result: dict) -> str:
