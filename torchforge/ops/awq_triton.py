@@ -1,0 +1,262 @@
+"""Triton kernels for AWQ W4 (4-bit weight, 16-bit activation) matmuls.
+
+Kernels exist only when triton imports (`HAS_TRITON`). The `launch_*` functions allocate the output
+and launch through `torch.library.wrap_triton`, so they can be called from a `triton_op` body (traced
+by torch.compile) and directly on CPU tensors under TRITON_INTERPRET=1 (tests).
+
+Both kernels dequantize a `[BLOCK_K, BLOCK_N]` weight tile in registers: the int32 word of column `n`
+is at `k * (OC // 8) + n // 8` and its nibble at bits `4 * ((n % 8) // 2 + 4 * (n % 2))` (AWQ order
+0, 2, 4, 6, 1, 3, 5, 7); `w = (q - z) * s` in fp32, rounded to the activation dtype (like the
+reference), and the products are accumulated in fp32. BLOCK_K divides group_size, so one K tile uses a
+single row of scales / qzeros. Arguments are assumed validated by `torchforge.ops.awq`.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchforge.ops._triton import HAS_TRITON, tl, triton
+
+__all__ = ["launch_w4a16_linear", "launch_awq_grouped_linear", "pick_block_k"]
+
+
+def pick_block_k(group_size: int, cap: int = 64) -> int:
+    """Largest power of two <= cap dividing group_size (0 if below 16: tl.dot needs K >= 16)."""
+    bk = cap
+    while bk >= 16:
+        if group_size % bk == 0:
+            return bk
+        bk //= 2
+    return 0
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, NP, GROUP_SIZE: tl.constexpr):
+        """fp32 `[BLOCK_K, BLOCK_N]` tile of (q - z) * s for rows k0 + offs_k (one group)."""
+        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
+        col_word = offs_n // 8
+        kk = k0 + offs_k
+        qw = tl.load(qw_ptr + kk[:, None] * NP + col_word[None, :], mask=mask_n[None, :], other=0)
+        # `>>` is arithmetic on int32: the 0xF mask drops the sign extension of negative words.
+        q = (qw >> shifts[None, :]) & 0xF
+        g = k0 // GROUP_SIZE
+        zw = tl.load(z_ptr + g * NP + col_word, mask=mask_n, other=0)
+        z = (zw >> shifts) & 0xF
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        return (q - z[None, :]).to(tl.float32) * s[None, :]
+
+    @triton.jit
+    def _w4a16_linear_kernel(
+        x_ptr,
+        qw_ptr,
+        s_ptr,
+        z_ptr,
+        b_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        NP,
+        stride_xm,
+        stride_xk,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        IEEE_FP32: tl.constexpr,
+        GROUP_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            x = tl.load(x_rows + kk[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+            w = _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, NP, GROUP_SIZE)
+            w = w.to(x.dtype)
+            if IEEE_FP32:
+                # fp32 activations: no TF32, to match torch's default fp32 matmul precision.
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            acc = acc + b[None, :]
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _awq_grouped_linear_kernel(
+        x_ptr,
+        ids_ptr,
+        qw_ptr,
+        s_ptr,
+        z_ptr,
+        out_ptr,
+        N,
+        K,
+        NP,
+        E,
+        stride_xr,
+        stride_xk,
+        stride_or,
+        GROUP_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # One program per (row, OC block): a GEMV against the weight of the row's expert.
+        row = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_n = offs_n < N
+        eid = tl.load(ids_ptr + row).to(tl.int64)
+        # Out-of-range ids are not checked on the host (that would sync): the row reads expert 0's
+        # weight (in bounds) and is written as NaN, so the error is visible instead of a bad read.
+        valid = (eid >= 0) & (eid < E)
+        eid = tl.where(valid, eid, 0)
+        ng = K // GROUP_SIZE
+        qw_e = qw_ptr + eid * K * NP
+        s_e = s_ptr + eid * ng * N
+        z_e = z_ptr + eid * ng * NP
+        x_row = x_ptr + row.to(tl.int64) * stride_xr
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + (k0 + offs_k) * stride_xk)
+            w = _awq_dequant_tile(qw_e, s_e, z_e, k0, offs_k, offs_n, mask_n, N, NP, GROUP_SIZE)
+            w = w.to(x.dtype).to(tl.float32)
+            acc += tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
+        acc = tl.where(valid, acc, float("nan"))
+        out_ptrs = out_ptr + row.to(tl.int64) * stride_or + offs_n
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _require_triton():
+    if not HAS_TRITON:
+        raise RuntimeError("torchforge AWQ Triton kernels need triton; install it or use CPU tensors")
+
+
+def launch_w4a16_linear(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    qzeros: Tensor,
+    group_size: int,
+    bias: Optional[Tensor] = None,
+    *,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    block_k: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> Tensor:
+    """`x [..., IC] @ dequant(W).T (+ bias)` with the Triton kernel; output `[..., OC]` in x.dtype.
+
+    Needs `group_size % 16 == 0` (the caller falls back to the reference otherwise).
+    """
+    _require_triton()
+    ic = qweight.shape[-2]
+    np_ = qweight.shape[-1]
+    oc = np_ * 8
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, ic)
+    m = x2.shape[0]
+    out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, oc)
+    bm = block_m or (16 if m <= 16 else (32 if m <= 32 else 64))
+    bn = block_n or 64
+    bk = block_k or pick_block_k(group_size)
+    assert bk >= 16 and group_size % bk == 0, "BLOCK_K must be >= 16 and divide group_size"
+    qweight = qweight.contiguous()
+    scales = scales.contiguous()
+    qzeros = qzeros.contiguous()
+    has_bias = bias is not None
+    b = bias.contiguous() if has_bias else scales  # dummy pointer when there is no bias
+    grid = (triton.cdiv(m, bm), triton.cdiv(oc, bn))
+    launch_opts = {}
+    if num_warps is not None:
+        launch_opts["num_warps"] = num_warps
+    if num_stages is not None:
+        launch_opts["num_stages"] = num_stages
+    torch.library.wrap_triton(_w4a16_linear_kernel)[grid](
+        x2,
+        qweight,
+        scales,
+        qzeros,
+        b,
+        out,
+        m,
+        oc,
+        ic,
+        np_,
+        x2.stride(0),
+        x2.stride(1),
+        out.stride(0),
+        HAS_BIAS=has_bias,
+        IEEE_FP32=x.dtype == torch.float32,
+        GROUP_SIZE=group_size,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        **launch_opts,
+    )
+    return out.reshape(*lead, oc)
+
+
+def launch_awq_grouped_linear(
+    x: Tensor,
+    expert_ids: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    qzeros: Tensor,
+    group_size: int,
+    *,
+    block_n: Optional[int] = None,
+    block_k: Optional[int] = None,
+) -> Tensor:
+    """Row `r` of the `[R, OC]` output is `x[r] @ dequant(W[expert_ids[r]]).T`; one program per
+    (row, OC block). Rows with an expert id outside `[0, E)` come out as NaN (no host-side check)."""
+    _require_triton()
+    num_experts, ic, np_ = qweight.shape
+    oc = np_ * 8
+    r = x.shape[0]
+    out = torch.empty((r, oc), dtype=x.dtype, device=x.device)
+    if r == 0:
+        return out
+    bn = block_n or 64
+    bk = block_k or pick_block_k(group_size)
+    assert bk >= 1 and group_size % bk == 0, "BLOCK_K must divide group_size"
+    qweight = qweight.contiguous()
+    scales = scales.contiguous()
+    qzeros = qzeros.contiguous()
+    expert_ids = expert_ids.contiguous()
+    grid = (r, triton.cdiv(oc, bn))
+    torch.library.wrap_triton(_awq_grouped_linear_kernel)[grid](
+        x,
+        expert_ids,
+        qweight,
+        scales,
+        qzeros,
+        out,
+        oc,
+        ic,
+        np_,
+        num_experts,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+    )
+    return out
