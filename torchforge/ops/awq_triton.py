@@ -33,18 +33,32 @@ def pick_block_k(group_size: int, cap: int = 64) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, NP, GROUP_SIZE: tl.constexpr):
-        """fp32 `[BLOCK_K, BLOCK_N]` tile of (q - z) * s for rows k0 + offs_k (one group)."""
-        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
-        col_word = offs_n // 8
+    def _awq_dequant_tile(
+        qw_ptr, s_ptr, z_ptr, k0, offs_k, pid_n, N, NP, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        """fp32 `[BLOCK_K, BLOCK_N]` tile of (q - z) * s for rows k0 + offs_k (one group) and output
+        columns pid_n * BLOCK_N + arange(BLOCK_N)."""
+        # Load each packed word once ([BLOCK_K, BLOCK_N // 8]) and repeat it 8 times along N with three
+        # interleaves, so column n holds word n // 8 (loading [BLOCK_K, BLOCK_N] words directly would
+        # move every word 8 times through the memory pipeline).
+        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        mask_w = offs_w < NP
         kk = k0 + offs_k
-        qw = tl.load(qw_ptr + kk[:, None] * NP + col_word[None, :], mask=mask_n[None, :], other=0)
+        qw = tl.load(qw_ptr + kk[:, None] * NP + offs_w[None, :], mask=mask_w[None, :], other=0)
+        qw = tl.interleave(qw, qw)
+        qw = tl.interleave(qw, qw)
+        qw = tl.interleave(qw, qw)
+        g = k0 // GROUP_SIZE
+        zw = tl.load(z_ptr + g * NP + offs_w, mask=mask_w, other=0)
+        zw = tl.interleave(zw, zw)
+        zw = tl.interleave(zw, zw)
+        zw = tl.interleave(zw, zw)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
         # `>>` is arithmetic on int32: the 0xF mask drops the sign extension of negative words.
         q = (qw >> shifts[None, :]) & 0xF
-        g = k0 // GROUP_SIZE
-        zw = tl.load(z_ptr + g * NP + col_word, mask=mask_n, other=0)
         z = (zw >> shifts) & 0xF
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         return (q - z[None, :]).to(tl.float32) * s[None, :]
 
     @triton.jit
@@ -81,7 +95,7 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             x = tl.load(x_rows + kk[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-            w = _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, mask_n, N, NP, GROUP_SIZE)
+            w = _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
             w = w.to(x.dtype)
             if IEEE_FP32:
                 # fp32 activations: no TF32, to match torch's default fp32 matmul precision.
@@ -132,7 +146,7 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_row + (k0 + offs_k) * stride_xk)
-            w = _awq_dequant_tile(qw_e, s_e, z_e, k0, offs_k, offs_n, mask_n, N, NP, GROUP_SIZE)
+            w = _awq_dequant_tile(qw_e, s_e, z_e, k0, offs_k, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
             w = w.to(x.dtype).to(tl.float32)
             acc += tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
         acc = tl.where(valid, acc, float("nan"))
@@ -173,21 +187,27 @@ def launch_w4a16_linear(
     out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, oc)
-    bm = block_m or (16 if m <= 16 else (32 if m <= 32 else 64))
-    bn = block_n or 64
-    bk = block_k or pick_block_k(group_size)
+    # Untuned defaults, from one sweep on an H100 (7168 x 7168, bf16, group 128); a split-K / autotuned
+    # kernel for small M is future work.
+    if m <= 16:
+        cfg = (16, 64, 64, 4, 4)
+    elif m <= 64:
+        cfg = (64, 128, 64, 4, 4)
+    else:
+        cfg = (128, 128, 32, 4, 4)
+    bm = block_m or cfg[0]
+    bn = block_n or cfg[1]
+    bk = block_k or pick_block_k(group_size, cap=cfg[2])
+    num_warps = num_warps or cfg[3]
+    num_stages = num_stages or cfg[4]
     assert bk >= 16 and group_size % bk == 0, "BLOCK_K must be >= 16 and divide group_size"
+    assert bn >= 16 and bn & (bn - 1) == 0, "BLOCK_N must be a power of two >= 16"
     qweight = qweight.contiguous()
     scales = scales.contiguous()
     qzeros = qzeros.contiguous()
     has_bias = bias is not None
     b = bias.contiguous() if has_bias else scales  # dummy pointer when there is no bias
     grid = (triton.cdiv(m, bm), triton.cdiv(oc, bn))
-    launch_opts = {}
-    if num_warps is not None:
-        launch_opts["num_warps"] = num_warps
-    if num_stages is not None:
-        launch_opts["num_stages"] = num_stages
     torch.library.wrap_triton(_w4a16_linear_kernel)[grid](
         x2,
         qweight,
@@ -208,7 +228,8 @@ def launch_w4a16_linear(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        **launch_opts,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out.reshape(*lead, oc)
 
@@ -236,6 +257,7 @@ def launch_awq_grouped_linear(
     bn = block_n or 64
     bk = block_k or pick_block_k(group_size)
     assert bk >= 1 and group_size % bk == 0, "BLOCK_K must divide group_size"
+    assert bn >= 16 and bn & (bn - 1) == 0, "BLOCK_N must be a power of two >= 16"
     qweight = qweight.contiguous()
     scales = scales.contiguous()
     qzeros = qzeros.contiguous()
