@@ -5,10 +5,20 @@ import torch
 
 
 def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 200) -> float:
-    """Median milliseconds of `fn()` timed with CUDA events (triton.testing.do_bench)."""
+    """Median milliseconds of `fn()` timed with CUDA events, launched eagerly (includes launch overhead
+    when the GPU work is shorter than the host's)."""
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def bench_graph_ms(fn, rep_ms: int = 200) -> float:
+    """Median milliseconds of `fn()` replayed from a CUDA graph: the GPU time without host launch gaps."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
 def copy_bandwidth_gbs(nbytes: int) -> float:

@@ -1,8 +1,11 @@
-"""w4a16_linear (AWQ layout, group 128) against a bf16 matmul on DeepSeek-V3 shapes, measured in one run.
+"""w4a16_linear (AWQ layout, group 128, bf16) against a bf16 matmul on DeepSeek-V3 shapes, in one run.
 
-    python bench/w4a16_linear.py [--m 1,16,64,256,1024,4096]
-Prints a markdown table: median ms of each, the ratio bf16 / w4a16 (>1 means w4a16 is faster), and the
-bandwidth achieved on the int4 weight bytes (qweight + scales + qzeros).
+    python bench/w4a16_linear.py [--m 1,16,64,256,1024,4096] [--sweep]
+Times are medians of CUDA-graph replays (GPU time, no host launch gaps) except the `eager` column.
+Columns: bf16 F.linear; torchforge's dispatched op (split-K for M <= 16, tiled Triton, dequant + cuBLAS
+for large M); each path forced; tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
+bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros).
+`--sweep` also times split-K configurations at M = 1 (to pick the defaults in awq_splitk_triton.py).
 """
 from __future__ import annotations
 
@@ -13,36 +16,84 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_ms, device_line, markdown_table  # noqa: E402
+from common import bench_graph_ms, bench_ms, device_line, markdown_table  # noqa: E402
+
+G = 128
+
+
+def tinygemm_fn(w: torch.Tensor, x: torch.Tensor):
+    """tinygemm int4 (group 128, asymmetric bf16 scale/zero); None where this torch build lacks it."""
+    try:
+        n, k = w.shape
+        wg = w.float().reshape(n, k // G, G)
+        mn, mx = wg.amin(-1), wg.amax(-1)
+        scale = ((mx - mn).clamp(min=1e-6) / 15)
+        q = ((wg - mn[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+        packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        wp = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        # tinygemm decodes (q - 8) * scale + zero, so zero = min + 8 * scale
+        sz = torch.stack([scale, mn + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        fn = lambda: torch.ops.aten._weight_int4pack_mm(x, wp, G, sz)  # noqa: E731
+        fn()
+        return fn
+    except Exception as e:  # noqa: BLE001 - report, don't fail the bench
+        print(f"tinygemm unavailable: {type(e).__name__}: {str(e)[:120]}")
+        return None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", default="1,16,64,256,1024,4096")
+    ap.add_argument("--m", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="18432x7168,7168x7168", help="OCxIC list")
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
         return 0
     import torchforge
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+    from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
+    from torchforge.ops.awq_triton import launch_w4a16_linear
 
     torch.manual_seed(0)
-    rows = []
+    rows, sweep_rows = [], []
     for shape in args.shapes.split(","):
         OC, IC = map(int, shape.split("x"))
         w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
-        qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=128)
+        qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
         wbytes = qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
         for M in map(int, args.m.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
-            ref = torch.nn.functional.linear(x, torchforge.ops.awq_dequantize(qw, sc, qz, 128).to(x.dtype))
-            out = torchforge.ops.w4a16_linear(x, qw, sc, qz, 128)
-            rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            t_bf16 = bench_ms(lambda: torch.nn.functional.linear(x, w))
-            t_w4 = bench_ms(lambda: torchforge.ops.w4a16_linear(x, qw, sc, qz, 128))
-            rows.append([f"{OC}x{IC}", M, t_bf16, t_w4, t_bf16 / t_w4, wbytes / t_w4 / 1e6, f"{rel:.1e}"])
+            ref = torch.nn.functional.linear(x.float(), awq_dequantize_ref(qw, sc, qz, G).float())
+            op = lambda: torchforge.ops.w4a16_linear(x, qw, sc, qz, G)  # noqa: E731
+            rel = ((op().float() - ref).norm() / ref.norm()).item()
+            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w))
+            t_op = bench_graph_ms(op)
+            t_eager = bench_ms(op)
+            t_tiled = bench_graph_ms(lambda: launch_w4a16_linear(x, qw, sc, qz, G))
+            t_split = bench_graph_ms(lambda: launch_w4a16_splitk(x, qw, sc, qz, G)) if M <= 16 else float("nan")
+            t_deq = bench_graph_ms(lambda: torch.nn.functional.linear(x, awq_dequantize_ref(qw, sc, qz, G).to(x.dtype)))
+            tg = tinygemm_fn(w, x)
+            t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
+            rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_tiled, t_split, t_deq, t_tg,
+                         t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}"])
+        if args.sweep:
+            x = torch.randn(1, IC, device="cuda", dtype=torch.bfloat16)
+            for bn in (64, 128, 256):
+                for split in (4, 8, 16):
+                    for nw in (2, 4, 8):
+                        if IC % (split * 128):
+                            continue
+                        f = lambda: launch_w4a16_splitk(x, qw, sc, qz, G, block_n=bn, split_k=split, num_warps=nw)  # noqa: E731
+                        t = bench_graph_ms(f, rep_ms=50)
+                        sweep_rows.append([f"{OC}x{IC}", bn, split, nw, t, wbytes / t / 1e6])
     print(f"device: {device_line()}")
-    print(markdown_table(["W [OC x IC]", "M", "bf16 ms", "w4a16 ms", "speedup vs bf16", "int4 GB/s", "rel err"], rows))
+    if sweep_rows:
+        print("\nsplit-K sweep at M = 1 (CUDA graph):")
+        print(markdown_table(["W", "BLOCK_N", "SPLIT_K", "warps", "ms", "int4 GB/s"], sweep_rows))
+    print("\nw4a16_linear vs bf16 (ms, CUDA-graph medians unless eager):")
+    print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "tiled", "split-K", "dequant+cuBLAS",
+                          "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err"], rows))
     return 0
 
 

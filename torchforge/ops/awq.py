@@ -34,6 +34,7 @@ from torchforge.ops.awq_reference import (
     check_finite_weight,
     w4a16_linear_ref,
 )
+from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
 from torchforge.ops.awq_triton import launch_awq_grouped_linear, launch_w4a16_linear, pick_block_k
 
 if HAS_TRITON:
@@ -233,6 +234,11 @@ def _check_grouped_args(
     return ic, oc
 
 
+# Dispatch of w4a16_linear on CUDA by M = rows of x (see bench/w4a16_linear.py for the measurements).
+SPLITK_MAX_M = 16
+DEQUANT_CUBLAS_MIN_M = 1024
+
+
 def _kernel_ok(t: Tensor, group_size: int) -> bool:
     return use_triton(t) and pick_block_k(group_size) > 0
 
@@ -301,8 +307,16 @@ def _(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int) -> Tenso
 def _w4a16_linear(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int, bias: Optional[Tensor]
 ) -> Tensor:
-    _check_w4a16_args(x, qweight, scales, qzeros, group_size, bias)
+    ic, oc = _check_w4a16_args(x, qweight, scales, qzeros, group_size, bias)
     if _kernel_ok(x, group_size):
+        m = x.numel() // ic
+        if m <= SPLITK_MAX_M:
+            return launch_w4a16_splitk(x, qweight, scales, qzeros, group_size, bias)
+        if m >= DEQUANT_CUBLAS_MIN_M:
+            # Large M is compute bound: one dequantize pass (+OC*IC*2 bytes) then the vendor GEMM beats
+            # dequantizing every tile in the mainloop once M amortizes that pass.
+            w = awq_dequantize_ref(qweight, scales, qzeros, group_size).to(x.dtype)
+            return torch.nn.functional.linear(x, w, bias)
         return launch_w4a16_linear(x, qweight, scales, qzeros, group_size, bias)
     return w4a16_linear_ref(x, qweight, scales, qzeros, group_size, bias)
 
