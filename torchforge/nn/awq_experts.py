@@ -27,7 +27,8 @@ class ForgeAWQExperts(nn.Module):
       down_qweight    int32 [E, I, H // 8]    down_scales    fp16 [E, I // G, H]    down_qzeros    [E, I // G, H // 8]
 
     forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) matches HF's experts signature. Every
-    routed (token, expert) pair is one row of a grouped W4A16 GEMM: no Python loop over experts.
+    routed (token, expert) pair is one row of a grouped W4A16 GEMM (`awq_moe_gemm`: expert-sorted blocks on
+    CUDA): no Python loop over experts.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group_size: int = 128,
@@ -83,12 +84,12 @@ class ForgeAWQExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, k = top_k_index.shape
         G = self.group_size
-        flat_ids = top_k_index.reshape(-1)
-        rows = hidden_states.repeat_interleave(k, dim=0)  # row t*k + j is token t's j-th pick
-        gate_up = ops.awq_grouped_linear(rows, flat_ids, self.gate_up_qweight, self.gate_up_scales, self.gate_up_qzeros, G)
+        flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick
+        gate_up = ops.awq_moe_gemm(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
+                                   self.gate_up_qzeros, G, k)
         gate, up = gate_up.chunk(2, dim=-1)
-        down = ops.awq_grouped_linear(self.act_fn(gate) * up, flat_ids, self.down_qweight, self.down_scales,
-                                      self.down_qzeros, G)
+        down = ops.awq_moe_gemm(self.act_fn(gate) * up, flat_ids, self.down_qweight, self.down_scales,
+                                self.down_qzeros, G, 1)
         # Weighted sum over the k picks in fp32 (router weights are fp32), then back to the activation dtype.
         out = (down.view(T, k, -1).float() * top_k_weights.unsqueeze(-1).float()).sum(dim=1)
         return out.to(hidden_states.dtype)

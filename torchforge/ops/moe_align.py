@@ -1,0 +1,40 @@
+"""Sorting routed (token, expert) rows into per-expert blocks on the device, without a host sync.
+
+A grouped MoE GEMM wants each program to see rows of ONE expert, so it can load that expert's weight
+tile once for BLOCK_M rows (vLLM's `moe_align_block_size` does the same). Every expert's rows are padded
+to a multiple of BLOCK_M; padding slots hold the sentinel R. All shapes are static (an upper bound on the
+number of blocks), so this is capturable in a CUDA graph and traceable by torch.compile.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on non-empty blocks: each expert adds < 1 block of padding, and no block is empty."""
+    return max(1, min(-(-num_rows // block_m) + num_experts, num_rows))
+
+
+def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_ids [R] -> (sorted_rows int32 [B * block_m], block_expert int32 [B]).
+
+    sorted_rows[b * block_m + i] is the i-th row of block b (R where it is padding); block_expert[b] is the
+    expert of block b, or `num_experts` for blocks past the end (the kernel skips them).
+    """
+    ids = expert_ids.reshape(-1).to(torch.int64)
+    R = ids.numel()
+    B = max_blocks(R, num_experts, block_m)
+    dev = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    first = torch.cumsum(counts, 0) - counts                  # first sorted position of each expert
+    order = torch.argsort(ids, stable=True)                   # rows grouped by expert
+    sorted_e = ids[order]
+    dest = pad_start[sorted_e] + (torch.arange(R, device=dev) - first[sorted_e])
+    sorted_rows = torch.full((B * block_m,), R, dtype=torch.int32, device=dev)
+    sorted_rows.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(B, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).to(torch.int32)  # == E past the end
+    return sorted_rows, block_expert
