@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.ops.awq_moe import awq_moe_gemm
 
 
 def _act(name_or_fn):
@@ -85,10 +86,10 @@ class ForgeAWQExperts(nn.Module):
         T, k = top_k_index.shape
         G = self.group_size
         flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick
-        gate_up = ops.awq_moe_gemm(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
+        gate_up = awq_moe_gemm(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
                                    self.gate_up_qzeros, G, k)
         gate, up = gate_up.chunk(2, dim=-1)
-        down = ops.awq_moe_gemm(self.act_fn(gate) * up, flat_ids, self.down_qweight, self.down_scales,
+        down = awq_moe_gemm(self.act_fn(gate) * up, flat_ids, self.down_qweight, self.down_scales,
                                 self.down_qzeros, G, 1)
         # Weighted sum over the k picks in fp32 (router weights are fp32), then back to the activation dtype.
         out = (down.view(T, k, -1).float() * top_k_weights.unsqueeze(-1).float()).sum(dim=1)
