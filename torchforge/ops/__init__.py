@@ -1,4 +1,5 @@
-"""torchforge ops: AWQ W4 format and kernels (see torchforge.ops.awq)."""
+"""torchforge ops: AWQ W4 format and kernels (see torchforge.ops.awq); MoE expert-id remapping for pruned
+models (torchforge.ops.moe_remap)."""
 from torchforge.ops.awq import (
     AWQ_NIBBLE_OF_COLUMN,
     AWQ_PACK_ORDER,
@@ -9,6 +10,8 @@ from torchforge.ops.awq import (
     awq_unpack,
     w4a16_linear,
 )
+from torchforge.ops.awq_moe import awq_moe_gemm
+from torchforge.ops.moe_remap import moe_remap
 
 __all__ = [
     "AWQ_PACK_ORDER",
@@ -19,4 +22,6 @@ __all__ = [
     "awq_dequantize",
     "w4a16_linear",
     "awq_grouped_linear",
+    "awq_moe_gemm",
+    "moe_remap",
 ]
