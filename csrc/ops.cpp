@@ -1,0 +1,123 @@
+// Op schemas, the torch-facing wrappers and the CUDA registrations of the compiled extension
+// torchforge._C.
+//
+// The Python side defines other ops in the same `torchforge` namespace through torch.library
+// fragments, so everything here is a FRAGMENT as well (never TORCH_LIBRARY, which would claim
+// the namespace). Importing torchforge._C runs the static registrations below.
+//
+// The wrappers live here and call plain launchers in the .cu files (which need no torch headers).
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+namespace torchforge {
+
+// csrc/awq_quantize.cu
+cudaError_t awq_quantize_launch(int dtype, int64_t group_size, bool symmetric, const void* weight,
+                                int32_t* qweight, void* scales, int32_t* qzeros, int64_t E,
+                                int64_t OC, int64_t IC, cudaStream_t stream);
+
+namespace {
+// Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
+// message (std::ostream << long, instantiated in this library) segfaulted on the device image
+// (torch 2.11+cu130), whatever compiler built the file; strings stream fine.
+std::string i2s(int64_t v) { return std::to_string(v); }
+std::string shape_str(at::IntArrayRef s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+}  // namespace
+
+// RTN 4-bit AWQ quantization of weight [OC, IC] or [E, OC, IC] (fp16 / bf16 / fp32, contiguous)
+// into vLLM AWQ layout: qweight int32 [(E,) IC, OC / 8], scales fp16 [(E,) IC / G, OC],
+// qzeros int32 [(E,) IC / G, OC / 8]. NaN / Inf in the weight are checked on the Python side.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_quantize_cuda(const at::Tensor& weight,
+                                                                 int64_t group_size,
+                                                                 bool symmetric) {
+  TORCH_CHECK(weight.is_cuda(),
+              "awq_quantize_cuda: weight must be a CUDA tensor, got " + weight.device().str());
+  TORCH_CHECK(weight.dim() == 2 || weight.dim() == 3,
+              "awq_quantize_cuda: weight must be [OC, IC] or [E, OC, IC], got shape " +
+                  shape_str(weight.sizes()));
+  const auto dt = weight.scalar_type();
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat,
+              std::string("awq_quantize_cuda: weight dtype must be float16, bfloat16 or float32, got ") +
+                  c10::toString(dt));
+  TORCH_CHECK(weight.is_contiguous(), "awq_quantize_cuda: weight must be contiguous");
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
+              "awq_quantize_cuda: group_size must be one of 32, 64, 128, 256, got " + i2s(group_size));
+  const bool batched = weight.dim() == 3;
+  const int64_t E = batched ? weight.size(0) : 1;
+  const int64_t OC = weight.size(-2);
+  const int64_t IC = weight.size(-1);
+  TORCH_CHECK(OC % 8 == 0, "awq_quantize_cuda: OC (" + i2s(OC) +
+                               ") must be a multiple of 8 (8 output channels per packed int32)");
+  TORCH_CHECK(IC % group_size == 0, "awq_quantize_cuda: IC (" + i2s(IC) +
+                                        ") must be a multiple of group_size (" + i2s(group_size) + ")");
+  TORCH_CHECK(OC < (int64_t{1} << 30) && IC < (int64_t{1} << 30),
+              "awq_quantize_cuda: OC and IC must be < 2^30, got " + i2s(OC) + " and " + i2s(IC));
+  TORCH_CHECK(E * ((OC / 8 + 31) / 32) * ((IC + 127) / 128) < (int64_t{1} << 31),
+              "awq_quantize_cuda: weight too large (more than 2^31 tiles of 256 x 128)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
+              "awq_quantize_cuda: weight data must be 16-byte aligned");
+
+  const c10::cuda::OptionalCUDAGuard guard(weight.device());
+  const auto i32 = weight.options().dtype(at::kInt);
+  const auto f16 = weight.options().dtype(at::kHalf);
+  const int64_t NG = IC / group_size;
+  at::Tensor qw, sc, qz;
+  if (batched) {
+    qw = at::empty({E, IC, OC / 8}, i32);
+    sc = at::empty({E, NG, OC}, f16);
+    qz = at::empty({E, NG, OC / 8}, i32);
+  } else {
+    qw = at::empty({IC, OC / 8}, i32);
+    sc = at::empty({NG, OC}, f16);
+    qz = at::empty({NG, OC / 8}, i32);
+  }
+  if (weight.numel() == 0) return {qw, sc, qz};
+
+  const int dtype_code = dt == at::kBFloat16 ? 0 : dt == at::kHalf ? 1 : 2;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();  // = at::cuda::getCurrentCUDAStream
+  const cudaError_t err =
+      awq_quantize_launch(dtype_code, group_size, symmetric, weight.data_ptr(),
+                          qw.data_ptr<int32_t>(), sc.data_ptr(), qz.data_ptr<int32_t>(), E, OC,
+                          IC, stream);
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {qw, sc, qz};
+}
+
+}  // namespace torchforge
+
+TORCH_LIBRARY_FRAGMENT(torchforge, m) {
+  m.def(
+      "awq_quantize_cuda(Tensor weight, int group_size, bool symmetric) -> (Tensor, Tensor, "
+      "Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {
+  m.impl("awq_quantize_cuda", &torchforge::awq_quantize_cuda);
+}
+
+// An empty Python module, so that `import torchforge._C` loads the shared library (and with it
+// the registrations above). Everything is reached through torch.ops.torchforge.*.
+static struct PyModuleDef torchforge_c_module = {
+    PyModuleDef_HEAD_INIT,
+    "_C",
+    "torchforge compiled ops (registered in torch.ops.torchforge)",
+    -1,
+    nullptr,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&torchforge_c_module); }
