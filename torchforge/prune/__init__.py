@@ -1,0 +1,28 @@
+"""MoE expert pruning (seed 000 sections 4.2 and 5): expert maps, PrunedMoE swap-in, and export.
+
+    expert_map = torchforge.prune.build_expert_map(hit_map, keep_ratio=0.5)
+    torchforge.prune_experts(model, expert_map, mode="reroute")   # or mode="drop"
+"""
+from torchforge.nn.pruned_moe import PrunedMoE, select_experts
+from torchforge.prune.apply import moe_blocks, prune_experts
+from torchforge.prune.expert_map import (
+    EXPERT_MAP_FILE,
+    build_expert_map,
+    check_hit_map_matches,
+    load_expert_map,
+    save_expert_map,
+    validate_expert_map,
+)
+
+__all__ = [
+    "EXPERT_MAP_FILE",
+    "PrunedMoE",
+    "build_expert_map",
+    "check_hit_map_matches",
+    "load_expert_map",
+    "moe_blocks",
+    "prune_experts",
+    "save_expert_map",
+    "select_experts",
+    "validate_expert_map",
+]

@@ -1,0 +1,190 @@
+"""Expert maps (seed 000 section 4.2): which routed experts each MoE layer keeps, and their compact ids.
+
+An expert map is an int32 tensor `[L, E]`: one row per MoE block of the model (in `named_modules()`
+order), one column per ORIGINAL routed expert. A kept expert holds its compact id, a pruned one `-1`.
+Invariants (checked by `validate_expert_map`): in every row the non-negative entries are exactly
+`0..k-1`, each once, with `k >= 1` (so compact id 0 always exists: `moe_remap` sends pruned picks there).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Sequence
+
+import torch
+
+EXPERT_MAP_FILE = "expert_map.pt"
+
+__all__ = ["EXPERT_MAP_FILE", "build_expert_map", "validate_expert_map", "save_expert_map", "load_expert_map",
+           "check_hit_map_matches"]
+
+
+def _check_hit_map(hit_map) -> torch.Tensor:
+    if not isinstance(hit_map, torch.Tensor):
+        try:
+            hit_map = torch.as_tensor(hit_map)
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(f"build_expert_map: hit_map must be a float tensor [L, E], got "
+                            f"{type(hit_map).__name__}") from e
+    if hit_map.dim() != 2:
+        raise ValueError(f"build_expert_map: hit_map must be 2-D [L, E] (MoE layers x routed experts), got shape "
+                         f"{tuple(hit_map.shape)}; stack one row per MoE layer")
+    if not hit_map.is_floating_point():
+        raise TypeError(f"build_expert_map: hit_map must be a float tensor (accumulated router probabilities), got "
+                        f"{hit_map.dtype}; convert it with hit_map.float()")
+    if hit_map.shape[0] == 0 or hit_map.shape[1] == 0:
+        raise ValueError(f"build_expert_map: hit_map has shape {tuple(hit_map.shape)}; it needs at least one layer "
+                         "and one expert")
+    hit_map = hit_map.detach().to("cpu", torch.float64)
+    bad = ~torch.isfinite(hit_map)
+    if bad.any():
+        layer, expert = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"build_expert_map: hit_map has {int(bad.sum())} NaN/Inf entries (first at layer {layer}, "
+                         f"expert {expert}: {hit_map[layer, expert].item()}); the calibration run diverged or "
+                         "overflowed, recompute the hit map (accumulate in float32 on the host)")
+    return hit_map
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _per_layer_keep(num_layers: int, num_experts: int, keep_k, keep_ratio) -> list[int]:
+    if (keep_k is None) == (keep_ratio is None):
+        raise ValueError("build_expert_map: pass exactly one of keep_k (experts kept per layer: an int or one int "
+                         "per layer) or keep_ratio (a fraction of the routed experts, 0 < ratio <= 1)"
+                         + ("; both were given" if keep_k is not None else "; neither was given"))
+    if keep_ratio is not None:
+        if not isinstance(keep_ratio, numbers.Real) or isinstance(keep_ratio, bool) or not (
+                0 < float(keep_ratio) <= 1):
+            raise ValueError(f"build_expert_map: keep_ratio={keep_ratio!r} must be a number in (0, 1]; e.g. 0.5 keeps "
+                             "half of the routed experts of every layer")
+        return [max(1, round(float(keep_ratio) * num_experts))] * num_layers
+    if isinstance(keep_k, torch.Tensor):
+        keep_k = keep_k.tolist()
+    if _is_int(keep_k):
+        ks = [int(keep_k)] * num_layers
+    elif isinstance(keep_k, Sequence) and not isinstance(keep_k, str):
+        if len(keep_k) != num_layers:
+            raise ValueError(f"build_expert_map: keep_k has {len(keep_k)} per-layer budgets but hit_map has "
+                             f"{num_layers} layers; give one int per MoE layer (or a single int for all)")
+        if not all(_is_int(k) for k in keep_k):
+            raise TypeError(f"build_expert_map: keep_k must hold ints, got {list(keep_k)!r}")
+        ks = [int(k) for k in keep_k]
+    else:
+        raise TypeError(f"build_expert_map: keep_k must be an int or a sequence of ints (one per layer), got "
+                        f"{type(keep_k).__name__}")
+    for layer, k in enumerate(ks):
+        if k < 1:
+            raise ValueError(f"build_expert_map: keep_k={k} (layer {layer}) is below 1; every layer must keep at "
+                             "least one expert (pruned picks are rerouted to compact expert 0)")
+        if k > num_experts:
+            raise ValueError(f"build_expert_map: keep_k={k} (layer {layer}) is above the number of routed experts "
+                             f"E={num_experts}; use 1 <= keep_k <= {num_experts}")
+    return ks
+
+
+def build_expert_map(hit_map, keep_k=None, keep_ratio=None) -> torch.Tensor:
+    """hit_map `[L, E]` (float: per-expert router mass) -> expert map int32 `[L, E]`.
+
+    Per layer, the `keep_k` experts with the largest hits are kept and numbered `0..keep_k-1` in
+    descending hit order (ties: the lower original expert id first); the others get `-1`.
+    `keep_k`: an int for every layer, or one int per layer. `keep_ratio`: keeps `max(1, round(ratio * E))`
+    experts per layer. Exactly one of the two must be given.
+    """
+    hits = _check_hit_map(hit_map)
+    num_layers, num_experts = hits.shape
+    ks = _per_layer_keep(num_layers, num_experts, keep_k, keep_ratio)
+    out = torch.full((num_layers, num_experts), -1, dtype=torch.int32)
+    # A stable sort of the negated hits: descending, and equal hits keep ascending expert ids.
+    order = torch.sort(-hits, dim=1, stable=True).indices
+    for layer, k in enumerate(ks):
+        out[layer, order[layer, :k]] = torch.arange(k, dtype=torch.int32)
+    return out
+
+
+def validate_expert_map(expert_map, num_experts: int | None = None) -> torch.Tensor:
+    """Checks the invariants; returns the map as a contiguous int32 CPU tensor. Raises ValueError/TypeError."""
+    if not isinstance(expert_map, torch.Tensor):
+        raise TypeError(f"expert map must be an int32 tensor [L, E], got {type(expert_map).__name__}")
+    if expert_map.dtype.is_floating_point or expert_map.dtype.is_complex or expert_map.dtype == torch.bool:
+        raise TypeError(f"expert map must be an integer tensor (int32), got {expert_map.dtype}")
+    if expert_map.dim() != 2 or expert_map.shape[0] == 0 or expert_map.shape[1] == 0:
+        raise ValueError(f"expert map must be 2-D [L, E] with L, E >= 1, got shape {tuple(expert_map.shape)}")
+    if num_experts is not None and expert_map.shape[1] != num_experts:
+        raise ValueError(f"expert map has {expert_map.shape[1]} columns but the router has {num_experts} experts; "
+                         "the map must have one column per original routed expert")
+    m = expert_map.detach().to("cpu", torch.int64)
+    if (m < -1).any():
+        layer = int((m < -1).any(1).nonzero()[0])
+        raise ValueError(f"expert map row {layer} holds values below -1 ({m[layer].tolist()}); pruned experts are -1")
+    for layer in range(m.shape[0]):
+        kept = m[layer][m[layer] >= 0]
+        k = kept.numel()
+        if k == 0:
+            raise ValueError(f"expert map row {layer} keeps no expert; every layer must keep at least one "
+                             "(compact expert 0 receives the pruned picks)")
+        if not torch.equal(kept.sort().values, torch.arange(k)):
+            raise ValueError(f"expert map row {layer} keeps {k} experts but their compact ids are "
+                             f"{sorted(kept.tolist())}, not 0..{k - 1} each once; build maps with "
+                             "torchforge.prune.build_expert_map")
+    return m.to(torch.int32).contiguous()
+
+
+def save_expert_map(expert_map, directory: str | os.PathLike) -> str:
+    """Validates and writes `directory/expert_map.pt` (a plain int32 tensor) atomically; returns its path."""
+    from torchforge.io.save import _fsync_dir, _fsync_file, _temp_path, _unlink_quiet
+
+    m = validate_expert_map(expert_map)
+    directory = os.path.abspath(os.fspath(directory))
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, EXPERT_MAP_FILE)
+    tmp = _temp_path(path)
+    try:
+        torch.save(m, tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def load_expert_map(directory: str | os.PathLike) -> torch.Tensor:
+    """Reads `directory/expert_map.pt` (or the file itself when given a path to it) and validates it."""
+    path = os.fspath(directory)
+    if os.path.isdir(path):
+        path = os.path.join(path, EXPERT_MAP_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_expert_map: {path} does not exist; save one with "
+                                "torchforge.prune.save_expert_map(expert_map, directory)")
+    m = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return validate_expert_map(m)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"load_expert_map: {path}: {e}") from e
+
+
+def check_hit_map_matches(hit_map, model) -> None:
+    """Raises ValueError unless `hit_map` is `[number of MoE blocks of model, routed experts per block]`."""
+    from torchforge.prune.apply import moe_blocks, num_routed_experts
+
+    shape = tuple(getattr(hit_map, "shape", ()))
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"hit map: {type(model).__name__} has no MoE blocks (modules with `gate` and `experts`)")
+    counts = [num_routed_experts(b) for _, b in blocks]
+    names = [n for n, _ in blocks]
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    if len(set(counts)) != 1:
+        raise ValueError(f"hit map: the model's MoE blocks have different expert counts {counts}; a [L, E] hit map "
+                         "cannot describe it")
+    want = (len(blocks), counts[0])
+    if shape != want:
+        raise ValueError(f"hit map has shape {shape} but the model has {want[0]} MoE layers ({shown}) with "
+                         f"{want[1]} routed experts each: expected {want}. Collect the hit map on this model "
+                         "(one row per MoE block in named_modules() order, dense layers excluded)")
+    if math.prod(shape) and not torch.as_tensor(hit_map).is_floating_point():
+        raise TypeError(f"hit map must be a float tensor, got {torch.as_tensor(hit_map).dtype}")
