@@ -88,6 +88,11 @@ def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torc
             symmetric = json.load(f).get("symmetric", [True]) == [True]
     names = set(checkpoint_tensor_names(path))
     _swap_quantized_modules(model, names, int(qcfg["group_size"]), symmetric)
+    # MoE expert pruning: a drop-pruned checkpoint (expert_map.pt beside it) gets PrunedMoE(drop) blocks holding the
+    # kept experts only. Reroute-pruned checkpoints are standard ones and need nothing here.
+    from torchforge.prune.export import restore_pruned
+
+    model = restore_pruned(model, path)
     model.to_empty(device=device)
     state, per_expert = {}, defaultdict(dict)
     for key, t in iter_checkpoint(path):

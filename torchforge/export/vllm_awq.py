@@ -133,14 +133,22 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     qcfg = vllm_awq_quantization_config(model)
     os.makedirs(out_dir, exist_ok=True)
     state = export_state_dict(model, dtype)
+    # MoE expert pruning (torchforge.prune; no-op without PrunedMoE): reroute -> a standard smaller checkpoint (router
+    # rows sliced, experts renumbered; config below); drop -> expert_map.pt written beside the checkpoint.
+    from torchforge.prune.export import apply_pruned_config, export_pruned
+
+    state, prune_meta = export_pruned(model, state, out_dir)
     save_sharded(state, out_dir, max_shard_bytes=max_shard_bytes, metadata={"format": "pt", "torchforge": format})
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]
     cfg["quantization_config"] = qcfg
+    apply_pruned_config(cfg, model)  # fewer routed experts / valid group settings for reroute-pruned models
     # transformers 5 writes `dtype`; older readers (and vLLM versions) look for `torch_dtype`.
     cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in _quantized_modules(model)})}
+    if prune_meta is not None:
+        meta["prune"] = prune_meta
     atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

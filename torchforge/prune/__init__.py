@@ -13,16 +13,21 @@ from torchforge.prune.expert_map import (
     save_expert_map,
     validate_expert_map,
 )
+from torchforge.prune.export import apply_pruned_config, pruned_config_changes, pruned_state_dict, save_pruned
 
 __all__ = [
     "EXPERT_MAP_FILE",
     "PrunedMoE",
+    "apply_pruned_config",
     "build_expert_map",
     "check_hit_map_matches",
     "load_expert_map",
     "moe_blocks",
     "prune_experts",
+    "pruned_config_changes",
+    "pruned_state_dict",
     "save_expert_map",
+    "save_pruned",
     "select_experts",
     "validate_expert_map",
 ]

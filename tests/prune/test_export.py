@@ -1,0 +1,130 @@
+"""Exporting pruned models: reroute -> a standard smaller checkpoint stock transformers loads with identical
+logits; drop -> expert_map.pt beside the checkpoint, restored by torchforge.load_quantized."""
+import json
+import logging
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import torchforge
+from tests import models
+from torchforge.nn import ForgeMoE
+from torchforge.nn.pruned_moe import PrunedMoE
+from torchforge.prune import EXPERT_MAP_FILE, load_expert_map, pruned_config_changes, save_pruned
+
+RECIPE = {"scheme": "w4a16-rtn", "group_size": 32}
+
+
+def _map(kept_per_layer, E=8):
+    rows = []
+    for kept in kept_per_layer:
+        row = torch.full((E,), -1, dtype=torch.int32)
+        row[list(kept)] = torch.arange(len(kept), dtype=torch.int32)  # compact ids in the given (hit) order
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def _tensors(path):
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("arch, kept", [
+    ("deepseek_v3", [[6, 1, 3, 4]]),  # 2 experts in each group of 4: n_group=2 survives
+    ("qwen3_moe", [[7, 0, 2, 5], [1, 6, 3, 4]]),
+])
+@torch.no_grad()
+def test_reroute_export_loads_in_stock_transformers_with_identical_logits(arch, kept, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = models.build(arch)
+    gate = models.moe_blocks(model)[0][1].gate
+    weight, bias = gate.weight.detach().clone(), getattr(gate, "e_score_correction_bias", None)
+    torchforge.prune_experts(model, _map(kept), mode="reroute")
+    save_pruned(model, str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    key = "n_routed_experts" if arch == "deepseek_v3" else "num_local_experts"
+    assert cfg[key] == 4
+    if arch == "deepseek_v3":
+        assert (cfg["n_group"], cfg["topk_group"]) == (2, 1)
+    tensors = _tensors(str(tmp_path))
+    name = models.moe_blocks(model)[0][0]
+    order = sorted(kept[0])  # exported experts: ascending original id
+    assert torch.equal(tensors[f"{name}.gate.weight"], weight[order])
+    if bias is not None:
+        assert torch.equal(tensors[f"{name}.gate.e_score_correction_bias"], bias[order])
+    I = model.config.moe_intermediate_size
+    block = models.moe_blocks(model)[0][1]
+    assert torch.equal(tensors[f"{name}.experts.1.down_proj.weight"], block.experts.down_proj[1])
+    assert f"{name}.experts.4.down_proj.weight" not in tensors
+    assert tensors[f"{name}.experts.0.gate_proj.weight"].shape == (I, model.config.hidden_size)
+    meta = json.load(open(tmp_path / "torchforge.json"))["prune"]
+    assert meta["mode"] == "reroute" and meta["kept_original_ids"] == [sorted(k) for k in kept]
+
+    stock = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert not any(isinstance(m, PrunedMoE) for m in stock.modules())
+    ids = torch.randint(0, model.config.vocab_size, (3, 11))
+    assert torch.equal(stock(ids).logits, model(ids).logits)
+
+
+def test_unequal_groups_fall_back_to_plain_top_k(tmp_path, caplog):
+    model = models.build("deepseek_v3")
+    torchforge.prune_experts(model, _map([[0, 1, 2, 5]]), mode="reroute")  # groups keep 3 and 1
+    assert pruned_config_changes(model) == {"n_routed_experts": 4, "n_group": 1, "topk_group": 1}
+    with caplog.at_level(logging.WARNING, logger="torchforge.prune.export"):
+        save_pruned(model, str(tmp_path))
+    assert "group-limited routing changed: groups keep unequal expert counts" in caplog.text
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert (cfg["n_routed_experts"], cfg["n_group"], cfg["topk_group"]) == (4, 1, 1)
+    assert "n_group 2 -> 1" in json.load(open(tmp_path / "torchforge.json"))["prune"]["group_routing"]
+
+
+@torch.no_grad()
+def test_reroute_quantized_round_trip(tmp_path):
+    model = torchforge.quantize(models.build("deepseek_v3", dtype=torch.bfloat16), RECIPE)
+    torchforge.prune_experts(model, _map([[3, 0, 5, 6]]), mode="reroute")
+    torchforge.save_quantized(model, str(tmp_path))
+    assert not os.path.exists(tmp_path / EXPERT_MAP_FILE)
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert (cfg["n_routed_experts"], cfg["n_group"]) == (4, 2)
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    block = models.moe_blocks(reloaded)[0][1]
+    assert type(block) is ForgeMoE and block.experts.num_experts == 4  # a standard smaller model
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@torch.no_grad()
+def test_drop_quantized_round_trip_with_per_layer_budgets(tmp_path):
+    model = torchforge.quantize(models.build("qwen3_moe", dtype=torch.bfloat16), RECIPE)
+    expert_map = _map([[5, 2, 7], [0, 1, 2, 3, 4, 6]])
+    torchforge.prune_experts(model, expert_map, mode="drop", renormalize=True)
+    torchforge.save_quantized(model, str(tmp_path))
+    assert torch.equal(load_expert_map(tmp_path), expert_map)
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["num_local_experts"] == 8  # the router keeps all its experts
+    meta = json.load(open(tmp_path / "torchforge.json"))["prune"]
+    assert meta["mode"] == "drop" and meta["renormalize"] is True and meta["num_kept"] == [3, 6]
+    names = set(_tensors(str(tmp_path)))
+    assert "model.layers.0.mlp.experts.2.down_proj.qweight" in names  # compact ids 0..2
+    assert "model.layers.0.mlp.experts.3.down_proj.qweight" not in names
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    blocks = [b for _, b in models.moe_blocks(reloaded)]
+    assert all(isinstance(b, PrunedMoE) and b.mode == "drop" and b.renormalize for b in blocks)
+    assert [b.num_kept for b in blocks] == [3, 6]
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_export_errors(tmp_path):
+    model = models.build("qwen3_moe")
+    assert pruned_config_changes(model) == {}
+    torchforge.prune_experts(model, _map([[0, 1, 2], [0, 1, 2, 3]]), mode="reroute")
+    with pytest.raises(ValueError, match=r"layers keep different expert counts \[3, 4\] but an HF config has one"):
+        save_pruned(model, str(tmp_path))
+    drop = torchforge.prune_experts(models.build("qwen3_moe"), _map([[0, 1]] * 2), mode="drop")
+    with pytest.raises(ValueError, match="save_pruned: writes reroute-pruned models \\(this one is drop\\)"):
+        save_pruned(drop, str(tmp_path))
+    assert not os.path.exists(tmp_path / "config.json")
