@@ -22,10 +22,10 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail
   echo "== $name: rc=$rc, $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 SUITE=${SUITE:-tests bench demo}
-case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -x -p no:cacheprovider tests ${PYTEST_ARGS:-} ;; esac
+case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 -p no:cacheprovider tests ${PYTEST_ARGS:-} ;; esac
 case " $SUITE " in *" bench "*)
-  for b in ${BENCHES:-bench/w4a16_linear.py bench/awq_quantize.py}; do
-    [ -f "$b" ] && TAIL=40 step "$(basename "$b" .py)" python3 "$b"
-  done ;;
+  TAIL=45 step bench_w4a16_linear python3 bench/w4a16_linear.py --sweep
+  TAIL=12 step bench_awq_quantize python3 bench/awq_quantize.py
+  TAIL=12 step bench_moe_w4a16 python3 bench/moe_w4a16.py ;;
 esac
 case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
