@@ -13,6 +13,19 @@ from torchforge.ops.awq import (
 from torchforge.ops.awq_moe import awq_moe_gemm
 from torchforge.ops.moe_remap import moe_remap
 
+# NVFP4 (ModelOpt format; issue 6): see torchforge.ops.nvfp4.
+from torchforge.ops.nvfp4 import (  # noqa: E402
+    E2M1_VALUES,
+    nvfp4_dequantize,
+    nvfp4_fake_quantize_activation,
+    nvfp4_grouped_linear,
+    nvfp4_linear,
+    nvfp4_quantize,
+    nvfp4_quantize_activation,
+    nvfp4_swizzle_scales,
+    nvfp4_unswizzle_scales,
+)
+
 __all__ = [
     "AWQ_PACK_ORDER",
     "AWQ_NIBBLE_OF_COLUMN",
@@ -24,4 +37,14 @@ __all__ = [
     "awq_grouped_linear",
     "awq_moe_gemm",
     "moe_remap",
+    # NVFP4
+    "E2M1_VALUES",
+    "nvfp4_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_quantize_activation",
+    "nvfp4_fake_quantize_activation",
+    "nvfp4_swizzle_scales",
+    "nvfp4_unswizzle_scales",
+    "nvfp4_linear",
+    "nvfp4_grouped_linear",
 ]

@@ -1,0 +1,78 @@
+"""The NVFP4 Triton kernels launched directly. Without a GPU they run under TRITON_INTERPRET=1 (set by
+tests/conftest.py) on CPU tensors; compared with the reference op (fp32: to rounding of the accumulation
+order; W4A4 emulation: the same codes and scales)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from torchforge.ops import nvfp4_grouped_linear, nvfp4_quantize  # noqa: E402
+from torchforge.ops._triton import can_launch  # noqa: E402
+from torchforge.ops.nvfp4_triton import launch_nvfp4_align, launch_nvfp4_grouped_linear, max_sorted_rows  # noqa: E402
+
+if not can_launch(torch.empty(0)) and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(e, n, k, r, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g) * torch.logspace(-1, 1, e).view(e, 1, 1)
+    p, s, ws2 = nvfp4_quantize(w)
+    x = torch.randn(r, k, generator=g).to(dtype)
+    ids = torch.randint(0, e, (r,), generator=g)
+    return x, ids, p, s, ws2
+
+
+def test_align_groups_rows_by_expert():
+    ids = torch.tensor([3, 1, 3, 0, 3, 1, 5, 3, 3, 9, 3], dtype=torch.int64)  # 9 is out of range for E=6
+    sorted_rows = launch_nvfp4_align(ids.to(DEVICE), 6, 4).cpu()
+    assert sorted_rows.shape[0] == max_sorted_rows(11, 7, 4)
+    blocks = sorted_rows[: (sorted_rows.shape[0] // 4) * 4].view(-1, 4)
+    seen = []
+    for blk in blocks.tolist():
+        rows = [r for r in blk if r >= 0]
+        if not rows:
+            continue
+        assert blk[0] >= 0  # a block starts with a real row, padding only at its end
+        assert blk[: len(rows)] == rows
+        experts_of_block = {min(int(ids[r]), 6) for r in rows}
+        assert len(experts_of_block) == 1
+        seen += rows
+    assert sorted(seen) == list(range(11))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 48, 64, 10), (3, 80, 256, 37), (1, 16, 32, 1)])
+def test_grouped_kernel_matches_reference(dtype, shape):
+    e, n, k, r = shape
+    x, ids, p, s, ws2 = case(e, n, k, r, seed=sum(shape), dtype=dtype)
+    ref = nvfp4_grouped_linear(x, ids, p, s, ws2)
+    out = launch_nvfp4_grouped_linear(x.to(DEVICE), ids.to(DEVICE), p.to(DEVICE), s.to(DEVICE), ws2.to(DEVICE)).cpu()
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    else:  # one rounding of the output in dtype, accumulation order aside
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=16, block_k=16), dict(block_m=32, block_n=32, block_k=64)])
+def test_grouped_kernel_tiles_and_w4a4(tiles):
+    x, ids, p, s, ws2 = case(5, 40, 128, 23, seed=11)
+    ins = torch.rand(5, generator=torch.Generator().manual_seed(12)) * 1e-3 + 2e-4
+    ref = nvfp4_grouped_linear(x, ids, p, s, ws2, ins)
+    out = launch_nvfp4_grouped_linear(x, ids, p, s, ws2, ins, **tiles)
+    # same activation codes and scales as the reference (exact fp8/E2M1 rounding in the kernel)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_grouped_kernel_bad_ids_are_nan_rows_and_empty():
+    x, ids, p, s, ws2 = case(3, 16, 32, 6, seed=13)
+    ids[2] = 3
+    ids[4] = -1
+    out = launch_nvfp4_grouped_linear(x, ids, p, s, ws2)
+    assert out[2].isnan().all() and out[4].isnan().all()
+    good = [0, 1, 3, 5]
+    assert not out[good].isnan().any()
+    assert launch_nvfp4_grouped_linear(x[:0], ids[:0], p, s, ws2).shape == (0, 16)
