@@ -51,6 +51,7 @@ def main() -> int:
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
         return 0
     import torchforge
+    from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
     from torchforge.ops.awq_reference import awq_dequantize_ref
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
     from torchforge.ops.awq_triton import launch_w4a16_linear
@@ -72,7 +73,7 @@ def main() -> int:
             t_eager = bench_ms(op)
             t_tiled = bench_graph_ms(lambda: launch_w4a16_linear(x, qw, sc, qz, G))
             t_split = bench_graph_ms(lambda: launch_w4a16_splitk(x, qw, sc, qz, G)) if M <= 16 else float("nan")
-            t_deq = bench_graph_ms(lambda: torch.nn.functional.linear(x, awq_dequantize_ref(qw, sc, qz, G).to(x.dtype)))
+            t_deq = bench_graph_ms(lambda: x @ launch_awq_dequantize_t(qw, sc, qz, G, x.dtype))
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
             rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_tiled, t_split, t_deq, t_tg,

@@ -39,3 +39,12 @@ def test_splitk_rejects_large_m():
     qw, s, z = awq_quantize(torch.randn(16, 128), 64)
     with pytest.raises(ValueError, match="M=17 rows"):
         launch_w4a16_splitk(torch.randn(17, 128), qw, s, z, 64)
+
+
+@pytest.mark.parametrize("G", [32, 128])
+def test_dequant_t_kernel_matches_independent_dequantization(G):
+    from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
+
+    qw, s, z = awq_quantize(torch.randn(40, 256), G, symmetric=False)
+    w_t = launch_awq_dequantize_t(qw, s, z, G, torch.float32)
+    assert torch.equal(w_t, _dequant_independent(qw, s, z, G).T.contiguous())

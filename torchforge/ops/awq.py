@@ -34,6 +34,7 @@ from torchforge.ops.awq_reference import (
     check_finite_weight,
     w4a16_linear_ref,
 )
+from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
 from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
 from torchforge.ops.awq_triton import launch_awq_grouped_linear, launch_w4a16_linear, pick_block_k
 
@@ -315,8 +316,9 @@ def _w4a16_linear(
         if m >= DEQUANT_CUBLAS_MIN_M:
             # Large M is compute bound: one dequantize pass (+OC*IC*2 bytes) then the vendor GEMM beats
             # dequantizing every tile in the mainloop once M amortizes that pass.
-            w = awq_dequantize_ref(qweight, scales, qzeros, group_size).to(x.dtype)
-            return torch.nn.functional.linear(x, w, bias)
+            w_t = launch_awq_dequantize_t(qweight, scales, qzeros, group_size, x.dtype)
+            out = torch.matmul(x, w_t)
+            return out + bias if bias is not None else out
         return launch_w4a16_linear(x, qweight, scales, qzeros, group_size, bias)
     return w4a16_linear_ref(x, qweight, scales, qzeros, group_size, bias)
 

@@ -40,7 +40,9 @@ FP16_TINY = 2.0**-24
 
 
 def _nibble_shifts(device) -> Tensor:
-    return torch.tensor([4 * k for k in AWQ_NIBBLE_OF_COLUMN], dtype=torch.int64, device=device)
+    """4 * AWQ_NIBBLE_OF_COLUMN, computed on `device` (no host-to-device copy: CUDA-graph capturable)."""
+    j = torch.arange(8, dtype=torch.int64, device=device)
+    return 4 * (j // 2 + 4 * (j % 2))
 
 
 def awq_pack_ref(codes: Tensor) -> Tensor:
