@@ -1,0 +1,192 @@
+"""GPTQ W4 layout: pack/unpack and v1 zeros against a numpy oracle written from the format description,
+w4a16_gptq_linear (reference and the Triton kernel under TRITON_INTERPRET=1, act-order g_idx included),
+opcheck, ForgeGPTQLinear from a GPTQ result, its AWQ-layout twin, bad input."""
+import numpy as np
+import pytest
+import torch
+from torch.library import opcheck
+
+from torchforge.gptq import accumulate_hessian, solve
+from torchforge.nn.gptq_linear import ForgeGPTQLinear
+from torchforge.ops._triton import can_launch
+from torchforge.ops.awq import awq_dequantize
+from torchforge.ops.gptq import (
+    gptq_dequantize,
+    gptq_pack,
+    gptq_pack_zeros,
+    gptq_unpack,
+    gptq_unpack_zeros,
+    trivial_g_idx,
+    w4a16_gptq_linear,
+)
+
+HAS_KERNELS = can_launch(torch.empty(0))
+
+
+def np_unpack_qweight(words):
+    """[IC // 8, OC] int32 -> [IC, OC] codes: row 8r + j is nibble j of word r."""
+    u = words.cpu().numpy().astype(np.int64) & 0xFFFFFFFF
+    icp, oc = u.shape
+    out = np.zeros((icp * 8, oc), dtype=np.int64)
+    for j in range(8):
+        out[j::8] = (u >> (4 * j)) & 0xF
+    return out
+
+
+def np_unpack_qzeros(words):
+    """[NG, OC // 8] -> [NG, OC] true zeros: output 8c + j is nibble j, stored minus one."""
+    u = words.cpu().numpy().astype(np.int64) & 0xFFFFFFFF
+    ng, ocp = u.shape
+    out = np.zeros((ng, ocp * 8), dtype=np.int64)
+    for j in range(8):
+        out[:, j::8] = ((u >> (4 * j)) & 0xF) + 1
+    return out
+
+
+def np_dequant(qweight, scales, qzeros, g_idx):
+    """[IC, OC] fp32 (q - z) * s with the group of row k = g_idx[k]."""
+    q = np_unpack_qweight(qweight)
+    gi = g_idx.cpu().numpy().astype(np.int64)
+    z = np_unpack_qzeros(qzeros)[gi]
+    s = scales.float().cpu().numpy()[gi]
+    return (q - z).astype(np.float32) * s
+
+
+def random_gptq(ic, oc, group_size, seed, act_order=False):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (ic, oc), dtype=torch.uint8, generator=g)
+    ng = ic // group_size
+    zeros = torch.randint(1, 16, (ng, oc), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(ng, oc, generator=g) * 0.02 + 0.005).half()
+    g_idx = trivial_g_idx(ic, group_size)
+    if act_order:
+        g_idx = g_idx[torch.randperm(ic, generator=g)].contiguous()
+    return gptq_pack(codes), scales, gptq_pack_zeros(zeros), g_idx, codes, zeros
+
+
+def test_pack_layout_and_v1_zeros():
+    qweight, scales, qzeros, g_idx, codes, zeros = random_gptq(64, 24, 32, seed=0)
+    assert qweight.shape == (8, 24) and qweight.dtype == torch.int32 and qzeros.shape == (2, 3)
+    np.testing.assert_array_equal(np_unpack_qweight(qweight), codes.numpy())
+    np.testing.assert_array_equal(np_unpack_qzeros(qzeros), zeros.numpy())
+    assert torch.equal(gptq_unpack(qweight), codes) and torch.equal(gptq_unpack_zeros(qzeros), zeros)
+    # symmetric 4-bit: zero point 8 is stored as 7 in every nibble, the familiar 0x77777777
+    sym = gptq_pack_zeros(torch.full((2, 16), 8, dtype=torch.uint8))
+    assert (sym == 0x77777777).all()
+    assert int(gptq_pack(torch.full((8, 8), 15, dtype=torch.uint8))[0, 0]) == -1  # 0xFFFFFFFF as int32
+    assert torch.equal(trivial_g_idx(8, 4), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_dequantize_matches_formula(act_order):
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(128, 32, 32, seed=1, act_order=act_order)
+    w = gptq_dequantize(qweight, scales.float(), qzeros, g_idx)
+    assert w.shape == (32, 128)
+    np.testing.assert_array_equal(w.numpy(), np_dequant(qweight, scales, qzeros, g_idx).T)
+
+
+def _oracle(x, qweight, scales, qzeros, g_idx, bias=None):
+    w = torch.from_numpy(np_dequant(qweight, scales, qzeros, g_idx)).to(x.dtype).double()
+    out = x.cpu().double() @ w
+    if bias is not None:
+        out = out + bias.cpu().double()
+    return out.to(x.dtype)
+
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=4e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_linear_reference(dtype):
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(64, 16, 32, seed=2, act_order=True)
+    x = torch.randn(2, 3, 64).to(dtype)
+    bias = torch.randn(16).to(dtype)
+    out = w4a16_gptq_linear(x, qweight, scales, qzeros, g_idx, bias)
+    assert out.shape == (2, 3, 16) and out.dtype == dtype
+    torch.testing.assert_close(out, _oracle(x, qweight, scales, qzeros, g_idx, bias), **TOL[dtype])
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, ic, oc, g, act_order, blocks", [
+    (1, 64, 16, 32, False, dict(block_m=16, block_n=16, block_k=32)),
+    (5, 96, 40, 32, True, dict(block_m=16, block_n=32, block_k=64)),  # K tail (96 = 64 + 32), OC tail
+    (17, 128, 32, 64, False, dict(block_m=16, block_n=16, block_k=16)),
+])
+def test_triton_kernel(dtype, m, ic, oc, g, act_order, blocks):
+    from torchforge.ops.gptq_triton import launch_w4a16_gptq_linear
+
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(ic, oc, g, seed=m, act_order=act_order)
+    x = torch.randn(m, ic).to(dtype)
+    bias = torch.randn(oc).to(dtype) if m == 5 else None
+    out = launch_w4a16_gptq_linear(x, qweight, scales, qzeros, g_idx, bias, **blocks)
+    torch.testing.assert_close(out, _oracle(x, qweight, scales, qzeros, g_idx, bias), **TOL[dtype])
+
+
+def test_opcheck():
+    qweight, scales, qzeros, g_idx, codes, _ = random_gptq(64, 16, 32, seed=3)
+    x = torch.randn(3, 64)
+    opcheck(torch.ops.torchforge.gptq_pack, (codes,))
+    opcheck(torch.ops.torchforge.gptq_unpack, (qweight,))
+    opcheck(torch.ops.torchforge.gptq_dequantize, (qweight, scales, qzeros, g_idx))
+    opcheck(torch.ops.torchforge.w4a16_gptq_linear, (x, qweight, scales, qzeros, g_idx, None))
+
+
+def _layer(seed=4, ic=128, oc=32):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(ic, oc, bias=True)
+    x = torch.randn(256, ic) @ (torch.randn(ic, ic) * torch.logspace(0, -2, ic).unsqueeze(1))
+    return lin, x
+
+
+def test_module_from_gptq_result():
+    lin, x = _layer()
+    h, _ = accumulate_hessian(x, 128)
+    res = solve(lin.weight.detach(), h, group_size=32)
+    mod = ForgeGPTQLinear(128, 32, bias=True, group_size=32, dtype=torch.float32).pack_result(res, lin.bias)
+    assert torch.equal(mod.dequantized_weight(), res.dequantize())  # the checkpoint decodes to the solver's W_hat
+    assert mod.qweight.shape == (16, 32) and mod.qzeros.shape == (4, 4) and mod.scales.dtype == torch.float16
+    torch.testing.assert_close(mod(x[:4]), x[:4] @ res.dequantize().T + lin.bias, rtol=1e-5, atol=1e-5)
+    qw, s, qz = mod.awq_tensors()  # the same weight in vLLM's AWQ layout
+    assert torch.equal(awq_dequantize(qw, s.float(), qz, 32), res.dequantize())
+    built = ForgeGPTQLinear.from_linear(lin, h, group_size=32)
+    assert torch.equal(built.qweight, mod.qweight) and torch.equal(built.scales, mod.scales)
+    assert not built.has_act_order()
+
+
+def test_module_without_hessian_is_rtn_and_beats_nothing_else():
+    lin, x = _layer(5)
+    rtn = ForgeGPTQLinear.from_linear(lin, None, group_size=32)
+    gptq = ForgeGPTQLinear.from_linear(lin, accumulate_hessian(x, 128)[0], group_size=32)
+    w = lin.weight.detach()
+
+    def err(m):
+        return float((x @ (w - m.dequantized_weight()).T).norm() / (x @ w.T).norm())
+    assert err(gptq) < 0.7 * err(rtn)
+
+
+def test_bad_inputs():
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(64, 16, 32, seed=6)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 32\) but qweight \(8, 16\) expects IC=64"):
+        w4a16_gptq_linear(torch.randn(2, 32), qweight, scales, qzeros, g_idx)
+    with pytest.raises(ValueError, match=r"g_idx has shape \(32,\), expected \(64,\)"):
+        w4a16_gptq_linear(torch.randn(2, 64), qweight, scales, qzeros, g_idx[:32])
+    with pytest.raises(ValueError, match=r"g_idx has 1 values outside \[0, 2\)"):
+        bad = g_idx.clone()
+        bad[0] = 2
+        w4a16_gptq_linear(torch.randn(2, 64), qweight, scales, qzeros, bad)
+    with pytest.raises(ValueError, match="zero points are 0, which the GPTQ \\(v1\\) format cannot store"):
+        gptq_pack_zeros(torch.zeros(1, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="out_features=12 must be divisible by 8"):
+        ForgeGPTQLinear(64, 12)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 33, 300])
+def test_cuda_linear(dtype, m):
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(512, 256, 128, seed=m, act_order=m == 33)
+    x = torch.randn(m, 512).to(dtype)
+    out = w4a16_gptq_linear(x.cuda(), qweight.cuda(), scales.cuda(), qzeros.cuda(), g_idx.cuda())
+    torch.testing.assert_close(out.cpu(), _oracle(x, qweight, scales, qzeros, g_idx), **TOL[dtype])

@@ -1,0 +1,103 @@
+"""Triton W4A16 matmul for the GPTQ layout (structure of ``awq_triton._w4a16_linear_kernel``).
+
+The ``[BLOCK_K, BLOCK_N]`` weight tile is dequantized in registers: input row ``k`` of output column ``n``
+is nibble ``k % 8`` of word ``qweight[k // 8, n]``; its group is ``g_idx[k]`` (so act-order checkpoints
+work too), scale ``scales[g, n]`` and zero ``((qzeros[g, n // 8] >> 4 (n % 8)) & 0xF) + 1`` (v1).
+``w = (q - z) * s`` in fp32, rounded to the activation dtype (like the reference), fp32 accumulation.
+Scales and zeros are gathered per K row through ``g_idx``; without act-order consecutive rows hit the
+same cache lines. Arguments are assumed validated by :mod:`torchforge.ops.gptq`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchforge.ops._triton import HAS_TRITON, tl, triton
+
+__all__ = ["launch_w4a16_gptq_linear"]
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _w4a16_gptq_kernel(
+        x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr,
+        M, N, K, NP,
+        stride_xm, stride_xk, stride_om,
+        HAS_BIAS: tl.constexpr, IEEE_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        zshift = (offs_n % 8) * 4
+        kshift = (offs_k % 8) * 4
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            mask_k = kk < K
+            x = tl.load(x_rows + kk[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wmask = mask_k[:, None] & mask_n[None, :]
+            qw = tl.load(qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + offs_n[None, :], mask=wmask, other=0)
+            g = tl.load(g_ptr + kk, mask=mask_k, other=0).to(tl.int64)
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+            zw = tl.load(z_ptr + g[:, None] * NP + (offs_n // 8)[None, :], mask=wmask, other=0)
+            # `>>` is arithmetic on int32: the 0xF mask drops the sign extension of negative words.
+            q = (qw >> kshift[:, None]) & 0xF
+            z = ((zw >> zshift[None, :]) & 0xF) + 1
+            w = ((q - z).to(tl.float32) * s).to(x.dtype)
+            if IEEE_FP32:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            acc = acc + b[None, :]
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def launch_w4a16_gptq_linear(
+    x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, g_idx: Tensor, bias: Optional[Tensor] = None, *,
+    block_m: Optional[int] = None, block_n: Optional[int] = None, block_k: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+) -> Tensor:
+    """``x [..., IC] @ dequant(W).T (+ bias)`` with the Triton kernel; output ``[..., OC]`` in ``x.dtype``."""
+    if not HAS_TRITON:
+        raise RuntimeError("torchforge GPTQ Triton kernels need triton; install it or use CPU tensors")
+    ic = qweight.shape[-2] * 8
+    oc = qweight.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, ic)
+    m = x2.shape[0]
+    out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, oc)
+    # Untuned defaults (the AWQ kernel's per-M choices); no GPU sweep has been run for this kernel yet.
+    if m <= 16:
+        cfg = (16, 64, 64, 4, 4)
+    elif m <= 64:
+        cfg = (64, 128, 64, 4, 4)
+    else:
+        cfg = (128, 128, 32, 4, 4)
+    bm, bn, bk = block_m or cfg[0], block_n or cfg[1], block_k or cfg[2]
+    assert bk >= 16 and bk % 8 == 0 and bn >= 16, "BLOCK_K must be a multiple of 8 >= 16, BLOCK_N >= 16"
+    qweight, scales, qzeros, g_idx = qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), g_idx.contiguous()
+    has_bias = bias is not None
+    b = bias.contiguous() if has_bias else scales
+    grid = (triton.cdiv(m, bm), triton.cdiv(oc, bn))
+    torch.library.wrap_triton(_w4a16_gptq_kernel)[grid](
+        x2, qweight, scales, qzeros, g_idx, b, out,
+        m, oc, ic, qzeros.shape[-1],
+        x2.stride(0), x2.stride(1), out.stride(0),
+        HAS_BIAS=has_bias, IEEE_FP32=x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=num_warps or cfg[3], num_stages=num_stages or cfg[4],
+    )
+    return out.reshape(*lead, oc)
