@@ -30,6 +30,13 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     (router kept as is). `calib_data` is accepted for calibrated schemes and unused by `w4a16-rtn`.
     """
     recipe = Recipe.coerce(recipe)
+    if recipe.scheme == "nvfp4":  # NVFP4 (issue 6): NVFP4Linear / NVFP4MoE swaps, see torchforge.quantize_nvfp4
+        from torchforge.quantize_nvfp4 import quantize_nvfp4
+
+        counts = quantize_nvfp4(model, recipe, calib_data)
+        setattr(model, RECIPE_ATTR, recipe)
+        log.info("quantize: %(linear)d NVFP4 linear layers and %(moe)d NVFP4 MoE blocks", counts)
+        return model
     if recipe.scheme != "w4a16-rtn":
         raise ValueError(f"quantize: scheme {recipe.scheme!r} is not implemented here; use 'w4a16-rtn'")
     if calib_data is not None:

@@ -81,6 +81,31 @@ PRESETS: dict[str, dict[str, Any]] = {
     "w4a16-rtn-g64": {"scheme": "w4a16-rtn", "bits": 4, "group_size": 64, "symmetric": True},
 }
 
+# --- NVFP4 (issue 6): NVIDIA ModelOpt's NVFP4 (E2M1 weights, fp8 block-16 scales, fp32 global scale), written
+# as a ModelOpt (`hf_quant_config.json`) or compressed-tensors (`nvfp4-pack-quantized`) checkpoint. The block
+# size is fixed at 16 and the format is symmetric.
+SCHEMES += ("nvfp4",)
+_SCHEME_BITS["nvfp4"] = (4,)
+NVFP4_EXPORT_FORMATS: tuple[str, ...] = ("modelopt-nvfp4", "compressed-tensors")
+EXPORT_FORMATS += NVFP4_EXPORT_FORMATS
+PRESETS["nvfp4"] = {"scheme": "nvfp4", "bits": 4, "group_size": 16, "symmetric": True,
+                    "export_format": "modelopt-nvfp4"}
+PRESETS["nvfp4-ct"] = {**PRESETS["nvfp4"], "export_format": "compressed-tensors"}
+
+
+def _check_nvfp4(recipe: "Recipe") -> None:
+    nvfp4 = recipe.scheme == "nvfp4"
+    if nvfp4 and recipe.group_size != 16:
+        raise _fail("group_size", recipe.group_size, "16 for scheme 'nvfp4' (NVFP4's block size)")
+    if nvfp4 and not recipe.symmetric:
+        raise _fail("symmetric", recipe.symmetric, "True for scheme 'nvfp4' (no zero points)")
+    if nvfp4 and recipe.export_format not in NVFP4_EXPORT_FORMATS:
+        raise _fail("export_format", recipe.export_format,
+                    "one of " + ", ".join(map(repr, NVFP4_EXPORT_FORMATS)) + " for scheme 'nvfp4'")
+    if not nvfp4 and recipe.export_format == "modelopt-nvfp4":
+        raise _fail("export_format", recipe.export_format, f"a format of scheme {recipe.scheme!r}, not NVFP4's")
+
+
 _FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -177,6 +202,7 @@ class Recipe:
         object.__setattr__(self, "ignore", _to_patterns("ignore", self.ignore, allow_empty=True))
         _check_bool("quantize_experts", self.quantize_experts)
         _check_str_choice("export_format", self.export_format, EXPORT_FORMATS)
+        _check_nvfp4(self)  # NVFP4 (issue 6): block 16, symmetric, NVFP4 export formats
         _check_str_choice("dtype", self.dtype, DTYPES)
 
     # ------------------------------------------------------------------ dicts

@@ -38,10 +38,11 @@ def test_opcheck_all_ops():
         (ops.nvfp4_unswizzle_scales.default, (nvfp4_swizzle_scales(s), 16, 4)),
         (ops.nvfp4_linear.default, (x, p, s, ws2, None, None)),
         (ops.nvfp4_linear.default, (x.bfloat16(), p, s, ws2, ins, torch.randn(16))),
-        (ops.nvfp4_grouped_linear.default, (x[0], torch.tensor([2, 0, 2]), pe, se, ge, None)),
+        (ops.nvfp4_grouped_linear.default, (x[0], torch.tensor([2, 0, 2]), pe, se, ge, None, 1)),
         (ops.nvfp4_grouped_linear.default, (x[0], torch.tensor([1, 1, 0], dtype=torch.int32), pe, se, ge,
-                                            torch.full((3,), float(ins)))),
-        (ops.nvfp4_grouped_linear.default, (x[0, :0], torch.zeros(0, dtype=torch.int64), pe, se, ge, None)),
+                                            torch.full((3,), float(ins)), 1)),
+        (ops.nvfp4_grouped_linear.default, (x[0], torch.tensor([1, 2, 0, 0, 2, 1]), pe, se, ge, None, 2)),
+        (ops.nvfp4_grouped_linear.default, (x[0, :0], torch.zeros(0, dtype=torch.int64), pe, se, ge, None, 1)),
     ]
     # test_schema compares the inputs before and after the call with an op that has no float8 kernel on CPU
     # ("mul_cpu_reduced_float"), so cases with fp8 inputs skip it; their inputs are checked unchanged here.
@@ -66,6 +67,10 @@ def test_grouped_linear_is_matmul_with_dequantized_experts(dtype):
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * float(expected.abs().max()))
+    # x_row_div: pair r reads token r // 3 (top-3 routing without repeating x)
+    ids3 = torch.tensor([1, 2, 3, 0, 0, 1])
+    torch.testing.assert_close(nvfp4_grouped_linear(x[:2], ids3, pe, se, ge, x_row_div=3),
+                               nvfp4_grouped_linear(x[:2].repeat_interleave(3, 0), ids3, pe, se, ge))
 
 
 def test_w4a4_emulation_is_matmul_of_fake_quantized_activations():
@@ -123,4 +128,6 @@ def test_bad_inputs_grouped():
     with pytest.raises(ValueError, match="input_scale must be positive"):
         nvfp4_grouped_linear(x, torch.zeros(4, dtype=torch.int64), pe, se, ge, torch.zeros(3))
     with pytest.raises(ValueError, match=r"weight_scale_2 has shape \(2,\)"):
-        torch.ops.torchforge.nvfp4_grouped_linear(x, torch.zeros(4, dtype=torch.int64), pe, se, ge[:2], None)
+        torch.ops.torchforge.nvfp4_grouped_linear(x, torch.zeros(4, dtype=torch.int64), pe, se, ge[:2], None, 1)
+    with pytest.raises(ValueError, match=r"expert_ids has shape \(4,\), expected \(8,\) = rows of x \(4\) x x_row_div \(2\)"):
+        nvfp4_grouped_linear(x, torch.zeros(4, dtype=torch.int64), pe, se, ge, x_row_div=2)

@@ -76,3 +76,10 @@ def test_grouped_kernel_bad_ids_are_nan_rows_and_empty():
     good = [0, 1, 3, 5]
     assert not out[good].isnan().any()
     assert launch_nvfp4_grouped_linear(x[:0], ids[:0], p, s, ws2).shape == (0, 16)
+
+
+def test_grouped_kernel_x_row_div():
+    x, ids, p, s, ws2 = case(4, 32, 64, 12, seed=14)
+    ref = nvfp4_grouped_linear(x[:4].repeat_interleave(3, 0), ids, p, s, ws2)
+    out = launch_nvfp4_grouped_linear(x[:4], ids, p, s, ws2, x_row_div=3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

@@ -161,16 +161,18 @@ def _check_act_quant_args(op: str, x: Tensor, input_scale: Tensor) -> None:
 
 
 def _check_grouped_args(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Tensor,
-                        input_scale: Optional[Tensor]) -> Tuple[int, int]:
+                        input_scale: Optional[Tensor], x_row_div: int) -> Tuple[int, int]:
     op = "nvfp4_grouped_linear"
     n, k = _check_packed(op, packed, scales, weight_scale_2, lead_dims=1)
     _check_activation(op, x, k, packed)
     torch._check_value(x.dim() == 2, lambda: f"{op}: x must be [R, K], got shape {tuple(x.shape)}")
     torch._check_type(expert_ids.dtype in (torch.int32, torch.int64),
                       lambda: f"{op}: expert_ids must be int32 or int64, got {expert_ids.dtype}")
+    torch._check_value(x_row_div >= 1, lambda: f"{op}: x_row_div={x_row_div} must be >= 1 (top-k)")
     torch._check_value(
-        expert_ids.dim() == 1 and expert_ids.shape[0] == x.shape[0],
-        lambda: f"{op}: expert_ids has shape {tuple(expert_ids.shape)}, expected ({x.shape[0]},) = one id per row",
+        expert_ids.dim() == 1 and expert_ids.shape[0] == x.shape[0] * x_row_div,
+        lambda: f"{op}: expert_ids has shape {tuple(expert_ids.shape)}, expected ({x.shape[0] * x_row_div},) = "
+        f"rows of x ({x.shape[0]}) x x_row_div ({x_row_div})",
     )
     torch._check_value(expert_ids.device == x.device,
                        lambda: f"{op}: expert_ids is on {expert_ids.device} but x is on {x.device}")
@@ -304,19 +306,20 @@ def _(swizzled: Tensor, rows: int, cols: int) -> Tensor:
 
 @_define_kernel_op("torchforge::nvfp4_grouped_linear", mutates_args=())
 def _nvfp4_grouped_linear(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Tensor,
-                          input_scale: Optional[Tensor]) -> Tensor:
-    _check_grouped_args(x, expert_ids, packed, scales, weight_scale_2, input_scale)
+                          input_scale: Optional[Tensor], x_row_div: int) -> Tensor:
+    _check_grouped_args(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
     if use_triton(x):
-        return launch_nvfp4_grouped_linear(x, expert_ids, packed, scales, weight_scale_2, input_scale)
+        return launch_nvfp4_grouped_linear(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
     _check_positive("nvfp4_grouped_linear", input_scale, "input_scale")
-    return nvfp4_grouped_linear_ref(x, expert_ids, packed, scales, weight_scale_2, input_scale)
+    rows = x.repeat_interleave(x_row_div, dim=0) if x_row_div > 1 else x
+    return nvfp4_grouped_linear_ref(rows, expert_ids, packed, scales, weight_scale_2, input_scale)
 
 
 @_nvfp4_grouped_linear.register_fake
 def _(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Tensor,
-      input_scale: Optional[Tensor]) -> Tensor:
-    n, _ = _check_grouped_args(x, expert_ids, packed, scales, weight_scale_2, input_scale)
-    return x.new_empty((x.shape[0], n))
+      input_scale: Optional[Tensor], x_row_div: int) -> Tensor:
+    n, _ = _check_grouped_args(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
+    return x.new_empty((expert_ids.shape[0], n))
 
 
 @_define_kernel_op("torchforge::nvfp4_linear", mutates_args=())
@@ -414,15 +417,17 @@ def nvfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Tens
 
 
 def nvfp4_grouped_linear(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Tensor,
-                         input_scale: Optional[Tensor] = None) -> Tensor:
-    """Per-row expert matmul for MoE: ``out[r] = x[r] @ W[expert_ids[r]].T`` -> ``[R, N]`` in ``x.dtype``.
+                         input_scale: Optional[Tensor] = None, x_row_div: int = 1) -> Tensor:
+    """Per-row expert matmul for MoE: ``out[r] = x[r // x_row_div] @ W[expert_ids[r]].T`` -> ``[R, N]`` in
+    ``x.dtype`` (``x_row_div = top_k`` lets the gate_up GEMM read the ``[T, H]`` hidden states directly).
 
-    ``x [R, K]``, ``expert_ids [R]`` in ``[0, E)``, ``packed [E, N, K/2]`` uint8, ``scales [E, N, K/16]`` fp8,
+    ``x [R / x_row_div, K]``, ``expert_ids [R]`` in ``[0, E)``, ``packed [E, N, K/2]`` uint8, ``scales [E, N, K/16]`` fp8,
     ``weight_scale_2 [E]`` fp32, optional ``input_scale [E]`` fp32 (W4A4 emulation). CUDA: on-device sort of
     the rows by expert and one grouped Triton GEMM (weights dequantized in registers, fp32 accumulation,
     ``weight_scale_2`` applied to the accumulator); out-of-range ids give NaN rows. CPU: the reference
     (out-of-range ids raise ValueError).
     """
     if _eager():
-        _check_grouped_args(x, expert_ids, packed, scales, weight_scale_2, input_scale)
-    return torch.ops.torchforge.nvfp4_grouped_linear(x, expert_ids, packed, scales, weight_scale_2, input_scale)
+        _check_grouped_args(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
+    return torch.ops.torchforge.nvfp4_grouped_linear(x, expert_ids, packed, scales, weight_scale_2, input_scale,
+                                                     x_row_div)

@@ -137,7 +137,7 @@ if HAS_TRITON:
     @triton.jit
     def _nvfp4_grouped_gemm_kernel(
         x_ptr, sorted_ptr, ids_ptr, w_ptr, s_ptr, ws2_ptr, ins_ptr, out_ptr,
-        N, K, E, stride_xr, stride_or,
+        N, K, E, stride_xr, stride_or, X_ROW_DIV,
         QUANT_A: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -162,7 +162,7 @@ if HAS_TRITON:
         KS = K // 16
         w_e = w_ptr + e * N * KP
         s_e = s_ptr + e * N * KS
-        x_rows = x_ptr + rows[:, None] * stride_xr
+        x_rows = x_ptr + (rows // X_ROW_DIV)[:, None] * stride_xr  # pair r reads token r // top_k
         ws2 = tl.load(ws2_ptr + e).to(tl.float32)
         if QUANT_A:
             ins = tl.load(ins_ptr + e).to(tl.float32)
@@ -210,6 +210,7 @@ def launch_nvfp4_grouped_linear(
     scales: Tensor,
     weight_scale_2: Tensor,
     input_scale: Optional[Tensor] = None,
+    x_row_div: int = 1,
     *,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -219,11 +220,13 @@ def launch_nvfp4_grouped_linear(
 ) -> Tensor:
     """Row ``r`` of the ``[R, N]`` output (x.dtype) is ``x[r] @ W[expert_ids[r]].T`` with NVFP4 weights
     ``packed [E, N, K/2]``, ``scales [E, N, K/16]`` (fp8), ``weight_scale_2 [E]``; with ``input_scale [E]``
-    the activations are NVFP4-quantized first (W4A4 emulation). Rows with an id outside ``[0, E)`` are NaN."""
+    the activations are NVFP4-quantized first (W4A4 emulation). Row ``r`` reads ``x[r // x_row_div]`` (the
+    gate_up GEMM of top-k routing reads the ``[T, H]`` hidden states directly). Rows with an id outside
+    ``[0, E)`` are NaN."""
     _require_triton()
     num_experts, n, kp = packed.shape
     k = kp * 2
-    r = x.shape[0]
+    r = expert_ids.shape[0]
     out = torch.empty((r, n), dtype=x.dtype, device=x.device)
     if r == 0:
         return out
@@ -244,7 +247,7 @@ def launch_nvfp4_grouped_linear(
     torch.library.wrap_triton(_nvfp4_grouped_gemm_kernel)[grid](
         x, sorted_rows, expert_ids, packed.contiguous(), scales.contiguous().view(torch.uint8),
         weight_scale_2.contiguous(), input_scale.contiguous() if quant_a else weight_scale_2, out,
-        n, k, num_experts, x.stride(0), out.stride(0),
+        n, k, num_experts, x.stride(0), out.stride(0), x_row_div,
         QUANT_A=quant_a, DOT_F32=dot_f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=num_warps or cfg[3], num_stages=num_stages or cfg[4],
     )

@@ -1,0 +1,172 @@
+"""NVFP4Experts / NVFP4MoE / NVFP4Linear and quantize(model, "nvfp4"): the modules compute what HF's modules
+compute on the dequantized weights; shared experts are always computed; fused groups share global scales;
+calibration gives input scales and a W4A4 emulation mode."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchforge
+from tests import models
+from torchforge.nn import ForgeMoE, NVFP4Experts, NVFP4Linear, NVFP4MoE, emulate_w4a4
+from torchforge.ops import nvfp4_fake_quantize_activation
+
+
+def _hf_reference_experts(experts, gate_up, down):
+    ref = copy.deepcopy(experts)
+    ref.gate_up_proj.data.copy_(gate_up)
+    ref.down_proj.data.copy_(down)
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral"])
+@torch.no_grad()
+def test_nvfp4_experts_match_hf_experts_on_dequantized_weights(arch):
+    model = models.build(arch)
+    _, block = models.moe_blocks(model)[0]
+    q = NVFP4Experts.from_hf(block.experts)
+    gu, dn = q.dequantized_weights()
+    ref = _hf_reference_experts(block.experts, gu, dn)
+    x = torch.randn(11, model.config.hidden_size)
+    _, w, ids = block.gate(x)
+    out, expected = q(x, ids, w), ref(x, ids, w)
+    assert (out - expected).norm() / expected.norm() < 1e-5
+    orig = block.experts(x, ids, w)  # 4-bit float error, not garbage
+    assert 1e-3 < (out - orig).norm() / orig.norm() < 0.25
+
+
+@torch.no_grad()
+def test_nvfp4_experts_gate_up_share_global_scale_and_bf16():
+    model = models.build("deepseek_v3")
+    _, block = models.moe_blocks(model)[0]
+    block.experts.gate_up_proj.data[:, 32:] *= 10  # up rows much larger than gate rows
+    q = NVFP4Experts.from_hf(block.experts)
+    amax = block.experts.gate_up_proj.abs().amax(dim=(1, 2))
+    torch.testing.assert_close(q.gate_up_weight_scale_2, amax / 2688, rtol=0, atol=0)
+    E = q.num_experts
+    x = torch.randn(E, 64)
+    ids = torch.stack([torch.arange(E), (torch.arange(E) + 3) % E], 1)  # every expert twice
+    w = torch.rand(E, 2)
+    gu, dn = q.dequantized_weights()
+    expected = _hf_reference_experts(block.experts, gu, dn)(x, ids, w)
+    out = q(x.bfloat16(), ids, w)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - expected).norm() / expected.norm() < 2e-2
+
+
+def test_meta_shapes_and_bad_dims():
+    q = NVFP4Experts(4, 64, 32, device="meta")
+    shapes = {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in q.state_dict().items()}
+    assert shapes == {
+        "gate_up_weight": ((4, 64, 32), "uint8"), "gate_up_weight_scale": ((4, 64, 4), "float8_e4m3fn"),
+        "gate_up_weight_scale_2": ((4,), "float32"), "gate_up_input_scale": ((4,), "float32"),
+        "down_weight": ((4, 64, 16), "uint8"), "down_weight_scale": ((4, 64, 2), "float8_e4m3fn"),
+        "down_weight_scale_2": ((4,), "float32"), "down_input_scale": ((4,), "float32")}
+    lin = NVFP4Linear(64, 40, bias=True, device="meta")
+    assert {k: tuple(v.shape) for k, v in lin.state_dict().items()} == {
+        "weight": (40, 32), "weight_scale": (40, 4), "weight_scale_2": (), "input_scale": (), "bias": (40,)}
+    with pytest.raises(ValueError, match="intermediate_size=40 is not divisible by 16"):
+        NVFP4Experts(4, 64, 40, device="meta")
+    with pytest.raises(ValueError, match="in_features=40 is not divisible by 16"):
+        NVFP4Linear(40, 64, device="meta")
+
+
+def _calib(model, n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (2, 12), generator=g) for _ in range(n)]
+
+
+@torch.no_grad()
+def test_quantize_deepseek_v3_swaps_and_keeps_shared_experts():
+    model = models.build("deepseek_v3")
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    before = model(ids).logits
+    torchforge.quantize(model, "nvfp4")
+    layer = model.model.layers[1]
+    assert isinstance(layer.mlp, NVFP4MoE) and isinstance(layer.mlp.experts, NVFP4Experts)
+    assert isinstance(layer.mlp.shared_experts.gate_proj, NVFP4Linear)  # shared experts: NVFP4 per the recipe
+    assert isinstance(layer.self_attn.q_a_proj, NVFP4Linear)
+    assert isinstance(layer.self_attn.kv_b_proj, nn.Linear)  # default ignore
+    assert isinstance(model.model.layers[0].mlp.gate_proj, NVFP4Linear)  # dense layer
+    # fused groups share weight_scale_2 (vLLM keeps one per fused GEMM; ModelOpt unifies to the max)
+    attn, shared = layer.self_attn, layer.mlp.shared_experts
+    assert float(attn.q_a_proj.weight_scale_2) == float(attn.kv_a_proj_with_mqa.weight_scale_2)
+    assert float(shared.gate_proj.weight_scale_2) == float(shared.up_proj.weight_scale_2)
+    after = model(ids).logits
+    assert torch.isfinite(after).all()
+    assert (after - before).norm() / before.norm() < 0.3
+    # the MoE block output is routed experts + shared experts (never skipped)
+    x = torch.randn(5, 64)
+    moe = layer.mlp
+    _, w, top = moe.gate(x)
+    torch.testing.assert_close(moe(x), moe.experts(x, top, w) + moe.shared_experts(x))
+
+
+@torch.no_grad()
+def test_quantize_bf16_shared_experts_by_recipe():
+    model = models.build("deepseek_v3", dtype=torch.bfloat16)
+    recipe = torchforge.Recipe.from_preset("nvfp4")
+    recipe = recipe.replace(ignore=recipe.ignore + (r"re:.*shared_experts\..*",))
+    torchforge.quantize(model, recipe)
+    moe = model.model.layers[1].mlp
+    assert isinstance(moe, NVFP4MoE) and isinstance(moe.shared_experts.gate_proj, nn.Linear)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    _, w, top = moe.gate(x)
+    torch.testing.assert_close(moe(x), (moe.experts(x, top, w).float() + moe.shared_experts(x).float()).bfloat16())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama"])
+@torch.no_grad()
+def test_quantize_other_architectures(arch):
+    model = models.build(arch)
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(2))
+    before = model(ids).logits
+    torchforge.quantize(model, "nvfp4")
+    assert any(isinstance(m, NVFP4Linear) for m in model.modules())
+    if arch != "llama":
+        assert any(isinstance(m, NVFP4MoE) for m in model.modules())
+    after = model(ids).logits
+    assert (after - before).norm() / before.norm() < 0.3
+
+
+@torch.no_grad()
+def test_calibration_and_w4a4_emulation():
+    model = models.build("deepseek_v3")
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(3))
+    torchforge.quantize(model, "nvfp4", calib_data=_calib(model))
+    moe = model.model.layers[1].mlp
+    assert moe.experts.calibrated and moe.shared_experts.gate_proj.calibrated
+    # gate_up input scale = amax of the hidden states routed to the expert / (6 * 448)
+    assert (moe.experts.gate_up_input_scale > 0).all() and (moe.experts.down_input_scale > 0).all()
+    w4a16 = model(ids).logits
+    emulate_w4a4(model)
+    w4a4 = model(ids).logits
+    rel = (w4a4 - w4a16).norm() / w4a16.norm()
+    assert 1e-4 < rel < 0.3, rel
+    # a W4A4 linear is the W4A16 linear applied to the fake-quantized input
+    lin = moe.shared_experts.down_proj
+    x = torch.randn(4, lin.in_features)
+    emulated = lin(x)
+    torch.testing.assert_close(emulated, nvfp4_fake_quantize_activation(x, lin.input_scale) @ lin.dequantized_weight().T,
+                               rtol=1e-5, atol=1e-5)
+    emulate_w4a4(model, False)
+    torch.testing.assert_close(model(ids).logits, w4a16)
+    # uncalibrated models refuse W4A4
+    torchforge.quantize(ref, "nvfp4")
+    emulate_w4a4(ref)
+    with pytest.raises(RuntimeError, match="W4A4 emulation needs calibrated input scales"):
+        ref(ids)
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="group_size.*16 for scheme 'nvfp4'"):
+        torchforge.Recipe(scheme="nvfp4", group_size=32, export_format="modelopt-nvfp4")
+    with pytest.raises(ValueError, match="export_format.*for scheme 'nvfp4'"):
+        torchforge.Recipe(scheme="nvfp4", group_size=16)
+    with pytest.raises(ValueError, match="not NVFP4's"):
+        torchforge.Recipe(scheme="w4a16-rtn", export_format="modelopt-nvfp4")
+    assert torchforge.Recipe.from_preset("nvfp4-ct").export_format == "compressed-tensors"
+    assert isinstance(NVFP4MoE.from_hf(models.moe_blocks(models.build("qwen3_moe"))[0][1],
+                                       NVFP4Experts(8, 64, 32, device="meta")), ForgeMoE)
