@@ -235,9 +235,11 @@ def _check_grouped_args(
     return ic, oc
 
 
-# Dispatch of w4a16_linear on CUDA by M = rows of x (see bench/w4a16_linear.py for the measurements).
+# Dispatch of w4a16_linear on CUDA by M = rows of x, from bench/w4a16_linear.py on the H100 (BENCHMARKS.md):
+# split-K wins up to 16 rows; from 256 rows (7168x7168: already from 64) dequantize + cuBLAS beats the
+# tiled kernel, e.g. 0.237 vs 0.417 ms at M = 256 on 18432x7168.
 SPLITK_MAX_M = 16
-DEQUANT_CUBLAS_MIN_M = 1024
+DEQUANT_CUBLAS_MIN_M = 128
 
 
 def _kernel_ok(t: Tensor, group_size: int) -> bool:

@@ -38,9 +38,9 @@ if HAS_TRITON:
             w = _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
             w = w.to(x.dtype)  # round the weight like the reference and the tiled kernel do
-            if BLOCK_M == 1:
-                acc += tl.sum(x.to(tl.float32).reshape(BLOCK_K, 1) * w.to(tl.float32), axis=0)[None, :]
-            elif IEEE_FP32:  # fp32 activations: no TF32, like torch's default fp32 matmul
+            # tl.dot even for M = 1 (rows padded to 16): on the H100 a BLOCK_M = 1 multiply-and-sum
+            # variant ran 2.5x slower (0.093 vs 0.037 ms on 7168 x 7168, bench/w4a16_linear.py).
+            if IEEE_FP32:  # fp32 activations: no TF32, like torch's default fp32 matmul
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
@@ -64,7 +64,7 @@ def splitk_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int, in
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) for decode sizes. BLOCK_K divides group_size (one scale row
     per tile); SPLIT_K is the largest of 16/8/4/2/1 whose slice is a whole number of BLOCK_K tiles, chosen
     so that (OC / BLOCK_N) * SPLIT_K gives several waves on a 132-SM H100."""
-    bm = 1 if m == 1 else 16
+    bm = 16
     bn = 128
     bk = next(b for b in (128, 64, 32, 16) if group_size % b == 0)
     programs_n = triton.cdiv(n, bn) if HAS_TRITON else (n + bn - 1) // bn
