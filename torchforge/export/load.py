@@ -78,6 +78,10 @@ def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torc
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"load_quantized: {path} has no config.json (not a checkpoint folder, or an unfinished save)")
     model, qcfg = _build_skeleton(path, dtype)
+    from torchforge.export.nvfp4 import is_nvfp4_config, load_nvfp4  # NVFP4 (issue 6): ModelOpt / compressed-tensors
+
+    if is_nvfp4_config(qcfg):
+        return load_nvfp4(model, path, qcfg, device)
     if qcfg.get("quant_method") != "awq":
         raise CheckpointError(f"load_quantized: {path}/config.json has quant_method={qcfg.get('quant_method')!r}; "
                               "this reader handles 'awq' (vllm-awq) checkpoints")

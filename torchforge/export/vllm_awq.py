@@ -123,6 +123,12 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     version: gemm, modules_to_not_convert}`; routed experts are written one by one
     (`...mlp.experts.{e}.{gate,up,down}_proj.{qweight,qzeros,scales}`), unquantized tensors in bf16.
     """
+    # NVFP4 (issue 6): ModelOpt / compressed-tensors checkpoints are written by torchforge.export.nvfp4.
+    from torchforge.export.nvfp4 import NVFP4_FORMATS, has_nvfp4, save_nvfp4_checkpoint
+
+    if format in NVFP4_FORMATS or has_nvfp4(model):
+        return save_nvfp4_checkpoint(model, out_dir, format, tokenizer=tokenizer, source_dir=source_dir,
+                                     max_shard_bytes=max_shard_bytes, dtype=dtype)
     if format not in FORMATS:
         raise ValueError(f"save_quantized: unknown format {format!r}; choose one of {FORMATS}")
     from torchforge.quantize import RECIPE_ATTR
