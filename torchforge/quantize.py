@@ -22,12 +22,14 @@ def _parent_name(name: str) -> str:
 
 
 @torch.no_grad()
-def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, calib_data=None) -> nn.Module:
+def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, calib_data=None,
+             gptq=None) -> nn.Module:
     """Quantizes `model` in place and returns it.
 
     Linear layers matched by `recipe.targets` and not by `recipe.ignore` become `ForgeAWQLinear`; an HF
     sparse-MoE block whose fused experts are matched becomes a `ForgeMoE` holding `ForgeAWQExperts`
     (router kept as is). `calib_data` is accepted for calibrated schemes and unused by `w4a16-rtn`.
+    `w4a16-gptq` calibrates on `calib_data` (see torchforge.gptq.calibrate; `gptq`: a GPTQConfig or dict).
     """
     recipe = Recipe.coerce(recipe)
     if recipe.scheme == "nvfp4":  # NVFP4 (issue 6): NVFP4Linear / NVFP4MoE swaps, see torchforge.quantize_nvfp4
@@ -36,6 +38,13 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
         counts = quantize_nvfp4(model, recipe, calib_data)
         setattr(model, RECIPE_ATTR, recipe)
         log.info("quantize: %(linear)d NVFP4 linear layers and %(moe)d NVFP4 MoE blocks", counts)
+        return model
+    if recipe.scheme == "w4a16-gptq":  # GPTQ (issue 3): ForgeGPTQLinear / ForgeMoE swaps, see torchforge.gptq.calibrate
+        from torchforge.gptq.calibrate import quantize_gptq
+
+        counts = quantize_gptq(model, recipe, calib_data, gptq)
+        setattr(model, RECIPE_ATTR, recipe)
+        log.info("quantize: GPTQ %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
         return model
     if recipe.scheme != "w4a16-rtn":
         raise ValueError(f"quantize: scheme {recipe.scheme!r} is not implemented here; use 'w4a16-rtn'")

@@ -106,6 +106,14 @@ def _check_nvfp4(recipe: "Recipe") -> None:
         raise _fail("export_format", recipe.export_format, f"a format of scheme {recipe.scheme!r}, not NVFP4's")
 
 
+# --- GPTQ (issue 3): W4A16 with GPTQ-solved codes (torchforge.gptq), calibrated by
+# `torchforge.quantize(model, recipe, calib_data=..., gptq=GPTQConfig(...))`. Without act-order a GPTQ result
+# dequantizes exactly like AWQ's (q - z) * s, so the default export stays vllm-awq.
+SCHEMES += ("w4a16-gptq",)
+_SCHEME_BITS["w4a16-gptq"] = (4,)
+PRESETS["w4a16-gptq"] = {"scheme": "w4a16-gptq", "bits": 4, "group_size": 128, "symmetric": True}
+PRESETS["w4a16-gptq-asym"] = {**PRESETS["w4a16-gptq"], "symmetric": False}
+
 _FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 PathLike = Union[str, "os.PathLike[str]"]

@@ -1,0 +1,140 @@
+"""torchforge.quantize(model, "w4a16-gptq", calib_data=...) on tiny HF models: swapped modules, GPTQ beats
+RTN on every architecture, routed experts get exactly their routed tokens (gate and up share one Hessian),
+the RTN fallback for modules without tokens (logged), sequential vs non-sequential, bad input."""
+import copy
+import logging
+import re
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import torchforge
+from tests import models
+from torchforge.gptq.calibrate import GPTQConfig, _ExpertStats
+from torchforge.nn import ForgeAWQExperts, ForgeMoE
+from torchforge.nn.gptq_linear import ForgeGPTQLinear
+from torchforge.ops.awq import awq_dequantize
+
+RECIPE = {"scheme": "w4a16-gptq", "group_size": 32}
+
+
+def _ids(n=4, s=24, seed=0):
+    return torch.randint(0, 96, (n, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _logit_err(model, ref, ids):
+    with torch.no_grad():
+        return float((model(ids).logits - ref).norm() / ref.norm())
+
+
+def _kinds(model):
+    out = []
+    for n, m in model.named_modules():
+        if isinstance(m, (ForgeGPTQLinear, ForgeAWQExperts, ForgeMoE, torch.nn.Linear)):
+            out.append(f"{n}: {type(m).__name__}")
+    return "\n".join(out)
+
+
+def test_deepseek_v3_swapped_modules_pinned():
+    model = models.build("deepseek_v3")
+    torchforge.quantize(model, RECIPE, calib_data=_ids())
+    assert_expected_inline(_kinds(model), """\
+model.layers.0.self_attn.q_a_proj: ForgeGPTQLinear
+model.layers.0.self_attn.q_b_proj: ForgeGPTQLinear
+model.layers.0.self_attn.kv_a_proj_with_mqa: ForgeGPTQLinear
+model.layers.0.self_attn.kv_b_proj: Linear
+model.layers.0.self_attn.o_proj: ForgeGPTQLinear
+model.layers.0.mlp.gate_proj: ForgeGPTQLinear
+model.layers.0.mlp.up_proj: ForgeGPTQLinear
+model.layers.0.mlp.down_proj: ForgeGPTQLinear
+model.layers.1.self_attn.q_a_proj: ForgeGPTQLinear
+model.layers.1.self_attn.q_b_proj: ForgeGPTQLinear
+model.layers.1.self_attn.kv_a_proj_with_mqa: ForgeGPTQLinear
+model.layers.1.self_attn.kv_b_proj: Linear
+model.layers.1.self_attn.o_proj: ForgeGPTQLinear
+model.layers.1.mlp: ForgeMoE
+model.layers.1.mlp.experts: ForgeAWQExperts
+model.layers.1.mlp.shared_experts.gate_proj: ForgeGPTQLinear
+model.layers.1.mlp.shared_experts.up_proj: ForgeGPTQLinear
+model.layers.1.mlp.shared_experts.down_proj: ForgeGPTQLinear
+lm_head: Linear""")
+    assert model._torchforge_recipe.scheme == "w4a16-gptq"
+
+
+@pytest.mark.parametrize("arch", sorted(models.ALL_BUILDERS))
+def test_gptq_beats_rtn(arch):
+    model = models.build(arch)
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+    rtn = torchforge.quantize(copy.deepcopy(model), {**RECIPE, "scheme": "w4a16-rtn"})
+    torchforge.quantize(model, RECIPE, calib_data=ids)
+    e_gptq, e_rtn = _logit_err(model, ref, ids), _logit_err(rtn, ref, ids)
+    assert e_gptq < 0.85 * e_rtn, (e_gptq, e_rtn)
+
+
+def test_non_sequential_mode_and_options():
+    model = models.build("qwen3_moe")
+    ids = _ids(8)
+    with torch.no_grad():
+        ref = model(ids).logits
+    seq = torchforge.quantize(copy.deepcopy(model), RECIPE, calib_data=ids)
+    non = torchforge.quantize(copy.deepcopy(model), RECIPE, calib_data=[{"input_ids": ids[:4]}, ids[4:]],
+                              gptq=GPTQConfig(sequential=False))
+    blk = torchforge.quantize(model, RECIPE, calib_data=ids, gptq={"hessian_block_size": 32, "mse": True})
+    q = "model.layers.1.self_attn.o_proj"
+    # sequential: layer 1 is calibrated on the outputs of the quantized layer 0, so its Hessians differ
+    assert not torch.equal(seq.get_submodule(q).qweight, non.get_submodule(q).qweight)
+    for m in (seq, non, blk):
+        assert _logit_err(m, ref, ids) < 0.3
+
+
+def test_routed_experts_get_their_tokens_gate_up_share():
+    model = models.build("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    stats = _ExpertStats(experts, GPTQConfig())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 64, generator=g)
+    idx = torch.tensor([[0, 1], [1, 2], [0, 2], [1, 0], [2, 1], [0, 1], [1, 2], [2, 0], [0, 1], [4, 1]])
+    stats.hook(experts, (x, idx, torch.rand(10, 2, generator=g)), {})
+    for e in range(4):
+        rows = [t for t in range(10) if e in idx[t].tolist()]
+        h, n = stats.gate_up[e].finalize()
+        assert n == len(rows)
+        if not rows:
+            continue
+        xe = x[rows].double()
+        torch.testing.assert_close(h.double(), xe.T @ xe / len(rows), rtol=1e-5, atol=1e-6)
+        gate, up = (xe @ experts.gate_up_proj[e].detach().double().T).chunk(2, dim=-1)
+        inter = torch.nn.functional.silu(gate) * up
+        hd, nd = stats.down[e].finalize()
+        assert nd == len(rows)
+        torch.testing.assert_close(hd.double(), inter.T @ inter / len(rows), rtol=1e-4, atol=1e-6)
+    assert stats.gate_up[3].n_seen == 0  # expert 3 never routed; id 4 == num_experts is HF's dropped slot
+
+
+def test_unrouted_experts_fall_back_to_rtn_with_a_log_line(caplog):
+    model = models.build("qwen3_moe")
+    gu = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    with caplog.at_level(logging.INFO, logger="torchforge.gptq.calibrate"):
+        torchforge.quantize(model, RECIPE, calib_data=_ids(1, 1))  # one token: 2 of 8 experts routed per layer
+    assert "saw no calibration tokens; quantizing them round-to-nearest" in caplog.text
+    ex = model.model.layers[0].mlp.experts
+    line = next(r.getMessage() for r in caplog.records if "model.layers.0.mlp.experts: experts" in r.getMessage())
+    unrouted = [int(v) for v in re.search(r"experts \[([0-9, ]+)\] saw", line).group(1).split(",")]
+    e = unrouted[0]
+    w_hat = awq_dequantize(ex.gate_up_qweight[e], ex.gate_up_scales[e].float(), ex.gate_up_qzeros[e], 32)
+    rtn = torchforge.gptq.solve(gu[e], torch.eye(64), group_size=32).dequantize()  # H = I is RTN on the grid
+    assert torch.equal(w_hat, rtn)
+
+
+def test_bad_inputs():
+    model = models.build("llama")
+    with pytest.raises(ValueError, match="needs calib_data"):
+        torchforge.quantize(model, RECIPE)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['blocksize'\]"):
+        torchforge.quantize(model, RECIPE, calib_data=_ids(), gptq={"blocksize": 64})
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 60, bias=False)
+    with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\.mlp\.down_proj.*out_features=60"):
+        torchforge.quantize(model, RECIPE, calib_data=_ids())

@@ -1,0 +1,351 @@
+"""GPTQ calibration of an HF model: collect layer inputs with hooks, build Hessians, solve, swap modules.
+
+Entry point: ``torchforge.quantize(model, "w4a16-gptq", calib_data=..., gptq=GPTQConfig(...))``, which calls
+:func:`quantize_gptq`.
+
+What is collected, per selected module (recipe targets / ignore, as for RTN):
+
+* ``nn.Linear``: its input rows, into a streaming Hessian (:class:`torchforge.gptq.HessianAccumulator`).
+* fused routed experts (transformers 5 ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``): a pre-hook on
+  the experts module sees ``(hidden [T, H], top_k_index [T, k], ...)``; expert ``e`` gets only the tokens
+  routed to it. ``gate_proj`` and ``up_proj`` of an expert read the same tokens, so they share one
+  Hessian (the fused ``gate_up`` matrix is solved as one ``[2I, H]`` weight); ``down_proj``'s inputs
+  ``act(x W_gate^T) * (x W_up^T)`` are recomputed in the hook from the expert's (still unquantized) weights.
+
+Modes:
+
+* sequential (default, GPTQ's): the inputs of the first decoder layer are captured once (the forward is
+  stopped there), then layer by layer: run the layer on the stored inputs with hooks, solve and swap its
+  modules, run the now quantized layer again, and its outputs become the next layer's inputs. Later
+  layers are calibrated on what the quantized earlier layers produce. Memory: one layer's Hessians and
+  the hidden states of the calibration set.
+* non-sequential (``GPTQConfig(sequential=False)``): one forward of the unquantized model with hooks on
+  every selected module, then everything is solved. Faster, more memory, no error feedback across layers.
+
+Selected modules outside the decoder layers (when targeted) are calibrated by one extra forward at the end.
+A module (or expert) that sees no calibration token is quantized with ``H = I``, which is round-to-nearest
+on the same grid, and a log line names it.
+
+Results: ``nn.Linear`` -> :class:`torchforge.nn.ForgeGPTQLinear` (GPTQ layout); fused experts ->
+:class:`torchforge.nn.ForgeAWQExperts` inside a :class:`torchforge.nn.ForgeMoE` (the grouped MoE kernel
+reads the AWQ layout, which holds GPTQ codes exactly: same ``(q - z) * s``, no act-order).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from torchforge.gptq.hessian import HessianAccumulator
+from torchforge.gptq.solver import GPTQResult, solve_batched
+from torchforge.matching import is_fused_experts, paired_modules_error, select_modules
+from torchforge.nn.awq_experts import ForgeAWQExperts
+from torchforge.nn.gptq_linear import ForgeGPTQLinear
+from torchforge.nn.moe import ForgeMoE
+from torchforge.ops.awq import awq_pack
+
+__all__ = ["GPTQConfig", "quantize_gptq"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ options beyond the recipe (which gives bits, group_size, symmetric, targets, ignore).
+
+    block_size: columns per GPTQ block. damp: fraction of ``mean(diag(H))`` added to the diagonal.
+    mse: refine group scales by the L^``mse_norm`` grid search. static_groups: group scales from the original
+    weights (seed 002) instead of the error-updated ones. sequential: GPTQ's layer-by-layer mode.
+    hessian_block_size: keep only block-diagonal Hessians of this size (low memory). max_tokens: cap on
+    the tokens per module (per expert for routed experts). chunk_size: experts solved per call.
+    batch_size: rows of an ``input_ids`` tensor per calibration forward.
+    """
+
+    block_size: int = 128
+    damp: float = 0.01
+    mse: bool = False
+    mse_norm: float = 2.4
+    static_groups: bool = False
+    sequential: bool = True
+    hessian_block_size: Optional[int] = None
+    max_tokens: Optional[int] = None
+    chunk_size: Optional[int] = None
+    batch_size: int = 8
+
+    @classmethod
+    def coerce(cls, x) -> "GPTQConfig":
+        if x is None:
+            return cls()
+        if isinstance(x, cls):
+            return x
+        if isinstance(x, dict):
+            valid = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(x) - valid)
+            if unknown:
+                raise ValueError(f"GPTQConfig: unknown option(s) {unknown}; valid: {sorted(valid)}")
+            return cls(**x)
+        raise TypeError(f"gptq options must be a GPTQConfig or a dict, got {type(x).__name__}")
+
+
+class _StopForward(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------------- calibration data
+def _batches(calib_data, batch_size: int) -> List[Dict[str, Any]]:
+    """calib_data -> list of model kwargs. Accepts an ``input_ids`` tensor ``[N, S]`` (split in batches),
+    a dict of model inputs, or an iterable of tensors / dicts."""
+    if isinstance(calib_data, torch.Tensor):
+        t = calib_data if calib_data.dim() == 2 else calib_data.reshape(1, -1)
+        return [{"input_ids": t[i:i + batch_size]} for i in range(0, t.shape[0], batch_size)]
+    if isinstance(calib_data, dict):
+        return [dict(calib_data)]
+    out = []
+    for item in calib_data:
+        if isinstance(item, torch.Tensor):
+            out.append({"input_ids": item if item.dim() == 2 else item.reshape(1, -1)})
+        elif isinstance(item, dict):
+            out.append(dict(item))
+        else:
+            raise TypeError(f"quantize: calib_data items must be input_ids tensors or dicts of model inputs, got "
+                            f"{type(item).__name__}")
+    if not out:
+        raise ValueError("quantize: calib_data is empty")
+    return out
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _to(batch: Dict[str, Any], device) -> Dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------------- statistics
+class _ExpertStats:
+    """Per-expert Hessians of one fused experts module: gate/up share one (inputs [T, H]), down has one."""
+
+    def __init__(self, mod: nn.Module, cfg: GPTQConfig):
+        e, two_i, h = mod.gate_up_proj.shape
+        kw = dict(block_size=cfg.hessian_block_size, max_tokens=cfg.max_tokens)
+        self.gate_up = [HessianAccumulator(h, **kw) for _ in range(e)]
+        self.down = [HessianAccumulator(two_i // 2, **kw) for _ in range(e)]
+
+    @torch.no_grad()
+    def hook(self, mod, args, kwargs) -> None:
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        vals = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+        hidden, idx = vals[0], vals[1]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        idx = idx.reshape(flat.shape[0], -1)
+        num = mod.gate_up_proj.shape[0]
+        for e in torch.unique(idx).tolist():
+            if not 0 <= e < num:  # HF marks dropped slots with id == num_experts
+                continue
+            if self.gate_up[e].full and self.down[e].full:
+                continue
+            x = flat[(idx == e).any(-1)]
+            self.gate_up[e].add(x)
+            gate, up = nn.functional.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
+            self.down[e].add(mod.act_fn(gate) * up)
+
+
+class _Collector:
+    """Hooks that accumulate the Hessians of a set of selected modules."""
+
+    def __init__(self, modules: List[Tuple[str, nn.Module]], cfg: GPTQConfig):
+        self.cfg = cfg
+        self.linears: Dict[str, HessianAccumulator] = {}
+        self.experts: Dict[str, _ExpertStats] = {}
+        self.modules = dict(modules)
+        self._handles = []
+        for name, mod in modules:
+            if is_fused_experts(mod):
+                self.experts[name] = _ExpertStats(mod, cfg)
+            elif isinstance(mod, nn.Linear):
+                self.linears[name] = HessianAccumulator(mod.in_features, block_size=cfg.hessian_block_size,
+                                                        max_tokens=cfg.max_tokens)
+
+    def __enter__(self):
+        for name, acc in self.linears.items():
+            def hook(mod, args, acc=acc):  # returns None: a pre-hook's return value would replace the inputs
+                acc.add(args[0].detach())
+            self._handles.append(self.modules[name].register_forward_pre_hook(hook))
+        for name, st in self.experts.items():
+            self._handles.append(self.modules[name].register_forward_pre_hook(st.hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+# ------------------------------------------------------------------------------------------ solving
+def _identity(in_features: int, cfg: GPTQConfig, device) -> torch.Tensor:
+    bs = cfg.hessian_block_size
+    if bs is None:
+        return torch.eye(in_features, device=device)
+    return torch.eye(bs, device=device).repeat(math.ceil(in_features / bs), 1, 1)
+
+
+def _hessian(acc: HessianAccumulator, name: str, cfg: GPTQConfig, device) -> torch.Tensor:
+    h, n = acc.finalize()
+    if n == 0:
+        log.info("gptq: %s saw no calibration tokens; quantizing it round-to-nearest (H = I)", name)
+        return _identity(acc.in_features, cfg, device)
+    return h.to(device)
+
+
+def _solve(weight: torch.Tensor, hessian: torch.Tensor, recipe, cfg: GPTQConfig) -> GPTQResult:
+    return solve_batched(weight, hessian, bits=recipe.bits, group_size=recipe.group_size, symmetric=recipe.symmetric,
+                         block_size=cfg.block_size, damp=cfg.damp, mse=cfg.mse, mse_norm=cfg.mse_norm,
+                         static_groups=cfg.static_groups, chunk_size=cfg.chunk_size, inplace=True)
+
+
+def _check_module(name: str, mod: nn.Module, recipe) -> None:
+    """Fail before calibrating when a selected module cannot hold the format (same errors as the swap)."""
+    g = recipe.group_size
+    try:
+        if is_fused_experts(mod):
+            e, two_i, h = mod.gate_up_proj.shape
+            ForgeAWQExperts(e, h, two_i // 2, group_size=g, device="meta")
+            if getattr(mod, "is_transposed", False) or getattr(mod, "has_bias", False):
+                raise ValueError(f"{type(mod).__name__} with transposed weights or biases is not supported")
+        elif isinstance(mod, nn.Linear):
+            ForgeGPTQLinear(mod.in_features, mod.out_features, group_size=g, device="meta")
+    except ValueError as err:
+        raise ValueError(f"quantize: cannot quantize {name}: {err}") from err
+
+
+@torch.no_grad()
+def _quantize_collected(model: nn.Module, col: _Collector, recipe, cfg: GPTQConfig, counts: Dict[str, int]) -> None:
+    for name, acc in col.linears.items():
+        lin = col.modules[name]
+        w = lin.weight.detach()
+        res = _solve(w[None], _hessian(acc, name, cfg, w.device)[None], recipe, cfg)
+        res = res._replace(codes=res.codes[0], scales=res.scales[0], zeros=res.zeros[0], qmeta=res.qmeta[0])
+        new = ForgeGPTQLinear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              group_size=recipe.group_size, symmetric=recipe.symmetric, device=w.device, dtype=w.dtype)
+        model.set_submodule(name, new.pack_result(res, lin.bias))
+        counts["linear"] += 1
+    for name, st in col.experts.items():
+        mod = col.modules[name]
+        gu, down = mod.gate_up_proj.detach(), mod.down_proj.detach()
+        num, two_i, hid = gu.shape
+        empty = [e for e in range(num) if st.gate_up[e].n_seen == 0]
+        if empty:
+            log.info("gptq: %s: experts %s saw no calibration tokens; quantizing them round-to-nearest (H = I)",
+                     name, empty)
+        h_gu = torch.stack([_hessian(a, f"{name}.{e}.gate_up", cfg, gu.device) if a.n_seen else
+                            _identity(hid, cfg, gu.device) for e, a in enumerate(st.gate_up)])
+        h_dn = torch.stack([_hessian(a, f"{name}.{e}.down", cfg, gu.device) if a.n_seen else
+                            _identity(two_i // 2, cfg, gu.device) for e, a in enumerate(st.down)])
+        r_gu = _solve(gu, h_gu, recipe, cfg)
+        del h_gu
+        r_dn = _solve(down, h_dn, recipe, cfg)
+        experts = ForgeAWQExperts(num, hid, two_i // 2, group_size=recipe.group_size, symmetric=recipe.symmetric,
+                                  act_fn=mod.act_fn, device=gu.device)
+        for prefix, r in (("gate_up", r_gu), ("down", r_dn)):
+            setattr(experts, f"{prefix}_qweight", awq_pack(r.codes.transpose(-1, -2).contiguous()))
+            setattr(experts, f"{prefix}_scales", r.scales.transpose(-1, -2).to(torch.float16).contiguous())
+            setattr(experts, f"{prefix}_qzeros", awq_pack(r.zeros.transpose(-1, -2).contiguous()))
+        block_name = name.rsplit(".", 1)[0]
+        model.set_submodule(block_name, ForgeMoE.from_hf(model.get_submodule(block_name), experts))
+        counts["moe"] += 1
+
+
+def _find_layers(model: nn.Module) -> Tuple[Optional[str], Optional[nn.ModuleList]]:
+    """The decoder layers: the ModuleList named ``layers`` (HF's ``model.layers``) with the most entries."""
+    best = (None, None)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" and len(mod) > 0:
+            if best[1] is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    return best
+
+
+def _forward_all(model: nn.Module, batches, device) -> None:
+    for b in batches:
+        model(**_to(b, device), use_cache=False)
+
+
+@torch.no_grad()
+def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig] = None) -> Dict[str, int]:
+    """GPTQ-quantizes the recipe's modules of ``model`` in place; returns ``{"linear": n, "moe": m}``."""
+    cfg = GPTQConfig.coerce(cfg)
+    if calib_data is None:
+        raise ValueError("quantize: scheme 'w4a16-gptq' needs calib_data (input_ids tensors or dicts of model "
+                         "inputs); use 'w4a16-rtn' to quantize without calibration")
+    selected = select_modules(model, recipe.targets, recipe.ignore)
+    if not recipe.quantize_experts:
+        selected = [(n, m) for n, m in selected if not is_fused_experts(m)]
+    selected = [(n, m) for n, m in selected if is_fused_experts(m) or isinstance(m, nn.Linear)]
+    err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
+    if err:
+        raise ValueError(err)
+    for name, mod in selected:
+        _check_module(name, mod, recipe)
+    batches = _batches(calib_data, cfg.batch_size)
+    device = _model_device(model)
+    counts = {"linear": 0, "moe": 0}
+    was_training = model.training
+    model.eval()
+    layers_name, layers = _find_layers(model) if cfg.sequential else (None, None)
+    if cfg.sequential and layers is None:
+        log.info("gptq: no decoder `layers` list found; calibrating non-sequentially")
+    try:
+        if layers is None:
+            with _Collector(selected, cfg) as col:
+                _forward_all(model, batches, device)
+            _quantize_collected(model, col, recipe, cfg, counts)
+        else:
+            _sequential(model, layers_name, layers, selected, batches, device, recipe, cfg, counts)
+    finally:
+        model.train(was_training)
+    return counts
+
+
+def _sequential(model, layers_name, layers, selected, batches, device, recipe, cfg, counts) -> None:
+    inputs: List[Tuple[tuple, dict]] = []
+
+    def catch(mod, args, kwargs):
+        inputs.append((args, kwargs))
+        raise _StopForward
+
+    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for b in batches:
+            try:
+                model(**_to(b, device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    prefixes = [f"{layers_name}.{i}." for i in range(len(layers))]
+    rest = [(n, m) for n, m in selected if not any(n.startswith(p) for p in prefixes)]
+    for i, layer in enumerate(layers):
+        mods = [(n, m) for n, m in selected if n.startswith(prefixes[i])]
+        if mods:
+            with _Collector(mods, cfg) as col:
+                for args, kwargs in inputs:
+                    layer(*args, **kwargs)
+            _quantize_collected(model, col, recipe, cfg, counts)
+        if i + 1 < len(layers):
+            nxt = []
+            for args, kwargs in inputs:
+                out = layer(*args, **kwargs)
+                hs = out[0] if isinstance(out, (tuple, list)) else out
+                nxt.append(((hs, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hs}))
+            inputs = nxt
+    if rest:
+        with _Collector(rest, cfg) as col:
+            _forward_all(model, batches, device)
+        _quantize_collected(model, col, recipe, cfg, counts)
