@@ -149,3 +149,18 @@ def test_bad_format_and_foreign_ct_checkpoint(tmp_path):
     ids = torch.randint(0, 96, (1, 6))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("arch,fmt,kw", [("llama", "modelopt-nvfp4", {}),
+                                         ("deepseek_v3", "compressed-tensors", {"quantize_experts": False})])
+def test_dense_and_bf16_experts_round_trip(arch, fmt, kw, tmp_path):
+    model = _quantized(arch, calibrate=False, recipe=torchforge.Recipe.from_preset("nvfp4").replace(**kw))
+    torchforge.save_quantized(model, str(tmp_path), format=fmt)
+    qcfg = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    if kw:  # unquantized routed experts: per-expert bf16 weights, excluded by module name
+        assert "model.layers.1.mlp.experts" in qcfg["ignore"]
+        assert _tensors(tmp_path)["model.layers.1.mlp.experts.0.gate_proj.weight"] == ("BF16", (32, 64))
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
