@@ -1,6 +1,6 @@
 """One DeepSeek-V3 MoE layer (256 experts of 7168 x 2048, top-8): NVFP4 experts vs HF's bf16 experts.
 
-    python bench/nvfp4_moe.py [--m 1,8,64,512] [--experts 256] [--no-awq] [--w4a4]
+    python bench/nvfp4_moe.py [--m 1,8,64,512] [--experts 256] [--no-awq] [--w4a4] [--sweep]
 
 Baseline: transformers' DeepseekV3Experts in bf16 with `_experts_implementation = "grouped_mm"` where this
 transformers has it (else its default loop), built directly on the GPU with random weights, measured in the same
@@ -10,6 +10,8 @@ expert sort, one grouped Triton GEMM per projection). Also, where it fits, Forge
 host launch gaps). `floor` = NVFP4 bytes (codes + fp8 scales) of the experts hit / measured copy bandwidth.
 `rel err` compares NVFP4Experts with the same math on its dequantized weights (a per-expert loop oracle).
 Needs about 36 GB of GPU memory with the AWQ comparison, 30 GB without. Exits 0 without a GPU.
+`--sweep` also times each grouped GEMM alone over a grid of tile configurations (the defaults in
+`torchforge.ops.nvfp4_triton.grouped_config` were chosen without a GPU).
 """
 from __future__ import annotations
 
@@ -47,12 +49,52 @@ def _oracle(q, x, ids, w):
     return out
 
 
+SWEEP = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 32, 256, 4, 4), (16, 128, 64, 4, 4),
+         (32, 64, 128, 4, 4), (64, 128, 64, 8, 3), (64, 64, 128, 4, 3)]
+
+
+@torch.no_grad()
+def _sweep(q, ms, k, bw):
+    """Each projection's grouped GEMM alone, per tile config (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    from torchforge.ops.nvfp4_triton import grouped_config, launch_nvfp4_grouped_linear
+
+    E, H, I = q.num_experts, q.hidden_size, q.intermediate_size
+    rows = []
+    for M in ms:
+        ids = torch.rand(M, E, device="cuda").topk(k, dim=-1).indices.reshape(-1)
+        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(M * k, I, device="cuda", dtype=torch.bfloat16)
+        hit = ids.unique().numel()
+        for proj, args, div, nbytes in (
+                ("gate_up", (x, ids, q.gate_up_weight, q.gate_up_weight_scale, q.gate_up_weight_scale_2), k,
+                 2 * I * H * 9 // 16),
+                ("down", (h, ids, q.down_weight, q.down_weight_scale, q.down_weight_scale_2), 1, H * I * 9 // 16)):
+            times = {}
+            for cfg in SWEEP:
+                bm, bn, bk, nw, ns = cfg
+                try:
+                    times[cfg] = bench_ms(lambda: launch_nvfp4_grouped_linear(  # noqa: B023
+                        *args, x_row_div=div, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns),
+                        warmup_ms=10, rep_ms=50)
+                except Exception as e:  # noqa: BLE001  (a config that does not compile / fit)
+                    times[cfg] = float("nan")
+                    print(f"sweep {proj} M={M} {cfg}: {type(e).__name__}")
+            best = min((t, c) for c, t in times.items() if t == t)
+            default = grouped_config(M * k, E)
+            floor = hit * nbytes / (bw / 2) / 1e6
+            rows.append([M, proj, str(default), times.get(tuple(default), float("nan")), str(best[1]), best[0],
+                         floor / best[0]] + [times[c] for c in SWEEP])
+    print(markdown_table(["M", "GEMM", "default cfg", "default ms", "best cfg", "best ms", "best % of floor"]
+                         + [str(c) for c in SWEEP], rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,8,64,512")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--no-awq", action="store_true", help="skip the W4A16 (AWQ) MoE comparison")
     ap.add_argument("--w4a4", action="store_true", help="also time the W4A4 emulation mode")
+    ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs over a grid of tile configs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/nvfp4_moe.py: no CUDA device; nothing to measure")
@@ -126,6 +168,8 @@ def main() -> int:
                      floor_ms, floor_ms / best_q, t_w4a4, f"{rel:.1e}"])
         torch.cuda.empty_cache()
     print(f"device: {device_line()}; copy bandwidth {bw:.0f} GB/s (read+write); HF experts impl: {impl}")
+    if args.sweep:
+        _sweep(q, [int(m) for m in args.m.split(",")], K, bw)
     print(markdown_table(["M tokens", "experts hit", "HF bf16 ms", "NVFP4 ms", "speedup vs bf16", "HF bf16 graph ms",
                           "NVFP4 graph ms", "graph speedup", "W4A16 AWQ ms", "speedup vs AWQ", "graph speedup vs AWQ",
                           "NVFP4 floor ms", "% of floor", "W4A4-emu ms", "rel err vs dequant"], rows))
