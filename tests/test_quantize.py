@@ -87,3 +87,21 @@ def test_compiled_moe_forward_has_no_graph_break():
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True)  # fullgraph: any graph break raises
     torch.testing.assert_close(compiled(x), block(x), rtol=1e-4, atol=1e-5)
+
+
+def test_prune_then_quantize_equals_quantize_then_prune():
+    """Quantization is per expert, so the two orders give bit-identical models; pruning survives quantize."""
+    from torchforge.prune import build_expert_map, prune_experts
+    from torchforge.prune.apply import PrunedMoE
+
+    a, b = models.build("deepseek_v3"), models.build("deepseek_v3")
+    hit = torch.arange(8, dtype=torch.float32).flip(0)[None]  # keep experts 0..3
+    emap = build_expert_map(hit, keep_k=4)
+    prune_experts(a, emap, mode="reroute")
+    torchforge.quantize(a, RECIPE)
+    torchforge.quantize(b, RECIPE)
+    prune_experts(b, emap, mode="reroute")
+    assert isinstance(a.model.layers[1].mlp, PrunedMoE) and isinstance(a.model.layers[1].mlp.experts, ForgeAWQExperts)
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)

@@ -31,6 +31,12 @@ class ForgeMoE(nn.Module):
 
     @classmethod
     def from_hf(cls, block: nn.Module, experts: nn.Module | None = None) -> "ForgeMoE":
+        """Wraps an HF sparse-MoE block. A block that is already a ForgeMoE (e.g. a PrunedMoE) keeps its class
+        and routing and only gets the new `experts`: quantizing a pruned model must not undo the pruning."""
+        if isinstance(block, ForgeMoE):
+            if experts is not None:
+                block.experts = experts
+            return block
         for attr in ("gate", "experts"):
             if not hasattr(block, attr):
                 raise TypeError(f"{type(block).__name__} has no `{attr}`: not an HF transformers 5 sparse-MoE block")
