@@ -111,6 +111,7 @@ def _check_nvfp4(recipe: "Recipe") -> None:
 # dequantizes exactly like AWQ's (q - z) * s, so the default export stays vllm-awq.
 SCHEMES += ("w4a16-gptq",)
 _SCHEME_BITS["w4a16-gptq"] = (4,)
+EXPORT_FORMATS += ("vllm-gptq",)  # torchforge.export.gptq_export; "compressed-tensors" is listed above
 PRESETS["w4a16-gptq"] = {"scheme": "w4a16-gptq", "bits": 4, "group_size": 128, "symmetric": True}
 PRESETS["w4a16-gptq-asym"] = {**PRESETS["w4a16-gptq"], "symmetric": False}
 

@@ -82,6 +82,10 @@ def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torc
 
     if is_nvfp4_config(qcfg):
         return load_nvfp4(model, path, qcfg, device)
+    from torchforge.export.gptq_export import is_w4_config, load_w4  # GPTQ (issue 3): vllm-gptq, W4A16 compressed-tensors
+
+    if is_w4_config(qcfg):
+        return load_w4(model, path, qcfg, device)
     if qcfg.get("quant_method") != "awq":
         raise CheckpointError(f"load_quantized: {path}/config.json has quant_method={qcfg.get('quant_method')!r}; "
                               "this reader handles 'awq' (vllm-awq) checkpoints")

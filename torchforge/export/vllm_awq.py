@@ -123,6 +123,13 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     version: gemm, modules_to_not_convert}`; routed experts are written one by one
     (`...mlp.experts.{e}.{gate,up,down}_proj.{qweight,qzeros,scales}`), unquantized tensors in bf16.
     """
+    # GPTQ (issue 3): vllm-gptq, W4A16 compressed-tensors and GPTQ modules in the AWQ layout are written by
+    # torchforge.export.gptq_export.
+    from torchforge.export import gptq_export
+
+    if gptq_export.handles(model, format):
+        return gptq_export.save_w4(model, out_dir, format, tokenizer=tokenizer, source_dir=source_dir,
+                                   max_shard_bytes=max_shard_bytes, dtype=dtype)
     # NVFP4 (issue 6): ModelOpt / compressed-tensors checkpoints are written by torchforge.export.nvfp4.
     from torchforge.export.nvfp4 import NVFP4_FORMATS, has_nvfp4, save_nvfp4_checkpoint
 

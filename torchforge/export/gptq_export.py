@@ -1,0 +1,360 @@
+"""W4A16 exports of GPTQ (and RTN) models: ``vllm-gptq``, ``compressed-tensors`` (pack-quantized) and GPTQ
+results in the AWQ layout (``vllm-awq``), and :func:`load_w4` to read all three back.
+
+Every torchforge W4A16 module holds, per (output channel, group of G input channels), a scale and a zero
+point, and per weight a 4-bit code, with ``W = (q - z) * s`` on unsigned codes. The three checkpoint
+layouts are exact re-packings of the same numbers (``ForgeGPTQLinear``, ``ForgeAWQLinear``,
+``ForgeAWQExperts`` are all converted through the unpacked ``codes [IC, OC]``, ``scales [IC // G, OC]``,
+``zeros [IC // G, OC]`` of one matrix), so each checkpoint decodes to what the solver produced:
+
+* ``vllm-gptq`` (AutoGPTQ / vLLM ``quant_method: gptq``): ``qweight [IC // 8, OC]`` packed along IC,
+  ``qzeros [IC // G, OC // 8]`` holding ``z - 1`` (v1, see :mod:`torchforge.ops.gptq_reference`),
+  ``scales``, ``g_idx``. Config: ``bits, group_size, desc_act: false, sym, lm_head: false,
+  checkpoint_format: gptq``, the quantized modules in ``modules_in_block_to_quantize`` (vLLM treats an
+  entry as a substring of a layer's name; full module names), and every unquantized Linear as a negative
+  ``dynamic`` rule (``"-:^name$"``, vLLM ``re.match`` es it against the layer name).
+* ``compressed-tensors`` ``pack-quantized`` (what vLLM's ``CompressedTensorsWNA16`` reads):
+  ``weight_packed [OC, IC // 8]`` int32 (8 consecutive input columns per word, column ``8r + j`` in bits
+  ``4j``, values ``q_signed + 8`` = our unsigned code), ``weight_scale [OC, IC // G]``, ``weight_shape``
+  ``[OC, IC]``, and for asymmetric schemes ``weight_zero_point [OC // 8, IC // G]`` (packed along OC,
+  ``z_signed + 8`` = our zero point). Config: one ``config_group`` (int, 4 bits, group strategy).
+* ``vllm-awq``: ``ForgeGPTQLinear`` converted to AWQ tensors (no act-order: a permuted ``g_idx`` has no
+  AWQ equivalent and raises); the rest is what ``torchforge.export.vllm_awq`` writes.
+
+Routed experts are written one by one (``...experts.{e}.{gate,up,down}_proj.<tensor>``) in every format.
+Scales are written in the dtype the solver rounded them to (fp16 by default); a server running bf16
+converts them at load, which rounds them again: quantize with ``scale_dtype=torch.bfloat16`` for that.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from torchforge.export.naming import EXPERT_KEY, vllm_names
+from torchforge.io import CheckpointError, atomic_write_json, checkpoint_tensor_names, iter_checkpoint, save_sharded
+from torchforge.matching import is_fused_experts
+from torchforge.nn.awq_experts import ForgeAWQExperts
+from torchforge.nn.awq_linear import ForgeAWQLinear
+from torchforge.nn.gptq_linear import ForgeGPTQLinear
+from torchforge.nn.moe import ForgeMoE
+from torchforge.ops.awq import awq_pack, awq_unpack
+from torchforge.ops.gptq import gptq_pack, gptq_pack_zeros, gptq_unpack, gptq_unpack_zeros, trivial_g_idx
+
+__all__ = ["W4_FORMATS", "handles", "save_w4", "is_w4_config", "load_w4", "compressed_tensors_config",
+           "vllm_gptq_config"]
+
+W4_FORMATS = ("vllm-awq", "vllm-gptq", "compressed-tensors")
+_W4_MODULES = (ForgeGPTQLinear, ForgeAWQLinear, ForgeAWQExperts)
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _w4_modules(model: nn.Module):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _W4_MODULES)]
+
+
+def handles(model: nn.Module, format: str) -> bool:
+    """True when this module writes ``format`` for ``model``: vllm-gptq always, compressed-tensors for a
+    W4A16 model, vllm-awq when a ForgeGPTQLinear is present (pure AWQ models keep the AWQ exporter)."""
+    mods = _w4_modules(model)
+    if format == "vllm-gptq":
+        return True
+    if format == "compressed-tensors":
+        return bool(mods)
+    return format == "vllm-awq" and any(isinstance(m, ForgeGPTQLinear) for _, m in mods)
+
+
+# ------------------------------------------------------------------------------------- one matrix
+def _unpacked_linear(mod: nn.Module):
+    """(codes [IC, OC] uint8, scales [NG, OC], zeros [NG, OC] uint8) of a W4 Linear module."""
+    if isinstance(mod, ForgeGPTQLinear):
+        if mod.has_act_order():
+            raise ValueError("act-order (a permuted g_idx) cannot be re-packed; export this model as vllm-gptq")
+        return gptq_unpack(mod.qweight), mod.scales, gptq_unpack_zeros(mod.qzeros)
+    return awq_unpack(mod.qweight), mod.scales, awq_unpack(mod.qzeros)
+
+
+def _pack_along_oc(zeros: torch.Tensor) -> torch.Tensor:
+    """[NG, OC] values 0..15 -> int32 [NG, OC // 8], output 8c + j in bits 4j (no offset)."""
+    z = zeros.to(torch.int64).reshape(zeros.shape[0], -1, 8) << torch.arange(0, 32, 4, device=zeros.device)
+    w = z.sum(-1)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def _unpack_along_oc(words: torch.Tensor) -> torch.Tensor:
+    z = (words.unsqueeze(-1) >> torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)) & 0xF
+    return z.reshape(words.shape[0], -1).to(torch.uint8)
+
+
+def _tensors(fmt: str, codes, scales, zeros, symmetric: bool) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (local names) of one matrix in ``fmt``."""
+    ic, oc = codes.shape
+    if fmt == "vllm-awq":
+        return {"qweight": awq_pack(codes), "qzeros": awq_pack(zeros), "scales": scales}
+    if fmt == "vllm-gptq":
+        g = ic // scales.shape[0]
+        return {"qweight": gptq_pack(codes), "qzeros": gptq_pack_zeros(zeros), "scales": scales,
+                "g_idx": trivial_g_idx(ic, g, device=codes.device)}
+    out = {"weight_packed": gptq_pack(codes).T.contiguous(), "weight_scale": scales.T.contiguous(),
+           "weight_shape": torch.tensor([oc, ic], dtype=torch.int64)}
+    if not symmetric:
+        out["weight_zero_point"] = _pack_along_oc(zeros).T.contiguous()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ configs
+def _skip_list(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules()
+            if (isinstance(m, nn.Linear) and not isinstance(m, ForgeAWQLinear)) or is_fused_experts(m)]
+
+
+def _group_size(mods) -> int:
+    sizes = {m.group_size for _, m in mods}
+    if len(sizes) != 1:
+        raise ValueError(f"a W4 checkpoint holds one group_size; the model mixes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _symmetric(mods) -> bool:
+    return all(m.symmetric for _, m in mods)
+
+
+def vllm_gptq_config(model: nn.Module) -> dict:
+    mods = _w4_modules(model)
+    quantized = [n for n, _ in mods]
+    return {"quant_method": "gptq", "bits": 4, "group_size": _group_size(mods), "desc_act": False,
+            "sym": _symmetric(mods), "lm_head": False, "static_groups": False, "true_sequential": True,
+            "checkpoint_format": "gptq", "modules_in_block_to_quantize": quantized,
+            "dynamic": {f"-:^{re.escape(n)}$": {} for n in _skip_list(model)}}
+
+
+def compressed_tensors_config(model: nn.Module) -> dict:
+    mods = _w4_modules(model)
+    sym = _symmetric(mods)
+    weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": _group_size(mods),
+               "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}, "block_structure": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": _skip_list(model), "kv_cache_scheme": None, "global_compression_ratio": None}
+
+
+def _vllm_awq_config(model: nn.Module) -> dict:
+    mods = _w4_modules(model)
+    skip = _skip_list(model)
+    qnames = set()
+    for n, m in mods:
+        qnames |= vllm_names(n) | ({f"{n}.{i}" for i in range(m.num_experts)} if isinstance(m, ForgeAWQExperts) else set())
+    for s in skip:  # vLLM skips a layer when any entry is a substring of its name (see vllm_awq.py)
+        hit = next((q for q in sorted(qnames) if s in q), None)
+        if hit is not None:
+            raise ValueError(f"vllm-awq export: unquantized module {s!r} is a substring of quantized {hit!r}")
+    return {"quant_method": "awq", "bits": 4, "group_size": _group_size(mods), "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": skip}
+
+
+# ------------------------------------------------------------------------------------------- save
+@torch.no_grad()
+def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of ``model`` in ``fmt``: the AWQ exporter's state dict (unquantized tensors in
+    ``dtype``, experts per expert) with every quantized matrix re-packed."""
+    from torchforge.export.vllm_awq import export_state_dict
+
+    state = export_state_dict(model, dtype)
+    for name, mod in _w4_modules(model):
+        if isinstance(mod, ForgeAWQExperts):
+            i = mod.intermediate_size
+            for e in range(mod.num_experts):
+                z_gu, z_dn = awq_unpack(mod.gate_up_qzeros[e]), awq_unpack(mod.down_qzeros[e])
+                c_gu, c_dn = awq_unpack(mod.gate_up_qweight[e]), awq_unpack(mod.down_qweight[e])
+                parts = {"gate_proj": (c_gu[:, :i], mod.gate_up_scales[e, :, :i], z_gu[:, :i]),
+                         "up_proj": (c_gu[:, i:], mod.gate_up_scales[e, :, i:], z_gu[:, i:]),
+                         "down_proj": (c_dn, mod.down_scales[e], z_dn)}
+                for proj, (c, s, z) in parts.items():
+                    p = f"{name}.{e}.{proj}"
+                    for k in ("qweight", "qzeros", "scales"):
+                        state.pop(f"{p}.{k}", None)
+                    for k, t in _tensors(fmt, c.contiguous(), s.contiguous(), z.contiguous(), mod.symmetric).items():
+                        state[f"{p}.{k}"] = t
+        else:
+            for k in ("qweight", "qzeros", "scales", "g_idx"):
+                state.pop(f"{name}.{k}", None)
+            try:
+                if fmt == "vllm-gptq" and isinstance(mod, ForgeGPTQLinear):  # as stored, g_idx included
+                    tensors = {"qweight": mod.qweight, "qzeros": mod.qzeros, "scales": mod.scales, "g_idx": mod.g_idx}
+                else:
+                    c, s, z = _unpacked_linear(mod)
+                    tensors = _tensors(fmt, c, s, z, mod.symmetric)
+            except ValueError as err:
+                raise ValueError(f"save_quantized({fmt}): {name}: {err}") from err
+            for k, t in tensors.items():
+                state[f"{name}.{k}"] = t
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, source_dir=None,
+            max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
+    """Writes ``model`` as a ``format`` checkpoint (one of :data:`W4_FORMATS`); config.json last."""
+    from torchforge.export.vllm_awq import TORCHFORGE_META, _copy_tokenizer_files
+    from torchforge.quantize import RECIPE_ATTR
+
+    if format not in W4_FORMATS:
+        raise ValueError(f"save_quantized: unknown W4A16 format {format!r}; choose one of {W4_FORMATS}")
+    mods = _w4_modules(model)
+    if not mods:
+        raise ValueError("save_quantized: the model has no torchforge W4A16 modules; call torchforge.quantize first")
+    recipe = getattr(model, RECIPE_ATTR, None)
+    if dtype is None:
+        dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16
+    qcfg = {"vllm-awq": _vllm_awq_config, "vllm-gptq": vllm_gptq_config,
+            "compressed-tensors": compressed_tensors_config}[format](model)
+    state = w4_state_dict(model, format, dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    save_sharded(state, out_dir, max_shard_bytes=max_shard_bytes, metadata={"format": "pt", "torchforge": format})
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    cfg["quantization_config"] = qcfg
+    cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
+            "symmetric": sorted({m.symmetric for _, m in mods})}
+    atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    _copy_tokenizer_files(source_dir or getattr(model, "name_or_path", None), out_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):
+        atomic_write_json(os.path.join(out_dir, "generation_config.json"), gen.to_dict())
+    atomic_write_json(os.path.join(out_dir, "config.json"), cfg)
+    return out_dir
+
+
+# ------------------------------------------------------------------------------------------- load
+def _ct_weights(qcfg: dict):
+    groups = qcfg.get("config_groups") or {}
+    if len(groups) != 1:
+        return None
+    g = next(iter(groups.values()))
+    w = g.get("weights") or {}
+    fmt = g.get("format") or qcfg.get("format")
+    if fmt != "pack-quantized" or w.get("num_bits") != 4 or w.get("type") != "int" or w.get("strategy") != "group":
+        return None
+    if g.get("input_activations"):
+        return None
+    return w
+
+
+def is_w4_config(qcfg: dict) -> bool:
+    """A ``gptq`` config, or a compressed-tensors pack-quantized int4 group config (W4A16)."""
+    method = str(qcfg.get("quant_method", "")).lower()
+    if method == "gptq":
+        return True
+    return method == "compressed-tensors" and _ct_weights(qcfg) is not None
+
+
+def _to_gptq_linear(fmt: str, t: dict, symmetric: bool):
+    """Checkpoint tensors of one Linear -> ForgeGPTQLinear buffers (qweight, qzeros, scales, g_idx)."""
+    if fmt == "vllm-gptq":
+        return t["qweight"], t["qzeros"], t["scales"], t["g_idx"].to(torch.int32)
+    oc, ic = (int(v) for v in t["weight_shape"].tolist())
+    qweight = t["weight_packed"].T.contiguous()
+    scales = t["weight_scale"].T.contiguous()
+    zeros = (torch.full(scales.shape, 8, dtype=torch.uint8) if symmetric
+             else _unpack_along_oc(t["weight_zero_point"].T.contiguous()))
+    return qweight, gptq_pack_zeros(zeros), scales, trivial_g_idx(ic, ic // scales.shape[0])
+
+
+def _to_awq_expert(fmt: str, t: dict, symmetric: bool):
+    """Checkpoint tensors of one expert projection -> AWQ (qweight, qzeros, scales)."""
+    if fmt == "vllm-gptq":
+        codes, zeros, scales = gptq_unpack(t["qweight"]), gptq_unpack_zeros(t["qzeros"]), t["scales"]
+        if not torch.equal(t["g_idx"].to(torch.int32), trivial_g_idx(codes.shape[0], codes.shape[0] // scales.shape[0])):
+            raise CheckpointError("load_quantized: act-order (permuted g_idx) routed experts are not supported")
+    else:
+        codes = gptq_unpack(t["weight_packed"].T.contiguous())
+        scales = t["weight_scale"].T.contiguous()
+        zeros = (torch.full(scales.shape, 8, dtype=torch.uint8) if symmetric
+                 else _unpack_along_oc(t["weight_zero_point"].T.contiguous()))
+    if int(zeros.max()) > 15:
+        raise CheckpointError("load_quantized: a zero point of 16 has no 4-bit AWQ-layout equivalent")
+    return awq_pack(codes), awq_pack(zeros), scales
+
+
+@torch.no_grad()
+def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
+    """Fills the meta-device skeleton ``model`` from a vllm-gptq or compressed-tensors W4A16 checkpoint:
+    Linear layers become ForgeGPTQLinear (any g_idx), fused experts ForgeAWQExperts in a ForgeMoE."""
+    from torchforge.export.load import _rebuild_rotary, _stack_experts
+
+    if str(qcfg.get("quant_method")).lower() == "gptq":
+        fmt, symmetric, group_size = "vllm-gptq", bool(qcfg.get("sym", True)), int(qcfg["group_size"])
+        if int(qcfg.get("bits", 4)) != 4:
+            raise CheckpointError(f"load_quantized: {path}: only 4-bit GPTQ checkpoints are supported")
+        if qcfg.get("checkpoint_format", "gptq") != "gptq":
+            raise CheckpointError(f"load_quantized: {path}: checkpoint_format={qcfg.get('checkpoint_format')!r}; "
+                                  "only GPTQ v1 ('gptq') zero points are supported")
+        mark = "qweight"
+    else:
+        w = _ct_weights(qcfg)
+        fmt, symmetric, group_size = "compressed-tensors", bool(w.get("symmetric", True)), int(w["group_size"])
+        mark = "weight_packed"
+    names = set(checkpoint_tensor_names(path))
+    linears, experts = {}, {}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and f"{name}.{mark}" in names:
+            linears[name] = mod
+        elif is_fused_experts(mod) and f"{name}.0.gate_proj.{mark}" in names:
+            experts[name] = mod
+    per_linear, per_expert, state = defaultdict(dict), defaultdict(dict), {}
+    for key, t in iter_checkpoint(path):
+        m = EXPERT_KEY.match(key)
+        if m and m["module"] in experts:
+            per_expert[m["module"]].setdefault((int(m["e"]), m["proj"]), {})[m["kind"]] = t
+            continue
+        owner, _, leaf = key.rpartition(".")
+        if owner in linears and leaf != "bias":
+            per_linear[owner][leaf] = t
+        else:
+            state[key] = t
+    for name, mod in linears.items():
+        try:
+            qweight, qzeros, scales, g_idx = _to_gptq_linear(fmt, per_linear[name], symmetric)
+        except KeyError as err:
+            raise CheckpointError(f"load_quantized: {name} misses tensor {err} in {path}") from err
+        new = ForgeGPTQLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group_size=group_size,
+                              symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
+        new.qweight, new.qzeros, new.scales, new.g_idx = qweight, qzeros, scales, g_idx  # as stored (scale dtype too)
+        model.set_submodule(name, new)
+    stacked_parts = defaultdict(dict)
+    for name, mod in experts.items():
+        num, two_i, hid = mod.gate_up_proj.shape
+        ex = ForgeAWQExperts(num, hid, two_i // 2, group_size=group_size, symmetric=symmetric, act_fn=mod.act_fn,
+                             device="meta")
+        block = name.rsplit(".", 1)[0]
+        model.set_submodule(block, ForgeMoE.from_hf(model.get_submodule(block), ex))
+        for (e, proj), t in per_expert[name].items():
+            qw, qz, s = _to_awq_expert(fmt, t, symmetric)
+            stacked_parts[name].update({(e, proj, "qweight"): qw, (e, proj, "qzeros"): qz, (e, proj, "scales"): s})
+    quantized = {n: (m.qweight, m.qzeros, m.scales, m.g_idx) for n, m in model.named_modules()
+                 if isinstance(m, ForgeGPTQLinear)}
+    model.to_empty(device=device)
+    for n, tensors in quantized.items():  # to_empty dropped the stored values: put them back on `device`
+        m = model.get_submodule(n)
+        m.qweight, m.qzeros, m.scales, m.g_idx = (t.to(device) for t in tensors)
+    state.update(_stack_experts(model, stacked_parts))
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k.rpartition(".")[0] not in quantized or k.endswith(".bias")]
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise CheckpointError(f"load_quantized: checkpoint does not match the model: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    _rebuild_rotary(model, device)
+    model.eval()
+    return model
