@@ -27,7 +27,6 @@ converts them at load, which rounds them again: quantize with ``scale_dtype=torc
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import defaultdict

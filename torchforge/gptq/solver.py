@@ -48,7 +48,6 @@ one 80 GB GPU, fp32 throughout:
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import NamedTuple, Optional
 
@@ -66,8 +65,6 @@ from torchforge.ops.qmeta4_reference import (
 )
 
 __all__ = ["GPTQResult", "inverse_hessian_factor", "solve", "solve_batched"]
-
-log = logging.getLogger(__name__)
 
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from torchforge.ops._triton import HAS_TRITON, tl, triton
 from torchforge.ops.qmeta4_reference import (
-    FLAG_SYMMETRIC,
     MIN_SCALE,
     QMETA4_CODE_MAX,
     QMETA4_CODE_MIN,
