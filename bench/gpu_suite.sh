@@ -26,6 +26,7 @@ case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20
 case " $SUITE " in *" bench "*)
   TAIL=45 step bench_w4a16_linear python3 bench/w4a16_linear.py --sweep
   TAIL=12 step bench_awq_quantize python3 bench/awq_quantize.py
-  TAIL=12 step bench_moe_w4a16 python3 bench/moe_w4a16.py ;;
+  TAIL=12 step bench_moe_w4a16 python3 bench/moe_w4a16.py
+  TAIL=45 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
 esac
 case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
