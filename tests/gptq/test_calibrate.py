@@ -138,3 +138,16 @@ def test_bad_inputs():
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 60, bias=False)
     with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\.mlp\.down_proj.*out_features=60"):
         torchforge.quantize(model, RECIPE, calib_data=_ids())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_cuda_calibration_runs_the_fast_solver(arch):
+    model = models.build(arch).cuda()
+    ids = _ids(8).cuda()
+    with torch.no_grad():
+        ref = model(ids).logits
+    rtn = torchforge.quantize(copy.deepcopy(model), {**RECIPE, "scheme": "w4a16-rtn"})
+    torchforge.quantize(model, RECIPE, calib_data=ids, gptq={"mse": True})
+    assert all(m.qweight.is_cuda for m in model.modules() if isinstance(m, ForgeGPTQLinear))
+    assert _logit_err(model, ref, ids) < 0.85 * _logit_err(rtn, ref, ids)

@@ -233,6 +233,9 @@ def test_cuda_fast_solver_matches_reference(cfg):
         e_ref = out_err(xs[b], w[b], ref.dequantize())
         e_fast = out_err(xs[b], w[b], fast.dequantize()[b].cpu())
         assert abs(e_fast - e_ref) <= 0.01 * e_ref, (b, e_fast, e_ref)
+    ref_cuda = solve(w[0].cuda(), h[0].cuda(), **cfg)  # the reference loop runs on the GPU too (the bench times it)
+    e_ref = out_err(xs[0], w[0], solve(w[0], h[0], **cfg).dequantize())
+    assert abs(out_err(xs[0], w[0], ref_cuda.dequantize().cpu()) - e_ref) <= 0.01 * e_ref
     hb = torch.stack([accumulate_hessian(x, ic, block_size=128)[0] for x in xs])
     fb = solve_batched(w.cuda(), hb.cuda(), **cfg)
     rb = solve(w[0], hb[0], **cfg)
