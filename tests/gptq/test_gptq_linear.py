@@ -166,6 +166,14 @@ def test_module_without_hessian_is_rtn_and_beats_nothing_else():
     assert err(gptq) < 0.7 * err(rtn)
 
 
+def test_compiled_forward_has_no_graph_break():
+    lin, x = _layer(7, ic=64, oc=32)
+    mod = ForgeGPTQLinear.from_linear(lin, None, group_size=32)
+    torch._dynamo.reset()
+    compiled = torch.compile(mod, fullgraph=True)  # fullgraph: a graph break raises
+    torch.testing.assert_close(compiled(x[:3]), mod(x[:3]), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs():
     qweight, scales, qzeros, g_idx, _, _ = random_gptq(64, 16, 32, seed=6)
     with pytest.raises(ValueError, match=r"x has shape \(2, 32\) but qweight \(8, 16\) expects IC=64"):

@@ -48,3 +48,10 @@ __all__ = [
     "nvfp4_linear",
     "nvfp4_grouped_linear",
 ]
+
+# GPTQ (issue 3): qmeta4 group metadata (torchforge.ops.qmeta4) and the GPTQ W4 layout (torchforge.ops.gptq).
+from torchforge.ops.gptq import gptq_dequantize, gptq_pack, gptq_unpack, w4a16_gptq_linear  # noqa: E402
+from torchforge.ops.qmeta4 import qmeta4_build, qmeta4_decode, qmeta4_encode, qmeta4_mse_refine  # noqa: E402
+
+__all__ += ["gptq_pack", "gptq_unpack", "gptq_dequantize", "w4a16_gptq_linear", "qmeta4_encode", "qmeta4_decode",
+            "qmeta4_build", "qmeta4_mse_refine"]
