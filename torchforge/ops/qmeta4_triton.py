@@ -53,8 +53,8 @@ if HAS_TRITON:
         m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)  # mantissa in [1, 2)
         f = tl.zeros_like(e)
         # Largest c <= 255 with B[c - 1] <= m, then one more when m >= B[255].
-        for step in tl.static_range(7, -1, -1):
-            cand = f + (1 << step)
+        for k in tl.static_range(8):  # steps 128, 64, ..., 1
+            cand = f + (128 >> k)
             b = tl.load(bounds_ptr + cand - 1)
             f = tl.where(m >= b, cand, f)
         f += (m >= tl.load(bounds_ptr + 255)).to(tl.int32)
