@@ -218,6 +218,17 @@ def main() -> int:
                              f"{ref / pm:.1f}x" if ref else "-"])
                 print(rows[-1], flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    from torchforge.gptq.solver import _factor_batched
+
+    for name, oc, ic in (("gate or up", INTER, HID), ("down", HID, INTER)):  # where the time goes: H -> U alone
+        b = batches[0]
+        hcl = hs[ic].expand(b, ic, ic).clone()
+        wdummy = torch.zeros(b, 1, ic, device=DEV)
+        sec, _ = _sync_time(lambda: _factor_batched(hcl, wdummy, 0.01, False, True, "bench"))
+        rows.append([f"{name} [{oc}, {ic}], factorisation H -> U only", b, "fp32", "one call", sec, sec / b * 1e3,
+                     0.0, "-"])
+        print(rows[-1], flush=True)
+        del hcl
     for name, oc, ic in (("gate or up", INTER, HID), ("down", HID, INTER)):
         b = batches[-1]
         hb = torch.stack([hs[ic][i:i + 128, i:i + 128] for i in range(0, ic, 128)])
