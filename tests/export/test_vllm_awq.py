@@ -116,9 +116,9 @@ def test_unquantized_experts_are_written_per_expert(tmp_path):
     model = _quantized("mixtral", recipe={**RECIPE, "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*experts$"]})
     torchforge.save_quantized(model, str(tmp_path))
     cfg = json.load(open(tmp_path / "config.json"))
-    assert "model.layers.0.mlp.experts" in cfg["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.0.block_sparse_moe.experts" in cfg["quantization_config"]["modules_to_not_convert"]
     names = set(dict(iter_checkpoint(str(tmp_path))))
-    assert "model.layers.0.mlp.experts.3.down_proj.weight" in names
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names
     assert not any(".experts." in n and n.endswith("qweight") for n in names)
 
 
@@ -131,3 +131,20 @@ def test_save_refuses_unquantized_model(tmp_path):
 def test_load_rejects_folder_without_config(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         torchforge.load_quantized(str(tmp_path))
+
+
+def test_mixtral_uses_checkpoint_names(tmp_path):
+    """transformers 5 keeps Mixtral's experts as mlp.experts in memory; checkpoints (and vLLM) use
+    block_sparse_moe.experts.E.w1 / w3 / w2 for gate / up / down."""
+    model = _quantized("mixtral")
+    torchforge.save_quantized(model, str(tmp_path))
+    names = set(dict(iter_checkpoint(str(tmp_path))))
+    assert "model.layers.0.block_sparse_moe.experts.2.w1.qweight" in names
+    assert "model.layers.0.block_sparse_moe.experts.2.w3.scales" in names
+    assert "model.layers.0.block_sparse_moe.experts.2.w2.qzeros" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    assert not any(".mlp." in n for n in names)
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)

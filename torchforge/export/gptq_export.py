@@ -34,8 +34,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from torchforge.export.naming import EXPERT_KEY, vllm_names
-from torchforge.io import CheckpointError, atomic_write_json, checkpoint_tensor_names, iter_checkpoint, save_sharded
+from torchforge.export.naming import EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names, vllm_names
+from torchforge.io import CheckpointError, atomic_write_json, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
@@ -213,7 +213,8 @@ def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, sour
             "compressed-tensors": compressed_tensors_config}[format](model)
     state = w4_state_dict(model, format, dtype)
     os.makedirs(out_dir, exist_ok=True)
-    save_sharded(state, out_dir, max_shard_bytes=max_shard_bytes, metadata={"format": "pt", "torchforge": format})
+    save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
+                 metadata={"format": "pt", "torchforge": format})
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]
     cfg["quantization_config"] = qcfg
@@ -300,7 +301,7 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
         w = _ct_weights(qcfg)
         fmt, symmetric, group_size = "compressed-tensors", bool(w.get("symmetric", True)), int(w["group_size"])
         mark = "weight_packed"
-    names = set(checkpoint_tensor_names(path))
+    names = set(memory_names(path, model))
     linears, experts = {}, {}
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear) and f"{name}.{mark}" in names:
@@ -308,7 +309,7 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
         elif is_fused_experts(mod) and f"{name}.0.gate_proj.{mark}" in names:
             experts[name] = mod
     per_linear, per_expert, state = defaultdict(dict), defaultdict(dict), {}
-    for key, t in iter_checkpoint(path):
+    for key, t in iter_memory_named(path, model):
         m = EXPERT_KEY.match(key)
         if m and m["module"] in experts:
             per_expert[m["module"]].setdefault((int(m["e"]), m["proj"]), {})[m["kind"]] = t

@@ -8,8 +8,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from torchforge.export.naming import EXPERT_KEY
-from torchforge.io import CheckpointError, checkpoint_tensor_names, iter_checkpoint
+from torchforge.export.naming import EXPERT_KEY, iter_memory_named, memory_names
+from torchforge.io import CheckpointError
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
@@ -94,7 +94,7 @@ def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torc
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             symmetric = json.load(f).get("symmetric", [True]) == [True]
-    names = set(checkpoint_tensor_names(path))
+    names = set(memory_names(path, model))
     _swap_quantized_modules(model, names, int(qcfg["group_size"]), symmetric)
     # MoE expert pruning: a drop-pruned checkpoint (expert_map.pt beside it) gets PrunedMoE(drop) blocks holding the
     # kept experts only. Reroute-pruned checkpoints are standard ones and need nothing here.
@@ -103,7 +103,7 @@ def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torc
     model = restore_pruned(model, path)
     model.to_empty(device=device)
     state, per_expert = {}, defaultdict(dict)
-    for key, t in iter_checkpoint(path):
+    for key, t in iter_memory_named(path, model):
         m = EXPERT_KEY.match(key)
         if m:
             per_expert[m["module"]][(int(m["e"]), m["proj"], m["kind"])] = t

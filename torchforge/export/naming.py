@@ -24,3 +24,68 @@ def vllm_names(name: str) -> set[str]:
     if leaf in VLLM_FUSED:
         out.add(f"{parent}.{VLLM_FUSED[leaf]}" if parent else VLLM_FUSED[leaf])
     return out
+
+
+# transformers 5 renames some architectures' checkpoint keys at load time (its conversion_mapping.py);
+# vLLM reads the checkpoint names. Export writes the checkpoint names, load reads them back.
+# Mixtral: `block_sparse_moe.{gate,experts}` in checkpoints is `mlp.{gate,experts}` in memory, and the
+# experts' w1 / w3 / w2 are gate_proj / up_proj / down_proj.
+_CHECKPOINT_RENAMES: dict[str, list[tuple[str, str]]] = {
+    "mixtral": [
+        (r"\.mlp\.(gate|experts)\b", r".block_sparse_moe.\1"),
+        (r"(\.experts\.\d+)\.gate_proj\.", r"\1.w1."),
+        (r"(\.experts\.\d+)\.up_proj\.", r"\1.w3."),
+        (r"(\.experts\.\d+)\.down_proj\.", r"\1.w2."),
+    ],
+}
+_LOAD_RENAMES: dict[str, list[tuple[str, str]]] = {
+    "mixtral": [
+        (r"\.block_sparse_moe\.(gate|experts)\b", r".mlp.\1"),
+        (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
+        (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."),
+        (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj."),
+    ],
+}
+
+
+def _apply(renames, name: str) -> str:
+    for pattern, repl in renames:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def to_checkpoint_name(name: str, model_type: str | None) -> str:
+    """In-memory (transformers 5) name -> the name HF checkpoints and vLLM use."""
+    return _apply(_CHECKPOINT_RENAMES.get(model_type or "", ()), name)
+
+
+def from_checkpoint_name(name: str, model_type: str | None) -> str:
+    """Inverse of `to_checkpoint_name`."""
+    return _apply(_LOAD_RENAMES.get(model_type or "", ()), name)
+
+
+def _model_type(model) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def checkpoint_state(state: dict, model) -> dict:
+    """Renames an in-memory state dict's keys to the checkpoint names of `model`'s architecture."""
+    mt = _model_type(model)
+    return {to_checkpoint_name(k, mt): v for k, v in state.items()} if mt in _CHECKPOINT_RENAMES else state
+
+
+def memory_names(path: str, model) -> list[str]:
+    """Tensor names of the checkpoint at `path`, in `model`'s in-memory naming."""
+    from torchforge.io import checkpoint_tensor_names
+
+    mt = _model_type(model)
+    return [from_checkpoint_name(n, mt) for n in checkpoint_tensor_names(path)]
+
+
+def iter_memory_named(path: str, model):
+    """`iter_checkpoint(path)` with the names in `model`'s in-memory naming."""
+    from torchforge.io import iter_checkpoint
+
+    mt = _model_type(model)
+    for name, t in iter_checkpoint(path):
+        yield from_checkpoint_name(name, mt), t

@@ -42,8 +42,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from torchforge.export.naming import EXPERT_KEY, vllm_names
-from torchforge.io import CheckpointError, atomic_write_json, checkpoint_tensor_names, iter_checkpoint, save_sharded
+from torchforge.export.naming import EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names, vllm_names
+from torchforge.io import CheckpointError, atomic_write_json, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.moe import ForgeMoE
 from torchforge.nn.nvfp4_experts import NVFP4Experts
@@ -217,7 +217,8 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
         hf_quant, qcfg = None, compressed_tensors_config(model)
     os.makedirs(out_dir, exist_ok=True)
     state, exact = nvfp4_state_dict(model, format, dtype)
-    save_sharded(state, out_dir, max_shard_bytes=max_shard_bytes, metadata={"format": "pt", "torchforge": format})
+    save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
+                 metadata={"format": "pt", "torchforge": format})
     if hf_quant is not None:
         atomic_write_json(os.path.join(out_dir, "hf_quant_config.json"), hf_quant)
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None, "w4a4": _w4a4(model)}
@@ -307,7 +308,7 @@ def load_nvfp4_state(model: nn.Module, path: str, ct: bool, exact: dict) -> dict
     nv_linear = {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     nv_experts = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Experts)}
     state, per_linear, per_expert, hf_experts = {}, defaultdict(dict), defaultdict(dict), defaultdict(dict)
-    for key, t in iter_checkpoint(path):
+    for key, t in iter_memory_named(path, model):
         m = EXPERT_KEY.match(key)
         if m and m["module"] in nv_experts:
             per_expert[m["module"]][(int(m["e"]), m["proj"], m["kind"])] = t
@@ -369,7 +370,7 @@ def load_nvfp4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
     from torchforge.export.vllm_awq import TORCHFORGE_META
 
     ct = str(qcfg.get("quant_method", "")).lower() == "compressed-tensors"
-    _swap_nvfp4_modules(model, set(checkpoint_tensor_names(path)), ct)
+    _swap_nvfp4_modules(model, set(memory_names(path, model)), ct)
     exact = {}
     meta_path = os.path.join(path, TORCHFORGE_META)
     if os.path.isfile(meta_path):

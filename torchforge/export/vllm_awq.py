@@ -8,7 +8,7 @@ import shutil
 import torch
 from torch import nn
 
-from torchforge.export.naming import vllm_names
+from torchforge.export.naming import checkpoint_state, to_checkpoint_name, vllm_names
 from torchforge.io import atomic_write_json, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
@@ -98,8 +98,9 @@ def vllm_awq_quantization_config(model: nn.Module) -> dict:
         if hit is not None:
             raise ValueError(f"vllm-awq export: unquantized module {s!r} is a substring of quantized {hit!r}; vLLM "
                              "would skip both. Quantize both or neither (fused parts must match).")
+    mt = getattr(model.config, "model_type", None)
     return {"quant_method": "awq", "bits": 4, "group_size": group_sizes.pop(), "zero_point": True,
-            "version": "gemm", "modules_to_not_convert": skip}
+            "version": "gemm", "modules_to_not_convert": [to_checkpoint_name(s, mt) for s in skip]}
 
 
 def _copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
@@ -151,7 +152,8 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     from torchforge.prune.export import apply_pruned_config, export_pruned
 
     state, prune_meta = export_pruned(model, state, out_dir)
-    save_sharded(state, out_dir, max_shard_bytes=max_shard_bytes, metadata={"format": "pt", "torchforge": format})
+    save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
+                 metadata={"format": "pt", "torchforge": format})
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]
     cfg["quantization_config"] = qcfg

@@ -37,6 +37,7 @@ import os
 import torch
 from torch import nn
 
+from torchforge.export.naming import checkpoint_state
 from torchforge.nn.pruned_moe import PrunedMoE
 from torchforge.nn.routing import router_family, router_groups
 from torchforge.prune.apply import moe_blocks, pruned_blocks
@@ -203,7 +204,7 @@ def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = N
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     state, meta = export_pruned(model, export_state_dict(model, dtype), out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    save_sharded(state, out_dir, max_shard_bytes=max_shard_bytes, metadata={"torchforge": "pruned"})
+    save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes, metadata={"torchforge": "pruned"})
     cfg = apply_pruned_config(model.config.to_dict(), model)
     cfg["architectures"] = [type(model).__name__]
     cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
