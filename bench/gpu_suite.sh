@@ -24,9 +24,14 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail
 SUITE=${SUITE:-tests bench demo}
 case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 -p no:cacheprovider tests ${PYTEST_ARGS:-} ;; esac
 case " $SUITE " in *" bench "*)
-  TAIL=45 step bench_w4a16_linear python3 bench/w4a16_linear.py --sweep
-  TAIL=12 step bench_awq_quantize python3 bench/awq_quantize.py
-  TAIL=12 step bench_moe_w4a16 python3 bench/moe_w4a16.py
-  TAIL=45 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
+  for b in ${BENCHES:-w4a16 quantize moe gptq nvfp4}; do
+    case $b in
+      w4a16) TAIL=22 step bench_w4a16_linear python3 bench/w4a16_linear.py ${W4A16_ARGS:-} ;;
+      quantize) TAIL=12 step bench_awq_quantize python3 bench/awq_quantize.py ;;
+      moe) TAIL=10 step bench_moe_w4a16 python3 bench/moe_w4a16.py ;;
+      gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
+      nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6
+    esac
+  done ;;
 esac
 case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
