@@ -7,7 +7,7 @@ import torch
 
 import torchforge
 from tests import models
-from torchforge.nn import NVFP4MoE, emulate_w4a4
+from torchforge.nn import NVFP4Linear, NVFP4MoE, emulate_w4a4
 
 pytestmark = pytest.mark.cuda
 
@@ -29,7 +29,33 @@ def test_cuda_nvfp4_moe_matches_cpu(w4a4):
         out = moe_gpu(x.cuda()).float().cpu()
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
     ids = torch.randint(0, 96, (2, 10), generator=g)
-    torch.testing.assert_close(gpu(ids.cuda()).logits.float().cpu(), model(ids).logits.float(), rtol=5e-2, atol=5e-2)
+    if not w4a4:
+        torch.testing.assert_close(gpu(ids.cuda()).logits.float().cpu(), model(ids).logits.float(), rtol=5e-2, atol=5e-2)
+        return
+    # W4A4 is discontinuous: a 1-ulp bf16 difference of a layer's output (the GEMM's fp32 summation order differs
+    # between the Triton kernel and the CPU matmul) can move an activation across an E2M1 rounding bound, which
+    # changes that element by up to a third of its block's amax; over the whole model that compounds (the
+    # Triton kernels under TRITON_INTERPRET on CPU differ from the reference by ~15% of the logits' norm too).
+    # So compare every NVFP4Linear on the inputs the GPU model gives it (its activation codes are then exactly
+    # the CPU ones; only the summation order differs); the routed experts were checked above.
+    cpu_mods = dict(model.named_modules())
+    checked = []
+
+    def check(name):
+        def hook(mod, args, out):
+            ref = cpu_mods[name](args[0].cpu()).float()
+            torch.testing.assert_close(out.float().cpu(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()),
+                                       msg=lambda m: f"{name}: {m}")
+            checked.append(name)
+        return hook
+
+    handles = [m.register_forward_hook(check(n)) for n, m in gpu.named_modules() if isinstance(m, NVFP4Linear)]
+    try:
+        assert torch.isfinite(gpu(ids.cuda()).logits).all()
+    finally:
+        for h in handles:
+            h.remove()
+    assert checked
 
 
 @torch.no_grad()

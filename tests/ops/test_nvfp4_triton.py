@@ -16,6 +16,11 @@ if not can_launch(torch.empty(0)) and not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def on_device(*tensors):
+    """The kernels' inputs on DEVICE: with a GPU TRITON_INTERPRET is unset, so they must be CUDA tensors."""
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
 def case(e, n, k, r, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(e, n, k, generator=g) * torch.logspace(-1, 1, e).view(e, 1, 1)
@@ -62,7 +67,7 @@ def test_grouped_kernel_tiles_and_w4a4(tiles):
     x, ids, p, s, ws2 = case(5, 40, 128, 23, seed=11)
     ins = torch.rand(5, generator=torch.Generator().manual_seed(12)) * 1e-3 + 2e-4
     ref = nvfp4_grouped_linear(x, ids, p, s, ws2, ins)
-    out = launch_nvfp4_grouped_linear(x, ids, p, s, ws2, ins, **tiles)
+    out = launch_nvfp4_grouped_linear(*on_device(x, ids, p, s, ws2, ins), **tiles).cpu()
     # same activation codes and scales as the reference (exact fp8/E2M1 rounding in the kernel)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
@@ -71,7 +76,8 @@ def test_grouped_kernel_bad_ids_are_nan_rows_and_empty():
     x, ids, p, s, ws2 = case(3, 16, 32, 6, seed=13)
     ids[2] = 3
     ids[4] = -1
-    out = launch_nvfp4_grouped_linear(x, ids, p, s, ws2)
+    x, ids, p, s, ws2 = on_device(x, ids, p, s, ws2)
+    out = launch_nvfp4_grouped_linear(x, ids, p, s, ws2).cpu()
     assert out[2].isnan().all() and out[4].isnan().all()
     good = [0, 1, 3, 5]
     assert not out[good].isnan().any()
@@ -81,5 +87,5 @@ def test_grouped_kernel_bad_ids_are_nan_rows_and_empty():
 def test_grouped_kernel_x_row_div():
     x, ids, p, s, ws2 = case(4, 32, 64, 12, seed=14)
     ref = nvfp4_grouped_linear(x[:4].repeat_interleave(3, 0), ids, p, s, ws2)
-    out = launch_nvfp4_grouped_linear(x[:4], ids, p, s, ws2, x_row_div=3)
+    out = launch_nvfp4_grouped_linear(*on_device(x[:4], ids, p, s, ws2), x_row_div=3).cpu()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

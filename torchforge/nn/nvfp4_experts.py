@@ -81,8 +81,10 @@ class NVFP4Experts(nn.Module):
         """Calibrated per-expert activation amax (inputs of gate_up and of down) -> input scales (ModelOpt:
         ``amax / (6 * 448)``)."""
         dev = self.gate_up_input_scale.device
-        self.gate_up_input_scale = (gate_up_amax.to(dev, torch.float32) / E2M1_E4M3_MAX).contiguous()
-        self.down_input_scale = (down_amax.to(dev, torch.float32) / E2M1_E4M3_MAX).contiguous()
+        # divide by a device tensor: CUDA computes `t / python_float` as t * fp32(1 / float), not the IEEE quotient
+        div = torch.full((), E2M1_E4M3_MAX, dtype=torch.float32, device=dev)
+        self.gate_up_input_scale = (gate_up_amax.to(dev, torch.float32) / div).contiguous()
+        self.down_input_scale = (down_amax.to(dev, torch.float32) / div).contiguous()
         return self
 
     @classmethod

@@ -98,10 +98,19 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def _fp32_on(like: Tensor, value: float) -> Tensor:
+    """``value`` as an fp32 0-dim tensor on ``like``'s device.
+
+    Divide by this, never by a Python float: CUDA torch computes ``t / python_scalar`` (any CPU scalar divisor)
+    as ``t * fp32(1 / scalar)``, which differs from the correctly rounded fp32 quotient in the last bit for
+    some ``t``; a divisor tensor on the same device gives IEEE division on CPU and CUDA alike."""
+    return torch.full((), value, dtype=torch.float32, device=like.device)
+
+
 def global_scale_ref(weight: Tensor) -> Tensor:
     """fp32 scalar ``amax(|W|) / (6 * 448)`` (1.0 for an all-zero tensor), ModelOpt's ``weight_scale_2``."""
     amax = weight.abs().amax().to(torch.float32) if weight.numel() else torch.zeros((), device=weight.device)
-    g = amax / (E2M1_MAX * E4M3_MAX)
+    g = amax / _fp32_on(amax, E2M1_MAX * E4M3_MAX)
     return torch.where(g == 0, torch.ones_like(g), g)
 
 
@@ -110,7 +119,7 @@ def block_scales_ref(weight: Tensor, weight_scale_2: Tensor) -> Tensor:
     (a scalar, or one value per leading index, broadcast as ``[..., 1, 1]``)."""
     *lead, n, k = weight.shape
     amax = weight.reshape(*lead, n, k // BLOCK, BLOCK).abs().amax(dim=-1).to(torch.float32)
-    s = amax / (E2M1_MAX * weight_scale_2.to(torch.float32))
+    s = amax / (E2M1_MAX * weight_scale_2.to(device=amax.device, dtype=torch.float32))  # a device tensor: IEEE
     s = torch.where(s == 0, torch.ones_like(s), s)
     return s.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
 
@@ -135,7 +144,8 @@ def nvfp4_quantize_ref(weight: Tensor, weight_scale_2: Optional[Tensor] = None) 
     """
     check_finite("nvfp4_quantize", weight)
     if weight.dim() == 2:
-        g = global_scale_ref(weight) if weight_scale_2 is None else weight_scale_2.to(torch.float32).reshape(()).clone()
+        g = (global_scale_ref(weight) if weight_scale_2 is None
+             else weight_scale_2.to(device=weight.device, dtype=torch.float32).reshape(()).clone())
         packed, scales = _quantize_one(weight, g)
         return packed, scales, g
     E, n, k = weight.shape
@@ -143,7 +153,8 @@ def nvfp4_quantize_ref(weight: Tensor, weight_scale_2: Optional[Tensor] = None) 
     scales = torch.empty(E, n, k // BLOCK, dtype=torch.float8_e4m3fn, device=weight.device)
     gs = torch.empty(E, dtype=torch.float32, device=weight.device)
     for e in range(E):
-        g = global_scale_ref(weight[e]) if weight_scale_2 is None else weight_scale_2[e].to(torch.float32)
+        g = (global_scale_ref(weight[e]) if weight_scale_2 is None
+             else weight_scale_2[e].to(device=weight.device, dtype=torch.float32))
         packed[e], scales[e] = _quantize_one(weight[e], g)
         gs[e] = g
     return packed, scales, gs
@@ -177,15 +188,16 @@ def activation_scales_and_codes(x: Tensor, input_scale: Tensor) -> Tuple[Tensor,
     ``input_scale`` is a scalar or broadcasts against ``x.shape[:-1]``. Returns (uint8 codes [..., K], fp8
     block scales [..., K / 16])."""
     *lead, k = x.shape
-    gs = 1.0 / input_scale.to(torch.float32)
+    one = _fp32_on(x, 1.0)  # IEEE quotients on every device (see _fp32_on)
+    gs = one / input_scale.to(device=x.device, dtype=torch.float32)
     gs = gs.reshape(*gs.shape, 1) if gs.dim() else gs  # broadcast over the block axis
     xb = x.to(torch.float32).reshape(*lead, k // BLOCK, BLOCK)
     vec_max = xb.abs().amax(dim=-1)
     scale = gs * (vec_max * (1.0 / E2M1_MAX))
     scale = scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     sf = scale.to(torch.float32)
-    prod = sf * (1.0 / gs)
-    out_scale = 1.0 / (prod + (prod == 0).to(torch.float32) * 1e8)
+    prod = sf * (one / gs)
+    out_scale = one / (prod + (prod == 0).to(torch.float32) * 1e8)
     xs = (xb * out_scale.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
     return e2m1_codes(xs).reshape(*lead, k), scale
 
