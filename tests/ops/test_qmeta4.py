@@ -242,6 +242,29 @@ def test_cuda_kernels_match_cpu_reference(dtype):
     for sym in (True, False):
         q = qmeta4_build(w.cuda(), 128, 4, sym)
         assert torch.equal(q.cpu(), qmeta4_build_ref(w, 128, 4, sym))
-        r = qmeta4_mse_refine(w.cuda(), q, 128, 4, norm=2.0, n_grid=20)
+        r = qmeta4_mse_refine(w.cuda(), q, 128, 4, norm=2.0, n_grid=20).cpu()
         ref = qmeta4_mse_refine_ref(w, q.cpu(), default_grid(0.2, 20), 128, 4, 2.0, torch.float16)
-        assert (r.cpu() == ref).float().mean() > 0.999  # sums in another order: near-ties may differ
+        _assert_same_up_to_near_ties(w, r, ref, 128, 4)
+
+
+def _group_loss64(w, qmeta, group_size, bits):
+    """Exact (float64) ``sum (w_hat - w)^2`` per group of the fp32 quantization with ``qmeta``'s fp16 scale."""
+    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
+    s = qmeta4_effective_scale(qmeta, torch.float16).unsqueeze(-1)
+    z = ((qmeta.to(torch.int64) >> 16) & 0xFF).to(torch.float32).unsqueeze(-1)
+    q = torch.clamp(torch.round(x / s) + z, 0, 2**bits - 1)
+    return (((q - z) * s).double() - x.double()).pow(2).sum(-1)
+
+
+def _assert_same_up_to_near_ties(w, got, ref, group_size, bits):
+    """The kernel sums a group's 128 squared errors in another order (a tree, possibly with FMA) than the
+    reference, so a candidate within the fp32 rounding of the sums (|error| <= 128 * 2**-24 relative per
+    sum) may win instead: fp8 weights, with 4 significant bits, give exact real ties between different
+    scales (1 group in 512 of this test's sym fp8 case flips under pairwise fp32 summation on CPU).
+    Anything further apart is a real kernel difference."""
+    diff = got != ref
+    assert diff.float().mean() < 0.01, diff.float().mean()
+    if diff.any():
+        l_got, l_ref = _group_loss64(w, got, group_size, bits), _group_loss64(w, ref, group_size, bits)
+        rel = ((l_got - l_ref).abs() / l_ref.clamp(min=1e-300))[diff]
+        assert rel.max() <= 2e-5, (int(diff.sum()), rel.max().item())

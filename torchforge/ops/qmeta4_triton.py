@@ -136,10 +136,14 @@ if HAS_TRITON:
             if L2:
                 e = err * err
             else:
-                e = tl.where(err > 0.0, tl.exp2(norm * tl.log2(tl.maximum(err, 1e-38))), 0.0)
-            loss = tl.sum(tl.where(emask, e, 0.0), axis=1)
+                # No tiny literal here: Triton types a Python float below 2**-126 (e.g. 1e-38) as fp64, which
+                # promotes the loss, and best_loss with it, to fp64 (a compile error on the real compiler; the
+                # interpreter does not check). log2 of 1.0 on the zero lanes is 0, and they are masked to 0.
+                pos = err > 0.0
+                e = tl.where(pos, tl.exp2(norm * tl.log2(tl.where(pos, err, 1.0))), 0.0)
+            loss = tl.sum(tl.where(emask, e, 0.0), axis=1).to(tl.float32)
             better = loss < best_loss
-            best_loss = tl.where(better, loss, best_loss)
+            best_loss = tl.where(better, loss, best_loss).to(tl.float32)
             best_code = tl.where(better, code, best_code)
         out = (word & ~0xFFFF) | (best_code & 0xFFFF)
         tl.store(out_ptr + gid, out, mask=gmask)
