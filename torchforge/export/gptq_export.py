@@ -287,7 +287,7 @@ def _to_awq_expert(fmt: str, t: dict, symmetric: bool):
 def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
     """Fills the meta-device skeleton ``model`` from a vllm-gptq or compressed-tensors W4A16 checkpoint:
     Linear layers become ForgeGPTQLinear (any g_idx), fused experts ForgeAWQExperts in a ForgeMoE."""
-    from torchforge.export.load import _rebuild_rotary, _stack_experts
+    from torchforge.export.load import _stack_experts, finish_load
 
     if str(qcfg.get("quant_method")).lower() == "gptq":
         fmt, symmetric, group_size = "vllm-gptq", bool(qcfg.get("sym", True)), int(qcfg["group_size"])
@@ -345,16 +345,6 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
         m = model.get_submodule(n)
         m.qweight, m.qzeros, m.scales, m.g_idx = (t.to(device) for t in tensors)
     state.update(_stack_experts(model, stacked_parts))
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k.rpartition(".")[0] not in quantized or k.endswith(".bias")]
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise CheckpointError(f"load_quantized: checkpoint does not match the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
-    _rebuild_rotary(model, device)
-    model.eval()
-    return model
+    # GPTQ buffers were assigned above, not through the state dict
+    return finish_load(model, state, device,
+                       ignore_missing=lambda k: k.rpartition(".")[0] in quantized and not k.endswith(".bias"))

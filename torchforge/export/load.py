@@ -110,12 +110,18 @@ def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torc
         else:
             state[key] = t
     state.update(_stack_experts(model, per_expert))
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
-        state.pop("lm_head.weight", None)
+    return finish_load(model, state, device)
+
+
+def finish_load(model: nn.Module, state: dict, device, ignore_missing=None) -> nn.Module:
+    """Loads `state` into a skeleton made by `to_empty`: strict, except for a tied lm_head and keys for which
+    `ignore_missing(key)` is true; then recomputes the RoPE tables. Shared by every format's loader."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if getattr(model.config, "tie_word_embeddings", False):
+    if tied:
         model.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")
+               and not (ignore_missing is not None and ignore_missing(k))]
     if missing or unexpected:
         raise CheckpointError(f"load_quantized: checkpoint does not match the model: missing {missing[:8]}, "
                               f"unexpected {unexpected[:8]}")

@@ -366,7 +366,7 @@ def load_nvfp4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
     """`load_quantized` for NVFP4 checkpoints: `model` is the meta skeleton built from config.json."""
     import json
 
-    from torchforge.export.load import _rebuild_rotary
+    from torchforge.export.load import finish_load
     from torchforge.export.vllm_awq import TORCHFORGE_META
 
     ct = str(qcfg.get("quant_method", "")).lower() == "compressed-tensors"
@@ -378,16 +378,4 @@ def load_nvfp4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
             exact = json.load(f).get(EXACT_KEY) or {}
     model.to_empty(device=device)
     state = load_nvfp4_state(model, path, ct, exact)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    if tied and "lm_head.weight" not in state:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if tied:
-        model.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise CheckpointError(f"load_quantized: checkpoint does not match the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
-    _rebuild_rotary(model, device)
-    model.eval()
-    return model
+    return finish_load(model, state, device)
