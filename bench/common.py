@@ -39,3 +39,43 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 def device_line() -> str:
     p = torch.cuda.get_device_properties(0)
     return f"{p.name}, {p.multi_processor_count} SMs, torch {torch.__version__}, CUDA {torch.version.cuda}"
+
+
+def deepseek_v3_hf_experts(num_experts: int, hidden: int = 7168, intermediate: int = 2048, top_k: int = 8,
+                           copies: int = 1):
+    """`copies` transformers DeepseekV3Experts modules in bf16 on CUDA with N(0, 0.02) weights, using HF's fastest
+    experts path (`grouped_mm`, or the default where this transformers lacks it). Returns (modules, impl)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    cfg = DeepseekV3Config(hidden_size=hidden, moe_intermediate_size=intermediate, n_routed_experts=num_experts,
+                           num_experts_per_tok=top_k)
+    impl = "grouped_mm"
+    try:
+        cfg._experts_implementation = impl
+    except Exception:  # noqa: BLE001
+        impl = "default"
+    torch.set_default_dtype(torch.bfloat16)  # build the bf16 experts directly, not via fp32 (2x the memory)
+    try:
+        with torch.device("cuda"):
+            mods = [DeepseekV3Experts(cfg) for _ in range(copies)]
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        mods[0].gate_up_proj.normal_(0, 0.02)
+        mods[0].down_proj.normal_(0, 0.02)
+    return mods, impl
+
+
+def quantize_experts_chunked(make, hf, chunk: int = 16):
+    """Quantize `hf`'s fused experts `chunk` experts at a time (bounds the quantizers' temporaries; the
+    formats are per expert, so the result is the same as one call). `make(n)` builds an empty experts
+    module of n experts with `pack_weights(gate_up, down)`; every buffer has the expert dim first."""
+    E = hf.gate_up_proj.shape[0]
+    out = make(E)
+    with torch.no_grad():
+        parts = [make(min(chunk, E - i)).pack_weights(hf.gate_up_proj[i:i + chunk], hf.down_proj[i:i + chunk])
+                 for i in range(0, E, chunk)]
+        for name, _ in list(out.named_buffers()):
+            setattr(out, name, torch.cat([p.get_buffer(name) for p in parts]))
+    return out

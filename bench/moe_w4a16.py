@@ -16,7 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_graph_ms, bench_ms, copy_bandwidth_gbs, device_line, markdown_table  # noqa: E402
+from common import (  # noqa: E402
+    bench_graph_ms, bench_ms, copy_bandwidth_gbs, deepseek_v3_hf_experts, device_line, markdown_table,
+    quantize_experts_chunked)
 
 
 def main() -> int:
@@ -27,35 +29,17 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/moe_w4a16.py: no CUDA device; nothing to measure")
         return 0
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
-
     import torchforge
     from torchforge.nn import ForgeAWQExperts
 
     E, H, I, K = args.experts, 7168, 2048, 8
-    cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K)
-    impl = "grouped_mm"
-    try:
-        cfg._experts_implementation = impl
-    except Exception:  # noqa: BLE001
-        impl = "default"
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)  # build the 22.5 GB of bf16 experts directly, not via fp32
-    with torch.device("cuda"):
-        hf = DeepseekV3Experts(cfg)
-        hf_deq = DeepseekV3Experts(cfg)  # the same module on our dequantized weights: the accuracy oracle
-    torch.set_default_dtype(torch.float32)
+    # hf_deq: the same module on our dequantized weights, the accuracy oracle
+    (hf, hf_deq), impl = deepseek_v3_hf_experts(E, H, I, K, copies=2)
+    chunk = 16
+    q = quantize_experts_chunked(
+        lambda n: ForgeAWQExperts(n, H, I, group_size=128, act_fn=hf.act_fn, device="cuda"), hf, chunk)
     with torch.no_grad():
-        hf.gate_up_proj.normal_(0, 0.02)
-        hf.down_proj.normal_(0, 0.02)
-        q = ForgeAWQExperts(E, H, I, group_size=128, act_fn=hf.act_fn, device="cuda")
-        chunk = 16  # quantize in chunks of experts to bound the fp32 temporaries of the reference path
-        parts = [ForgeAWQExperts(chunk, H, I, group_size=128, act_fn=hf.act_fn, device="cuda").pack_weights(
-            hf.gate_up_proj[i:i + chunk], hf.down_proj[i:i + chunk]) for i in range(0, E, chunk)]
-        for name, _ in q.named_buffers():
-            setattr(q, name, torch.cat([getattr(p, name) for p in parts]))
-        del parts
         for i in range(0, E, chunk):  # chunked: the reference dequantizer's temporaries are large
             sl = slice(i, i + chunk)
             hf_deq.gate_up_proj.data[sl] = torchforge.ops.awq_dequantize(

@@ -22,7 +22,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_graph_ms, bench_ms, copy_bandwidth_gbs, device_line, markdown_table  # noqa: E402
+from common import (  # noqa: E402
+    bench_graph_ms, bench_ms, copy_bandwidth_gbs, deepseek_v3_hf_experts, device_line, markdown_table,
+    quantize_experts_chunked)
 
 
 def _graph_ms(fn) -> float:
@@ -99,39 +101,20 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/nvfp4_moe.py: no CUDA device; nothing to measure")
         return 0
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
-
     from torchforge.nn import ForgeAWQExperts, NVFP4Experts
 
     E, H, I, K = args.experts, 7168, 2048, 8
-    cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K)
-    impl = "grouped_mm"
-    try:
-        cfg._experts_implementation = impl
-    except Exception:  # noqa: BLE001
-        impl = "default"
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)  # build the 22.5 GB of bf16 experts directly, not via fp32
-    with torch.device("cuda"):
-        hf = DeepseekV3Experts(cfg)
-    torch.set_default_dtype(torch.float32)
-    with torch.no_grad():
-        hf.gate_up_proj.normal_(0, 0.02)
-        hf.down_proj.normal_(0, 0.02)
-        q = NVFP4Experts.from_hf(hf)  # ModelOpt-exact quantization, one expert at a time
-        awq = None
-        if not args.no_awq:
-            try:
-                awq = ForgeAWQExperts(E, H, I, group_size=128, act_fn=hf.act_fn, device="cuda")
-                chunk = 16
-                parts = [ForgeAWQExperts(chunk, H, I, group_size=128, act_fn=hf.act_fn, device="cuda").pack_weights(
-                    hf.gate_up_proj[i:i + chunk], hf.down_proj[i:i + chunk]) for i in range(0, E, chunk)]
-                for name, _ in awq.named_buffers():
-                    setattr(awq, name, torch.cat([getattr(p, name) for p in parts]))
-                del parts
-            except torch.OutOfMemoryError:
-                awq = None
+    (hf,), impl = deepseek_v3_hf_experts(E, H, I, K)
+    # ModelOpt-exact quantization, 16 experts per call (one call over 256 experts needs > 56 GB of temporaries)
+    q = quantize_experts_chunked(lambda n: NVFP4Experts(n, H, I, act_fn=hf.act_fn, device="cuda"), hf)
+    awq = None
+    if not args.no_awq:
+        try:
+            awq = quantize_experts_chunked(
+                lambda n: ForgeAWQExperts(n, H, I, group_size=128, act_fn=hf.act_fn, device="cuda"), hf)
+        except torch.OutOfMemoryError:
+            awq = None
     torch.cuda.empty_cache()
     per_expert = (2 * I * H + H * I) // 2 + (2 * I * H + H * I) // 16  # E2M1 codes + fp8 block scales
     bw = copy_bandwidth_gbs(1 << 30)
