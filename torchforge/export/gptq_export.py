@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from torchforge.export.naming import EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names, vllm_names
-from torchforge.io import CheckpointError, atomic_write_json, save_sharded
+from torchforge.io import CheckpointError, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
@@ -198,7 +198,7 @@ def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, t
 def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, source_dir=None,
             max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """Writes ``model`` as a ``format`` checkpoint (one of :data:`W4_FORMATS`); config.json last."""
-    from torchforge.export.vllm_awq import TORCHFORGE_META, _copy_tokenizer_files
+    from torchforge.export.folder import finish_folder
     from torchforge.quantize import RECIPE_ATTR
 
     if format not in W4_FORMATS:
@@ -215,21 +215,9 @@ def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, sour
     os.makedirs(out_dir, exist_ok=True)
     save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
                  metadata={"format": "pt", "torchforge": format})
-    cfg = model.config.to_dict()
-    cfg["architectures"] = [type(model).__name__]
-    cfg["quantization_config"] = qcfg
-    cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in mods})}
-    atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    _copy_tokenizer_files(source_dir or getattr(model, "name_or_path", None), out_dir)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):
-        atomic_write_json(os.path.join(out_dir, "generation_config.json"), gen.to_dict())
-    atomic_write_json(os.path.join(out_dir, "config.json"), cfg)
-    return out_dir
+    return finish_folder(model, out_dir, qcfg, dtype, meta, tokenizer=tokenizer, source_dir=source_dir)
 
 
 # ------------------------------------------------------------------------------------------- load

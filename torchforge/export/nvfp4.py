@@ -42,6 +42,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from torchforge.export.folder import hf_experts_tensors, keep_fp32
 from torchforge.export.naming import EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names, vllm_names
 from torchforge.io import CheckpointError, atomic_write_json, save_sharded
 from torchforge.matching import is_fused_experts
@@ -65,11 +66,6 @@ def has_nvfp4(model: nn.Module) -> bool:
 
 def _nvfp4_modules(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))]
-
-
-def _keep_fp32(model: nn.Module) -> tuple[str, ...]:
-    return tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + tuple(
-        getattr(model, "_keep_in_fp32_modules", None) or ())
 
 
 def _w4a4(model: nn.Module) -> bool:
@@ -123,12 +119,8 @@ def nvfp4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype = torch.bflo
                                            fmt, exact))
         elif is_fused_experts(mod):  # unquantized HF experts: per-expert bf16 weights, as vLLM expects
             skip_prefixes.append(name + ".")
-            I = mod.gate_up_proj.shape[1] // 2
-            for e in range(mod.gate_up_proj.shape[0]):
-                out[f"{name}.{e}.gate_proj.weight"] = mod.gate_up_proj[e, :I].to(dtype)
-                out[f"{name}.{e}.up_proj.weight"] = mod.gate_up_proj[e, I:].to(dtype)
-                out[f"{name}.{e}.down_proj.weight"] = mod.down_proj[e].to(dtype)
-    fp32_keys = _keep_fp32(model)
+            out.update(hf_experts_tensors(name, mod, dtype))
+    fp32_keys = keep_fp32(model)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     for key, t in model.state_dict().items():
         if any(key.startswith(p) for p in skip_prefixes) or (tied and key == "lm_head.weight"):
@@ -200,7 +192,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
                           max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """`save_quantized` for NVFP4 models: tensors, hf_quant_config.json (ModelOpt), torchforge.json, tokenizer
     files, config.json last (a folder with config.json is complete)."""
-    from torchforge.export.vllm_awq import TORCHFORGE_META, _copy_tokenizer_files
+    from torchforge.export.folder import finish_folder
     from torchforge.quantize import RECIPE_ATTR
 
     if format not in NVFP4_FORMATS:
@@ -224,19 +216,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None, "w4a4": _w4a4(model)}
     if exact:
         meta[EXACT_KEY] = exact
-    atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    _copy_tokenizer_files(source_dir or getattr(model, "name_or_path", None), out_dir)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):
-        atomic_write_json(os.path.join(out_dir, "generation_config.json"), gen.to_dict())
-    cfg = model.config.to_dict()
-    cfg["architectures"] = [type(model).__name__]
-    cfg["quantization_config"] = qcfg
-    cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-    atomic_write_json(os.path.join(out_dir, "config.json"), cfg)
-    return out_dir
+    return finish_folder(model, out_dir, qcfg, dtype, meta, tokenizer=tokenizer, source_dir=source_dir)
 
 
 # --------------------------------------------------------------------------------------------- load
@@ -367,7 +347,7 @@ def load_nvfp4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
     import json
 
     from torchforge.export.load import finish_load
-    from torchforge.export.vllm_awq import TORCHFORGE_META
+    from torchforge.export.folder import TORCHFORGE_META
 
     ct = str(qcfg.get("quant_method", "")).lower() == "compressed-tensors"
     _swap_nvfp4_modules(model, set(memory_names(path, model)), ct)

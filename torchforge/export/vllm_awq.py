@@ -3,30 +3,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch
 from torch import nn
 
+from torchforge.export.folder import finish_folder, hf_experts_tensors, keep_fp32
 from torchforge.export.naming import checkpoint_state, to_checkpoint_name, vllm_names
-from torchforge.io import atomic_write_json, save_sharded
+from torchforge.io import save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
 
 FORMATS = ("vllm-awq",)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
-TORCHFORGE_META = "torchforge.json"
 
 
 def _quantized_modules(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, (ForgeAWQLinear, ForgeAWQExperts))]
-
-
-def _keep_fp32(model: nn.Module) -> tuple[str, ...]:
-    return tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + tuple(
-        getattr(model, "_keep_in_fp32_modules", None) or ())
 
 
 @torch.no_grad()
@@ -52,12 +44,8 @@ def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
                 out[f"{p}.down_proj.scales"] = mod.down_scales[e]
         elif is_fused_experts(mod):  # unquantized HF experts: back to the per-expert names vLLM expects
             expert_prefixes.append(name + ".")
-            I = mod.gate_up_proj.shape[1] // 2
-            for e in range(mod.gate_up_proj.shape[0]):
-                out[f"{name}.{e}.gate_proj.weight"] = mod.gate_up_proj[e, :I].to(dtype)
-                out[f"{name}.{e}.up_proj.weight"] = mod.gate_up_proj[e, I:].to(dtype)
-                out[f"{name}.{e}.down_proj.weight"] = mod.down_proj[e].to(dtype)
-    fp32_keys = _keep_fp32(model)
+            out.update(hf_experts_tensors(name, mod, dtype))
+    fp32_keys = keep_fp32(model)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     for key, t in model.state_dict().items():
         if any(key.startswith(p) for p in expert_prefixes):
@@ -103,19 +91,6 @@ def vllm_awq_quantization_config(model: nn.Module) -> dict:
             "version": "gemm", "modules_to_not_convert": [to_checkpoint_name(s, mt) for s in skip]}
 
 
-def _copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
-    copied = []
-    if src and os.path.isdir(src):
-        for f in TOKENIZER_FILES:
-            p = os.path.join(src, f)
-            if os.path.isfile(p):
-                tmp = os.path.join(out_dir, f".{f}.tmp")
-                shutil.copyfile(p, tmp)
-                os.replace(tmp, os.path.join(out_dir, f))
-                copied.append(f)
-    return copied
-
-
 def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, tokenizer=None, source_dir=None,
                    max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """Writes an HF-style checkpoint folder that vLLM loads as is. Returns `out_dir`.
@@ -154,25 +129,13 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     state, prune_meta = export_pruned(model, state, out_dir)
     save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
                  metadata={"format": "pt", "torchforge": format})
-    cfg = model.config.to_dict()
-    cfg["architectures"] = [type(model).__name__]
-    cfg["quantization_config"] = qcfg
-    apply_pruned_config(cfg, model)  # fewer routed experts / valid group settings for reroute-pruned models
-    # transformers 5 writes `dtype`; older readers (and vLLM versions) look for `torch_dtype`.
-    cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in _quantized_modules(model)})}
     if prune_meta is not None:
         meta["prune"] = prune_meta
-    atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    _copy_tokenizer_files(source_dir or getattr(model, "name_or_path", None), out_dir)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):
-        atomic_write_json(os.path.join(out_dir, "generation_config.json"), gen.to_dict())
-    atomic_write_json(os.path.join(out_dir, "config.json"), cfg)  # last: a folder with config.json is complete
-    return out_dir
+    # apply_pruned_config: fewer routed experts / valid group settings for reroute-pruned models
+    return finish_folder(model, out_dir, qcfg, dtype, meta, tokenizer=tokenizer, source_dir=source_dir,
+                         edit_config=lambda cfg: apply_pruned_config(cfg, model))
 
 
 def read_quantization_config(path: str) -> dict:

@@ -1,0 +1,67 @@
+"""What every export format writes besides its tensors, and pieces of the state dict they share."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from torchforge.io import atomic_write_json
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+TORCHFORGE_META = "torchforge.json"
+
+
+def keep_fp32(model: nn.Module) -> tuple[str, ...]:
+    """Name fragments of tensors transformers keeps in fp32 (e.g. DeepSeek-V3's e_score_correction_bias)."""
+    return tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + tuple(
+        getattr(model, "_keep_in_fp32_modules", None) or ())
+
+
+def hf_experts_tensors(name: str, experts: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Unquantized HF fused experts -> the per-expert `{name}.{e}.{gate,up,down}_proj.weight` that checkpoints
+    and vLLM use (gate_up_proj holds gate rows first)."""
+    out = {}
+    I = experts.gate_up_proj.shape[1] // 2
+    for e in range(experts.gate_up_proj.shape[0]):
+        out[f"{name}.{e}.gate_proj.weight"] = experts.gate_up_proj[e, :I].to(dtype)
+        out[f"{name}.{e}.up_proj.weight"] = experts.gate_up_proj[e, I:].to(dtype)
+        out[f"{name}.{e}.down_proj.weight"] = experts.down_proj[e].to(dtype)
+    return out
+
+
+def copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
+    copied = []
+    if src and os.path.isdir(src):
+        for f in TOKENIZER_FILES:
+            p = os.path.join(src, f)
+            if os.path.isfile(p):
+                tmp = os.path.join(out_dir, f".{f}.tmp")
+                shutil.copyfile(p, tmp)
+                os.replace(tmp, os.path.join(out_dir, f))
+                copied.append(f)
+    return copied
+
+
+def finish_folder(model: nn.Module, out_dir: str, quantization_config: dict, dtype: torch.dtype, meta: dict, *,
+                  tokenizer=None, source_dir=None, edit_config=None) -> str:
+    """After the tensors: torchforge.json, tokenizer files, generation_config.json, and config.json LAST, so a
+    folder with a config.json is a complete checkpoint. `edit_config(cfg)` may change the config dict."""
+    atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    copy_tokenizer_files(source_dir or getattr(model, "name_or_path", None), out_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):
+        atomic_write_json(os.path.join(out_dir, "generation_config.json"), gen.to_dict())
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    cfg["quantization_config"] = quantization_config
+    # transformers 5 writes `dtype`; older readers (and vLLM versions) look for `torch_dtype`.
+    cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    if edit_config is not None:
+        edit_config(cfg)
+    atomic_write_json(os.path.join(out_dir, "config.json"), cfg)
+    return out_dir
