@@ -105,3 +105,28 @@ def test_prune_then_quantize_equals_quantize_then_prune():
     ids = torch.randint(0, 96, (2, 7))
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_recipe_prune_section_prunes_then_quantizes(tmp_path):
+    """One quantize call with a `prune` section equals prune_experts + quantize done by hand."""
+    from torchforge.prune import build_expert_map, prune_experts
+
+    hit = torch.rand(1, 8)
+    torch.save({"hit_map": hit}, tmp_path / "hit.pt")
+    recipe = torchforge.Recipe.from_dict({**RECIPE, "prune": {"hit_map": str(tmp_path / "hit.pt"), "keep_k": 4,
+                                                              "mode": "drop"}})
+    a, b = models.build("deepseek_v3"), models.build("deepseek_v3")
+    torchforge.quantize(a, recipe)
+    prune_experts(b, build_expert_map(hit, keep_k=4), mode="drop")
+    torchforge.quantize(b, RECIPE)
+    assert a.model.layers[1].mlp.experts.num_experts == 4
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_recipe_prune_section_bad_hit_map(tmp_path):
+    torch.save(torch.rand(3, 8), tmp_path / "hit.pt")  # the model has one MoE layer, not 3
+    recipe = {**RECIPE, "prune": {"hit_map": str(tmp_path / "hit.pt"), "keep_ratio": 0.5}}
+    with pytest.raises(ValueError, match="hit"):
+        torchforge.quantize(models.build("deepseek_v3"), recipe)

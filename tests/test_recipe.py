@@ -240,6 +240,25 @@ class TestPinnedPreset(expecttest.TestCase):
  ],
  "quantize_experts": true,
  "export_format": "vllm-awq",
- "dtype": "bfloat16"
+ "dtype": "bfloat16",
+ "prune": null
 }""",
         )
+
+
+def test_prune_section_round_trip_and_errors(tmp_path):
+    from torchforge.recipe import PruneRecipe
+
+    r = Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "hits.pt", "keep_ratio": 0.5}})
+    assert isinstance(r.prune, PruneRecipe) and r.prune.mode == "reroute"
+    path = tmp_path / "r.yaml"
+    r.to_file(path)
+    assert Recipe.from_file(path) == r
+    with pytest.raises(RecipeError, match="unknown key"):
+        Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "h.pt", "keep": 2}})
+    with pytest.raises(RecipeError, match="exactly one of 'expert_map'"):
+        Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"keep_k": 2}})
+    with pytest.raises(RecipeError, match="keep_ratio"):
+        Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "h.pt", "keep_ratio": 1.5}})
+    with pytest.raises(RecipeError, match="prune.mode"):
+        Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"expert_map": "m.pt", "mode": "zap"}})

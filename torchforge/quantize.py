@@ -32,6 +32,10 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     `w4a16-gptq` calibrates on `calib_data` (see torchforge.gptq.calibrate; `gptq`: a GPTQConfig or dict).
     """
     recipe = Recipe.coerce(recipe)
+    if recipe.prune is not None:  # prune first; quantization then covers only the kept experts
+        from torchforge.prune.from_recipe import prune_from_recipe
+
+        prune_from_recipe(model, recipe.prune)
     if recipe.scheme == "nvfp4":  # NVFP4 (issue 6): NVFP4Linear / NVFP4MoE swaps, see torchforge.quantize_nvfp4
         from torchforge.quantize_nvfp4 import quantize_nvfp4
 

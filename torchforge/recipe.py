@@ -163,6 +163,61 @@ def _to_patterns(field: str, value: Any, allow_empty: bool) -> tuple[str, ...]:
     return tuple(value)
 
 
+PRUNE_MODES = ("reroute", "drop")
+
+
+@dataclass(frozen=True)
+class PruneRecipe:
+    """The `prune` section of a recipe: routed experts to drop before quantizing (see torchforge.prune).
+
+    Either `expert_map` (a saved `expert_map.pt`, or the folder holding it) or `hit_map` (a saved [L, E]
+    tensor, e.g. from calibration) with `keep_k` or `keep_ratio`.
+    """
+
+    expert_map: str | None = None
+    hit_map: str | None = None
+    keep_k: int | None = None
+    keep_ratio: float | None = None
+    mode: str = "reroute"
+    renormalize: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.expert_map is None) == (self.hit_map is None):
+            raise RecipeError("Recipe.prune: give exactly one of 'expert_map' (a path to expert_map.pt) or 'hit_map' "
+                              "(a path to a saved [L, E] hit map, with keep_k or keep_ratio)")
+        for name in ("expert_map", "hit_map"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise _fail(f"prune.{name}", v, "a path string")
+        if self.hit_map is not None and (self.keep_k is None) == (self.keep_ratio is None):
+            raise RecipeError("Recipe.prune: with 'hit_map' give exactly one of 'keep_k' (experts kept per layer) or "
+                              "'keep_ratio' (fraction kept, 0 < r <= 1)")
+        if self.keep_k is not None:
+            _check_int("prune.keep_k", self.keep_k, "a positive number of experts per layer")
+            if self.keep_k < 1:
+                raise _fail("prune.keep_k", self.keep_k, "a positive number of experts per layer")
+        if self.keep_ratio is not None and (isinstance(self.keep_ratio, bool)
+                                            or not isinstance(self.keep_ratio, (int, float))
+                                            or not 0 < self.keep_ratio <= 1):
+            raise _fail("prune.keep_ratio", self.keep_ratio, "a fraction 0 < r <= 1")
+        _check_str_choice("prune.mode", self.mode, PRUNE_MODES)
+        _check_bool("prune.renormalize", self.renormalize)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PruneRecipe":
+        if not isinstance(d, Mapping):
+            raise RecipeError(f"Recipe.prune must be a mapping, got {type(d).__name__}: {d!r}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in d if k not in valid]
+        if unknown:
+            raise RecipeError(f"unknown key(s) in recipe section 'prune': {', '.join(map(repr, unknown))}; valid keys: "
+                              f"{', '.join(valid)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to quantize a model.
@@ -179,6 +234,8 @@ class Recipe:
             modules of transformers 5, or per-expert ``experts.<i>.*`` linears).
         export_format: checkpoint layout written at export, one of :data:`EXPORT_FORMATS`.
         dtype: dtype of the unquantized tensors at export, one of :data:`DTYPES`.
+        prune: optional :class:`PruneRecipe` (or its dict): routed experts pruned before quantizing, so
+            pruning and quantization compose in one `torchforge.quantize` call.
     """
 
     scheme: str
@@ -190,6 +247,7 @@ class Recipe:
     quantize_experts: bool = True
     export_format: str = "vllm-awq"
     dtype: str = "bfloat16"
+    prune: PruneRecipe | None = None
 
     def __post_init__(self) -> None:
         _check_str_choice("scheme", self.scheme, SCHEMES)
@@ -213,6 +271,10 @@ class Recipe:
         _check_str_choice("export_format", self.export_format, EXPORT_FORMATS)
         _check_nvfp4(self)  # NVFP4 (issue 6): block 16, symmetric, NVFP4 export formats
         _check_str_choice("dtype", self.dtype, DTYPES)
+        if isinstance(self.prune, Mapping):
+            object.__setattr__(self, "prune", PruneRecipe.from_dict(self.prune))
+        elif self.prune is not None and not isinstance(self.prune, PruneRecipe):
+            raise _fail("prune", self.prune, "None, a PruneRecipe or a mapping of its fields")
 
     # ------------------------------------------------------------------ dicts
 
@@ -225,6 +287,8 @@ class Recipe:
         out = {}
         for name in self.field_names():
             value = getattr(self, name)
+            if isinstance(value, PruneRecipe):
+                value = value.to_dict()
             out[name] = list(value) if isinstance(value, tuple) else value
         return out
 

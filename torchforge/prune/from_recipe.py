@@ -1,0 +1,36 @@
+"""The recipe's `prune` section: build or load the expert map and prune, before quantization."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from torchforge.prune.apply import moe_blocks, prune_experts
+from torchforge.prune.expert_map import build_expert_map, check_hit_map_matches, load_expert_map
+
+
+def _load_hit_map(path: str) -> torch.Tensor:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"recipe prune.hit_map: {path} does not exist")
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    hit = obj.get("hit_map") if isinstance(obj, dict) else obj
+    if not isinstance(hit, torch.Tensor):
+        raise ValueError(f"recipe prune.hit_map: {path} holds {type(obj).__name__}, not a tensor or a dict with "
+                         "a 'hit_map' tensor")
+    return hit
+
+
+def prune_from_recipe(model: nn.Module, section) -> nn.Module:
+    """Applies a `torchforge.recipe.PruneRecipe` to `model` in place (no-op for None)."""
+    if section is None:
+        return model
+    if any(type(b).__name__ == "PrunedMoE" for _, b in moe_blocks(model)):
+        return model  # already pruned (e.g. by an earlier call with the same recipe)
+    if section.expert_map is not None:
+        expert_map = load_expert_map(section.expert_map)
+    else:
+        hit = _load_hit_map(section.hit_map)
+        check_hit_map_matches(hit, model)
+        expert_map = build_expert_map(hit, keep_k=section.keep_k, keep_ratio=section.keep_ratio)
+    return prune_experts(model, expert_map, mode=section.mode, renormalize=section.renormalize)
