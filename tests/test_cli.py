@@ -24,3 +24,24 @@ def test_inspect_reports_awq(tmp_path, capsys):
 def test_inspect_missing_folder_is_an_error(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_plot_hitmap_png(tmp_path, capsys):
+    import struct
+    import zlib
+
+    hit = torch.tensor([[1.0, 4.0, 2.0, 0.0], [3.0, 3.0, 1.0, 9.0]])
+    torch.save({"hit_map": hit}, tmp_path / "hit.pt")
+    out = tmp_path / "h.png"
+    assert main(["plot-hitmap", str(tmp_path / "hit.pt"), "--out", str(out), "--keep-k", "2", "--cell", "6"]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    assert (w, h) == (4 * 6, 2 * 6)
+    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
+    rows = zlib.decompress(idat)
+    px = lambda r, c: tuple(rows[r * (1 + 3 * w) + 1 + 3 * c: r * (1 + 3 * w) + 4 + 3 * c])  # noqa: E731
+    # layer 0 keeps experts 1 (hit 4) and 2 (hit 2): white centre marks; expert 3 (hit 0) unmarked, darkest
+    assert px(3, 1 * 6 + 3) == (255, 255, 255) and px(3, 2 * 6 + 3) == (255, 255, 255)
+    assert px(3, 3 * 6 + 3) != (255, 255, 255) and px(0, 3 * 6) == (68, 1, 84)
+    assert px(0, 1 * 6) == (253, 231, 37)  # the row maximum is the brightest colour
