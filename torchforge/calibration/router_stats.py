@@ -1,0 +1,102 @@
+"""Router statistics of an in-memory HF MoE model ("exact mode": every layer runs in full).
+
+hit_map[L, E] is the sum over tokens of the router's per-expert probabilities: sigmoid for DeepSeek-V3
+style routers, never converted to a softmax (seed 000 section 1.3.2: sigmoid gates are independent, several
+experts can be strongly "on" at once); softmax routers (DeepSeek-V2, Qwen3-MoE, Mixtral) use their softmax.
+Also kept: how often each expert is picked (top-k counts) and the routed weight it receives, with the token
+count. Hooks read the router's input and output, so the model's own routing is what is counted.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# model_type -> (attribute path of the router inside a decoder layer, probability function)
+ROUTERS: dict[str, tuple[str, str]] = {
+    "deepseek_v3": ("mlp.gate", "sigmoid"),
+    "deepseek_v2": ("mlp.gate", "softmax"),
+    "qwen3_moe": ("mlp.gate", "softmax"),
+    "qwen2_moe": ("mlp.gate", "softmax"),
+    "mixtral": ("mlp.gate", "softmax"),
+    "olmoe": ("mlp.gate", "softmax"),
+}
+
+
+@dataclass
+class RouterStats:
+    hit_map: torch.Tensor          # [L, E] float32: summed router probabilities
+    topk_counts: torch.Tensor      # [L, E] int64: times each expert was picked
+    routed_weight: torch.Tensor    # [L, E] float32: summed routing weights it received
+    tokens: int = 0
+    layers: list[str] = field(default_factory=list)  # module names of the routers, in layer order
+    settings: dict = field(default_factory=dict)
+
+    def save(self, path: str) -> str:
+        """torch.save of a plain dict (loadable with weights_only=True), written atomically."""
+        tmp = f"{path}.tmp"
+        torch.save({"hit_map": self.hit_map, "topk_counts": self.topk_counts, "routed_weight": self.routed_weight,
+                    "tokens": self.tokens, "layers": self.layers, "settings": self.settings}, tmp)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "RouterStats":
+        return cls(**torch.load(path, map_location="cpu", weights_only=True))
+
+
+def find_routers(model: nn.Module, router_attr: str | None = None, prob: str | None = None):
+    """[(name, router module)] in layer order, and the probability function name."""
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    if router_attr is None:
+        if mt not in ROUTERS:
+            raise ValueError(f"router stats: no router registered for model_type {mt!r} (known: {sorted(ROUTERS)}); "
+                             "pass router_attr='mlp.gate' (path inside a decoder layer) and prob='sigmoid'|'softmax'")
+        router_attr, default_prob = ROUTERS[mt]
+        prob = prob or default_prob
+    if prob not in ("sigmoid", "softmax"):
+        raise ValueError(f"router stats: prob must be 'sigmoid' or 'softmax', got {prob!r}")
+    found = []
+    for name, mod in model.named_modules():
+        if name.endswith("." + router_attr) or name == router_attr:
+            found.append((name, mod))
+    if not found:
+        raise ValueError(f"router stats: no module named '*.{router_attr}' in {type(model).__name__}")
+    return found, prob
+
+
+@torch.no_grad()
+def collect_router_stats(model: nn.Module, batches, *, router_attr: str | None = None, prob: str | None = None,
+                         max_tokens: int | None = None) -> RouterStats:
+    """Runs `model` on `batches` (an iterable of input_ids tensors [B, S]) and accumulates RouterStats."""
+    routers, prob = find_routers(model, router_attr, prob)
+    L = len(routers)
+    E = routers[0][1].weight.shape[0]
+    stats = RouterStats(torch.zeros(L, E), torch.zeros(L, E, dtype=torch.int64), torch.zeros(L, E),
+                        layers=[n for n, _ in routers], settings={"prob": prob, "mode": "exact"})
+
+    def hook(idx):
+        def fn(module, inputs, output):
+            x = inputs[0].reshape(-1, module.weight.shape[1]).float()
+            logits = x @ module.weight.float().T
+            p = logits.sigmoid() if prob == "sigmoid" else logits.softmax(dim=-1)
+            stats.hit_map[idx] += p.sum(0).cpu()
+            _, weights, ids = output
+            ids = ids.reshape(-1).cpu()
+            stats.topk_counts[idx].scatter_add_(0, ids, torch.ones_like(ids))
+            stats.routed_weight[idx].scatter_add_(0, ids, weights.reshape(-1).float().cpu())
+        return fn
+
+    handles = [mod.register_forward_hook(hook(i)) for i, (_, mod) in enumerate(routers)]
+    try:
+        for ids in batches:
+            if max_tokens is not None and stats.tokens >= max_tokens:
+                break
+            model(input_ids=ids.to(next(model.parameters()).device))
+            stats.tokens += ids.numel()
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
