@@ -1,0 +1,1 @@
+"""Runtime adapters for serving engines (vLLM)."""
