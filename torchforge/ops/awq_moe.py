@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torchforge.ops._routed_rows import check_routed_rows
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq import _check_activation, _check_packed_weight, _eager
 from torchforge.ops.awq_moe_triton import launch_awq_moe_gemm
@@ -27,14 +28,7 @@ def _check_moe_args(x, expert_ids, qweight, scales, qzeros, group_size, x_row_di
     op = "awq_moe_gemm"
     ic, oc = _check_packed_weight(op, qweight, scales, qzeros, group_size, batched=True)
     _check_activation(op, x, ic, qweight)
-    torch._check_value(x.dim() == 2, lambda: f"{op}: x must be [T, IC], got shape {tuple(x.shape)}")
-    torch._check_type(expert_ids.dtype in (torch.int32, torch.int64),
-                      lambda: f"{op}: expert_ids must be int32 or int64, got {expert_ids.dtype}")
-    torch._check_value(x_row_div >= 1, lambda: f"{op}: x_row_div={x_row_div} must be >= 1 (top-k)")
-    torch._check_value(
-        expert_ids.dim() == 1 and expert_ids.shape[0] == x.shape[0] * x_row_div,
-        lambda: f"{op}: expert_ids has shape {tuple(expert_ids.shape)}, expected ({x.shape[0] * x_row_div},) = "
-        f"rows of x ({x.shape[0]}) x x_row_div ({x_row_div})")
+    check_routed_rows(op, x, expert_ids, x_row_div)
     return ic, oc
 
 

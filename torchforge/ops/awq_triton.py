@@ -17,7 +17,17 @@ from torch import Tensor
 
 from torchforge.ops._triton import HAS_TRITON, tl, triton
 
-__all__ = ["launch_w4a16_linear", "launch_awq_grouped_linear", "pick_block_k"]
+__all__ = ["launch_w4a16_linear", "launch_awq_grouped_linear", "pick_block_k", "tile_config"]
+
+
+def tile_config(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K cap, num_warps, num_stages) of the tiled W4A16 kernels by rows M: untuned
+    defaults from one sweep on an H100 (7168 x 7168, bf16, group 128); the GPTQ-layout kernel uses them too."""
+    if m <= 16:
+        return (16, 64, 64, 4, 4)
+    if m <= 64:
+        return (64, 128, 64, 4, 4)
+    return (128, 128, 32, 4, 4)
 
 
 def pick_block_k(group_size: int, cap: int = 64) -> int:
@@ -187,14 +197,7 @@ def launch_w4a16_linear(
     out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, oc)
-    # Untuned defaults, from one sweep on an H100 (7168 x 7168, bf16, group 128); a split-K / autotuned
-    # kernel for small M is future work.
-    if m <= 16:
-        cfg = (16, 64, 64, 4, 4)
-    elif m <= 64:
-        cfg = (64, 128, 64, 4, 4)
-    else:
-        cfg = (128, 128, 32, 4, 4)
+    cfg = tile_config(m)
     bm = block_m or cfg[0]
     bn = block_n or cfg[1]
     bk = block_k or pick_block_k(group_size, cap=cfg[2])

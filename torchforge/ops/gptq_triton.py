@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from torchforge.ops._triton import HAS_TRITON, tl, triton
+from torchforge.ops.awq_triton import tile_config
 
 __all__ = ["launch_w4a16_gptq_linear"]
 
@@ -79,13 +80,7 @@ def launch_w4a16_gptq_linear(
     out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, oc)
-    # Untuned defaults (the AWQ kernel's per-M choices); no GPU sweep has been run for this kernel yet.
-    if m <= 16:
-        cfg = (16, 64, 64, 4, 4)
-    elif m <= 64:
-        cfg = (64, 128, 64, 4, 4)
-    else:
-        cfg = (128, 128, 32, 4, 4)
+    cfg = tile_config(m)  # the AWQ kernel's per-M choices; no GPU sweep has been run for this kernel yet
     bm, bn, bk = block_m or cfg[0], block_n or cfg[1], block_k or cfg[2]
     assert bk >= 16 and bk % 8 == 0 and bn >= 16, "BLOCK_K must be a multiple of 8 >= 16, BLOCK_N >= 16"
     qweight, scales, qzeros, g_idx = qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), g_idx.contiguous()

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from torchforge.ops._routed_rows import check_routed_rows
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.nvfp4_reference import (
     BLOCK,
@@ -165,17 +166,7 @@ def _check_grouped_args(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: T
     op = "nvfp4_grouped_linear"
     n, k = _check_packed(op, packed, scales, weight_scale_2, lead_dims=1)
     _check_activation(op, x, k, packed)
-    torch._check_value(x.dim() == 2, lambda: f"{op}: x must be [R, K], got shape {tuple(x.shape)}")
-    torch._check_type(expert_ids.dtype in (torch.int32, torch.int64),
-                      lambda: f"{op}: expert_ids must be int32 or int64, got {expert_ids.dtype}")
-    torch._check_value(x_row_div >= 1, lambda: f"{op}: x_row_div={x_row_div} must be >= 1 (top-k)")
-    torch._check_value(
-        expert_ids.dim() == 1 and expert_ids.shape[0] == x.shape[0] * x_row_div,
-        lambda: f"{op}: expert_ids has shape {tuple(expert_ids.shape)}, expected ({x.shape[0] * x_row_div},) = "
-        f"rows of x ({x.shape[0]}) x x_row_div ({x_row_div})",
-    )
-    torch._check_value(expert_ids.device == x.device,
-                       lambda: f"{op}: expert_ids is on {expert_ids.device} but x is on {x.device}")
+    check_routed_rows(op, x, expert_ids, x_row_div)
     _check_input_scale(op, input_scale, (packed.shape[0],))
     return n, k
 
