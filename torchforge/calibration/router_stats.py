@@ -5,6 +5,7 @@ style routers, never converted to a softmax (seed 000 section 1.3.2: sigmoid gat
 experts can be strongly "on" at once); softmax routers (DeepSeek-V2, Qwen3-MoE, Mixtral) use their softmax.
 Also kept: how often each expert is picked (top-k counts) and the routed weight it receives, with the token
 count. Hooks read the router's input and output, so the model's own routing is what is counted.
+`router_sums` / `add_sums` are shared with the layer-by-layer streamer (`torchforge.calibration.streamer`).
 """
 from __future__ import annotations
 
@@ -67,26 +68,42 @@ def find_routers(model: nn.Module, router_attr: str | None = None, prob: str | N
     return found, prob
 
 
+def new_stats(num_layers: int, num_experts: int, layers: list[str], settings: dict) -> RouterStats:
+    return RouterStats(torch.zeros(num_layers, num_experts), torch.zeros(num_layers, num_experts, dtype=torch.int64),
+                       torch.zeros(num_layers, num_experts), layers=list(layers), settings=dict(settings))
+
+
+def router_sums(router: nn.Module, x: torch.Tensor, output, prob: str):
+    """One router call's contribution, on the router's device: (probability mass [E] float32, top-k counts [E]
+    int64, routed weight [E] float32). `x` is the router's input, `output` its (logits, weights, ids)."""
+    E, H = router.weight.shape
+    logits = x.reshape(-1, H).float() @ router.weight.float().T
+    p = logits.sigmoid() if prob == "sigmoid" else logits.softmax(dim=-1)
+    _, weights, ids = output
+    ids = ids.reshape(-1)
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    mass = torch.zeros(E, device=ids.device).scatter_add_(0, ids, weights.reshape(-1).float())
+    return p.sum(0), counts, mass
+
+
+def add_sums(stats: RouterStats, idx: int, sums) -> None:
+    hit, counts, mass = (t.cpu() for t in sums)
+    stats.hit_map[idx] += hit
+    stats.topk_counts[idx] += counts
+    stats.routed_weight[idx] += mass
+
+
 @torch.no_grad()
 def collect_router_stats(model: nn.Module, batches, *, router_attr: str | None = None, prob: str | None = None,
                          max_tokens: int | None = None) -> RouterStats:
     """Runs `model` on `batches` (an iterable of input_ids tensors [B, S]) and accumulates RouterStats."""
     routers, prob = find_routers(model, router_attr, prob)
-    L = len(routers)
-    E = routers[0][1].weight.shape[0]
-    stats = RouterStats(torch.zeros(L, E), torch.zeros(L, E, dtype=torch.int64), torch.zeros(L, E),
-                        layers=[n for n, _ in routers], settings={"prob": prob, "mode": "exact"})
+    stats = new_stats(len(routers), routers[0][1].weight.shape[0], [n for n, _ in routers],
+                      {"prob": prob, "mode": "exact"})
 
     def hook(idx):
         def fn(module, inputs, output):
-            x = inputs[0].reshape(-1, module.weight.shape[1]).float()
-            logits = x @ module.weight.float().T
-            p = logits.sigmoid() if prob == "sigmoid" else logits.softmax(dim=-1)
-            stats.hit_map[idx] += p.sum(0).cpu()
-            _, weights, ids = output
-            ids = ids.reshape(-1).cpu()
-            stats.topk_counts[idx].scatter_add_(0, ids, torch.ones_like(ids))
-            stats.routed_weight[idx].scatter_add_(0, ids, weights.reshape(-1).float().cpu())
+            add_sums(stats, idx, router_sums(module, inputs[0], output, prob))
         return fn
 
     handles = [mod.register_forward_hook(hook(i)) for i, (_, mod) in enumerate(routers)]

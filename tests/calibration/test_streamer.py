@@ -1,0 +1,245 @@
+"""LayerwiseStreamer against collect_router_stats on the whole model, its approximate mode, activation offload,
+one layer at a time, and its errors."""
+import os
+import time
+
+import pytest
+import torch
+
+from tests import models
+from torchforge.calibration import LayerwiseStreamer, RouterStats, activations, collect_router_stats, layer_loader
+from torchforge.io import CheckpointError
+from torchforge.testing import make_checkpoint
+
+TINY = dict(num_layers=3, hidden_size=64, n_routed_experts=8, moe_intermediate_size=32, vocab_size=96)
+
+
+def _batches(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 96, (2, 6), generator=g), torch.randint(0, 96, (1, 9), generator=g)]
+
+
+def _reference(path, dtype=torch.float32):
+    """The whole model in memory: transformers' own loader, or for FP8 iter_checkpoint's dequantization."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torchforge.export.load import _rebuild_rotary, _stack_experts
+    from torchforge.export.naming import EXPERT_KEY, from_checkpoint_name
+    from torchforge.io import iter_checkpoint
+
+    cfg = AutoConfig.from_pretrained(path)
+    if not hasattr(cfg, "quantization_config"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    del cfg.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    state, per_expert = {}, {}
+    for name, t in iter_checkpoint(path, dequantize_fp8=True, dtype=dtype):
+        name = from_checkpoint_name(name, cfg.model_type)
+        m = EXPERT_KEY.match(name)
+        if m:
+            per_expert.setdefault(m["module"], {})[(int(m["e"]), m["proj"], m["kind"])] = t
+        else:
+            state[name] = t
+    state.update(_stack_experts(model, per_expert))
+    model.load_state_dict(state, strict=True, assign=True)
+    _rebuild_rotary(model, "cpu")  # inv_freq is not in checkpoints
+    return model
+
+
+def _assert_same(a: RouterStats, b: RouterStats):
+    assert a.layers == b.layers and a.tokens == b.tokens
+    torch.testing.assert_close(a.hit_map, b.hit_map, rtol=1e-5, atol=1e-5)
+    assert torch.equal(a.topk_counts, b.topk_counts)
+    torch.testing.assert_close(a.routed_weight, b.routed_weight, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        "deepseek_v3": make_checkpoint(root / "ds", "deepseek_v3", shard_size_bytes=60_000, **TINY),
+        "deepseek_v3_fp8": make_checkpoint(root / "ds8", "deepseek_v3", fp8=True, shard_size_bytes=300_000,
+                                           **dict(TINY, hidden_size=256, moe_intermediate_size=160)),
+        "qwen3_moe": make_checkpoint(root / "qw", "qwen3_moe", shard_size_bytes=60_000, **TINY),
+        "mixtral": make_checkpoint(root / "mx", "mixtral", **TINY),
+    }
+
+
+@pytest.mark.parametrize("name,prob", [("deepseek_v3", "sigmoid"), ("deepseek_v3_fp8", "sigmoid"),
+                                       ("qwen3_moe", "softmax"), ("mixtral", "softmax")])
+def test_exact_mode_equals_whole_model(ckpts, name, prob):
+    stats = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cpu").collect_router_stats(_batches())
+    ref = collect_router_stats(_reference(ckpts[name]), _batches())
+    _assert_same(stats, ref)
+    assert stats.settings["prob"] == prob and stats.settings["mode"] == "exact" and stats.tokens == 21
+    dense = 1 if name.startswith("deepseek") else 0  # first_k_dense_replace=1: no row for layer 0
+    assert stats.hit_map.shape == (3 - dense, 8) and stats.layers[0] == f"model.layers.{dense}.mlp.gate"
+    if prob == "softmax":  # softmax rows sum to one per token; sigmoid mass is not normalized
+        torch.testing.assert_close(stats.hit_map.sum(1), torch.full((3 - dense,), 21.0))
+
+
+def test_bf16_compute_and_saved_settings(ckpts, tmp_path):
+    streamer = LayerwiseStreamer(ckpts["deepseek_v3"], device="cpu")  # bf16 by default
+    stats = streamer.collect_router_stats(_batches(), max_tokens=12)
+    assert stats.tokens == 12  # the second batch is not used
+    ref = collect_router_stats(_reference(ckpts["deepseek_v3"], torch.bfloat16), _batches()[:1])
+    _assert_same(stats, ref)
+    again = RouterStats.load(stats.save(str(tmp_path / "s.pt")))
+    assert torch.equal(again.hit_map, stats.hit_map) and again.tokens == 12
+    assert again.settings["router_attr"] == "mlp.gate" and again.settings["dtype"] == "torch.bfloat16"
+
+
+def test_approx_mode_differs_but_has_the_same_shape(ckpts):
+    streamer = LayerwiseStreamer(ckpts["deepseek_v3"], dtype=torch.float32, device="cpu")
+    exact = streamer.collect_router_stats(_batches())
+    approx = streamer.collect_router_stats(_batches(), mode="approx")
+    assert approx.settings["mode"] == "approx" and approx.tokens == exact.tokens
+    assert approx.hit_map.shape == exact.hit_map.shape and approx.layers == exact.layers
+    # the first MoE layer sees the same input either way; later ones do not
+    torch.testing.assert_close(approx.hit_map[0], exact.hit_map[0])
+    assert not torch.allclose(approx.hit_map[1], exact.hit_map[1])
+    assert torch.equal(approx.topk_counts.sum(1), exact.topk_counts.sum(1))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])  # with and without shared experts
+def test_approx_equals_exact_when_routed_experts_are_zero(tmp_path, arch):
+    model = models.build(arch, num_hidden_layers=3)
+    for block in models.moe_blocks(model):
+        for p in block[1].experts.parameters():
+            p.data.zero_()
+    model.save_pretrained(tmp_path)  # transformers' own checkpoint layout
+    streamer = LayerwiseStreamer(tmp_path, dtype=torch.float32, device="cpu")
+    exact = streamer.collect_router_stats(_batches())
+    _assert_same(streamer.collect_router_stats(_batches(), mode="approx"), exact)
+    _assert_same(exact, collect_router_stats(model, _batches()))
+
+
+def test_offload_spills_and_cleans_up(ckpts, tmp_path, monkeypatch):
+    path = ckpts["qwen3_moe"]
+    plain = LayerwiseStreamer(path, dtype=torch.float32, device="cpu")
+    ref = plain.collect_router_stats(_batches())
+    assert plain.spills == 0
+
+    seen = []
+    original = activations.ActivationStore.get
+
+    def spy(self, batch):
+        seen.append(sorted(os.listdir(self.offload_dir)))
+        return original(self, batch)
+
+    monkeypatch.setattr(activations.ActivationStore, "get", spy)
+    offload = tmp_path / "nvme"
+    offload.mkdir()
+    chunk = 2 * 6 * 64 * 4  # the first batch's hidden states fit, the second does not
+    streamer = LayerwiseStreamer(path, offload, dtype=torch.float32, device="cpu", host_budget_bytes=chunk)
+    stats = streamer.collect_router_stats(_batches())
+    assert torch.equal(stats.hit_map, ref.hit_map) and torch.equal(stats.topk_counts, ref.topk_counts)
+    assert streamer.spills == 4  # batch 1, after the embedding and after each of the three layers
+    assert ["hs_layer_0_batch_1.pt"] in seen and ["hs_layer_2_batch_1.pt"] in seen
+    assert os.listdir(offload) == []
+    assert streamer.max_chunk_bytes == chunk and streamer.peak_host_activation_bytes <= chunk + 2 * 9 * 64 * 4
+
+    # no offload_dir: a temporary folder, removed afterwards
+    made = []
+    real_mkdtemp = activations.tempfile.mkdtemp
+    monkeypatch.setattr(activations.tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(**kw)) or made[-1])
+    streamer = LayerwiseStreamer(path, dtype=torch.float32, device="cpu", host_budget_bytes=0)
+    assert torch.equal(streamer.collect_router_stats(_batches()).hit_map, ref.hit_map)
+    assert streamer.spills == 8 and len(made) == 1 and not os.path.exists(made[0])
+
+
+def test_one_layer_materialized_at_a_time(ckpts, monkeypatch):
+    streamer = LayerwiseStreamer(ckpts["deepseek_v3"], dtype=torch.float32, device="cpu")
+
+    def on_meta(i):
+        return [j for j, layer in enumerate(streamer.decoder_layers)
+                if j != i and any(t.device.type != "meta" for t in layer.state_dict().values())]
+
+    for i, layer in streamer.layers():
+        assert on_meta(i) == [] and all(t.device.type == "cpu" for t in layer.state_dict().values())
+    assert on_meta(-1) == []
+    for i, layer in streamer.layers():
+        break  # a caller that stops early: the layer is freed all the same
+    del layer
+    assert on_meta(-1) == []
+    for i, layer in streamer.layers(routed_experts=False):  # what approx mode loads
+        if i > 0:
+            assert layer.mlp.experts.gate_up_proj.device.type == "meta"
+            assert layer.mlp.shared_experts.up_proj.weight.device.type == "cpu"
+
+    # the next layer is read from disk while the caller works on the current one
+    events, read = [], streamer._read
+    monkeypatch.setattr(streamer, "_read", lambda i, skip: events.append(("read", i)) or read(i, skip))
+    for i, layer in streamer.layers():
+        time.sleep(0.05)
+        events.append(("done", i))
+    assert events.index(("read", 1)) < events.index(("done", 0))
+    assert events.index(("read", 2)) < events.index(("done", 1))
+
+    # and the same inside collect_router_stats, whose layers come from the same generator
+    counts = []
+    real = layer_loader.materialize
+    monkeypatch.setattr(layer_loader, "materialize", lambda m, *a: counts.append(len(on_meta(-1))) or real(m, *a))
+    streamer.collect_router_stats(_batches(), mode="approx")
+    assert counts == [0, 0, 0, 0]  # the embedding, then three layers, each with nothing else materialized
+    assert streamer.largest_layer_bytes > 0 and len(streamer.layer_seconds) == 3
+
+
+def test_errors_name_the_fix(ckpts, tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        LayerwiseStreamer(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in os.listdir(ckpts["qwen3_moe"]):
+        os.symlink(os.path.join(ckpts["qwen3_moe"], f), broken / f)
+    shard = sorted(f for f in os.listdir(broken) if f.endswith(".safetensors"))[1]
+    os.unlink(broken / shard)
+    with pytest.raises(CheckpointError, match=f"{shard} .*missing.*download"):
+        LayerwiseStreamer(broken)
+    models.build("llama").save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="model_type 'llama'.*pass router_attr="):
+        LayerwiseStreamer(tmp_path / "llama")
+    with pytest.raises(ValueError, match="no decoder layer .* 'mlp.router'"):
+        LayerwiseStreamer(ckpts["qwen3_moe"], router_attr="mlp.router", prob="softmax")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        LayerwiseStreamer(ckpts["qwen3_moe"], device="cpu").collect_router_stats(_batches(), mode="sparse")
+
+
+def test_router_attr_override(ckpts):
+    streamer = LayerwiseStreamer(ckpts["qwen3_moe"], dtype=torch.float32, device="cpu", router_attr="mlp.gate",
+                                 prob="sigmoid")
+    stats = streamer.collect_router_stats(_batches())
+    ref = collect_router_stats(_reference(ckpts["qwen3_moe"]), _batches(), router_attr="mlp.gate", prob="sigmoid")
+    _assert_same(stats, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_fp8"])
+def test_cuda_matches_cpu_and_records_peak_memory(ckpts, name):
+    cpu = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cpu").collect_router_stats(_batches())
+    streamer = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cuda")
+    for mode in ("exact", "approx"):
+        stats = streamer.collect_router_stats(_batches(), mode=mode)
+        if mode == "exact":
+            torch.testing.assert_close(stats.hit_map, cpu.hit_map, rtol=1e-4, atol=1e-4)
+            assert torch.equal(stats.topk_counts.sum(1), cpu.topk_counts.sum(1))
+        assert streamer.largest_layer_bytes <= streamer.peak_gpu_bytes < 4 * streamer.largest_layer_bytes + 2**20
+        assert torch.cuda.memory_allocated() < streamer.largest_layer_bytes  # the last layer was freed
+
+
+@pytest.mark.slow
+def test_bench_tiny_runs(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "streamer_memory.py"), "--tiny", "--json", str(out),
+                        "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["exact", "approx"] and all(row["spills"] > 0 for row in rows)
+    assert rows[1]["layer_bytes"] < rows[0]["layer_bytes"]  # approx never loads the routed experts
+    assert os.listdir(tmp_path) == ["b.json"]  # checkpoint and spill folder removed

@@ -1,0 +1,95 @@
+"""Hidden states of the calibration batches between decoder layers (seed 000 section 1.2.3).
+
+They live in host memory while they fit a byte budget; beyond it each batch's tensor is written to
+`offload_dir/hs_layer_{l}_batch_{b}.pt` (the input of layer `l`) and read back when that layer needs it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ActivationStore:
+    """Batch index -> hidden states [B, S, H]: `put` replaces, `get` reads back, `close` deletes the spill files."""
+
+    def __init__(self, budget_bytes: int | None = None, offload_dir: str | os.PathLike | None = None):
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"host_budget_bytes must be >= 0 or None, got {budget_bytes}")
+        self.budget = budget_bytes
+        self.offload_dir = None if offload_dir is None else os.fspath(offload_dir)
+        self._dir_path: str | None = None   # the folder in use once something was spilled
+        self._made_dir = False              # whether this store created it (then close() removes it)
+        self._mem: dict[int, torch.Tensor] = {}
+        self._files: dict[int, str] = {}
+        self.held_bytes = 0          # batches kept in host memory now
+        self.peak_host_bytes = 0     # peak of held bytes + the batches being read or written
+        self.spills = 0              # files written
+        self.spilled_bytes = 0
+        self.max_chunk_bytes = 0     # largest single batch
+
+    def _dir(self) -> str:
+        if self._dir_path is None:
+            if self.offload_dir is None:
+                self._dir_path, self._made_dir = tempfile.mkdtemp(prefix="torchforge-hs-"), True
+            else:
+                self._made_dir = not os.path.isdir(self.offload_dir)
+                os.makedirs(self.offload_dir, exist_ok=True)
+                self._dir_path = self.offload_dir
+        return self._dir_path
+
+    def _note(self, transient: int) -> None:
+        self.peak_host_bytes = max(self.peak_host_bytes, self.held_bytes + transient)
+
+    def put(self, batch: int, t: torch.Tensor, layer: int) -> None:
+        """Stores `t` (a host tensor) as batch `batch`'s input of layer `layer`, replacing what was there."""
+        self.drop(batch)
+        n = _nbytes(t)
+        self.max_chunk_bytes = max(self.max_chunk_bytes, n)
+        if self.budget is None or self.held_bytes + n <= self.budget:
+            self._mem[batch] = t
+            self.held_bytes += n
+            self._note(0)
+            return
+        self._note(n)
+        path = os.path.join(self._dir(), f"hs_layer_{layer}_batch_{batch}.pt")
+        try:
+            torch.save(t, path)
+        except OSError as e:
+            raise OSError(f"cannot spill hidden states to {path}: {e}; free space there, pass another offload_dir "
+                          "or raise host_budget_bytes") from e
+        self._files[batch] = path
+        self.spills += 1
+        self.spilled_bytes += n
+
+    def get(self, batch: int) -> torch.Tensor:
+        if batch in self._mem:
+            return self._mem[batch]
+        t = torch.load(self._files[batch], map_location="cpu", weights_only=True)
+        self._note(_nbytes(t))
+        return t
+
+    def drop(self, batch: int) -> None:
+        t = self._mem.pop(batch, None)
+        if t is not None:
+            self.held_bytes -= _nbytes(t)
+        path = self._files.pop(batch, None)
+        if path is not None:
+            os.unlink(path)
+
+    def files(self) -> list[str]:
+        return list(self._files.values())
+
+    def close(self) -> None:
+        """Drops every batch and deletes the spill files (and the folder if this store created it)."""
+        for b in list(self._mem) + list(self._files):
+            self.drop(b)
+        if self._made_dir:
+            shutil.rmtree(self._dir_path, ignore_errors=True)
+        self._dir_path, self._made_dir = None, False

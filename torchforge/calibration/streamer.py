@@ -1,0 +1,348 @@
+"""Layer-by-layer calibration streamer (seed 000 sections 1.1-1.4): router statistics of a checkpoint far larger
+than GPU memory, one decoder layer on the device at a time.
+
+The model is a transformers skeleton on the meta device, built from config.json. The embedding is loaded
+first to embed the calibration batches; then for each decoder layer: its tensors are read from the shards
+(only the ones the safetensors index lists for it) into host memory - page-locked on CUDA - by a
+background thread while the previous layer computes, materialized on the device (FP8 dequantized there),
+run on every batch, and sent back to the meta device before the next layer is materialized. Hidden states
+stay on the host between layers and are spilled to `offload_dir` beyond `host_budget_bytes`
+(`torchforge.calibration.activations`).
+
+Statistics are those of `collect_router_stats` (same hooks and probability code, `router_stats.router_sums`):
+hit_map[L, E] sums the router's sigmoid probabilities (never turned into a softmax) or, for softmax routers,
+their softmax; top-k counts and routed weight come from the router's own picks. Dense layers (DeepSeek's
+first_k_dense_replace) are run and contribute no row.
+
+Modes:
+- "exact": every layer runs in full; the result equals `collect_router_stats` on the whole model.
+- "approx": seed 000 section 1.4's sparse forward. Attention, residuals, norms and shared experts run; the
+  router runs (for the statistics) but the routed experts are skipped, so the MoE block's output is the
+  shared experts' output only (zero for models without them). The routed experts' weights are then never
+  read from disk nor put on the device, which is most of a DeepSeek-V3 layer.
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from torchforge.calibration import layer_loader
+from torchforge.calibration.activations import ActivationStore
+from torchforge.calibration.router_stats import ROUTERS, RouterStats, add_sums, new_stats, router_sums
+from torchforge.io import CheckpointError, checkpoint_tensor_names
+
+MODES = ("exact", "approx")
+
+
+def _read_config(model_path: str):
+    cfg_path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"LayerwiseStreamer: {model_path} has no config.json; pass the folder of a Hugging Face "
+                              "checkpoint (config.json plus its safetensors shards and index)")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except (ValueError, KeyError, OSError) as e:
+        raise CheckpointError(f"LayerwiseStreamer: transformers cannot read {cfg_path}: {e}") from e
+
+
+def _fp8_block(qc: dict, model_path: str):
+    """Block size of a DeepSeek-style FP8 checkpoint, None for an unquantized one."""
+    if not qc:
+        return None
+    if qc.get("quant_method") != "fp8":
+        raise CheckpointError(f"LayerwiseStreamer: {model_path} is quantized with quant_method="
+                              f"{qc.get('quant_method')!r}; it reads bf16/fp16/fp32 checkpoints and DeepSeek's block "
+                              "FP8 (quant_method 'fp8'): calibrate on the original checkpoint")
+    return tuple(qc.get("weight_block_size") or (128, 128))
+
+
+class LayerwiseStreamer:
+    """`LayerwiseStreamer(model_path, offload_dir=None, ...)`: see the module docstring.
+
+    device: where layers run (default cuda when available); dtype: compute dtype of the layers (FP8 weights are
+    dequantized to it); router_attr / prob: router path inside a decoder layer and 'sigmoid' | 'softmax', for
+    architectures the registry (router_stats.ROUTERS) does not know; host_budget_bytes: hidden states held in
+    host memory beyond which batches go to `offload_dir` (a temporary folder when None); attn_implementation:
+    forwarded to transformers ('sdpa' by default).
+
+    After a run: `stats` (RouterStats), `peak_gpu_bytes` (torch.cuda.max_memory_allocated, None off CUDA),
+    `largest_layer_bytes`, `peak_host_activation_bytes`, `max_chunk_bytes`, `spills`, `layer_seconds`.
+    """
+
+    def __init__(self, model_path, offload_dir=None, *, device=None, dtype: torch.dtype = torch.bfloat16,
+                 router_attr: str | None = None, prob: str | None = None, host_budget_bytes: int | None = None,
+                 attn_implementation: str | None = None):
+        self.model_path = os.fspath(model_path)
+        self.offload_dir = offload_dir
+        self.host_budget_bytes = host_budget_bytes
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype
+        config = _read_config(self.model_path)
+        self.tensor_files = checkpoint_tensor_names(self.model_path)  # checks the index and that every shard exists
+        qc = getattr(config, "quantization_config", None)
+        qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
+        self.fp8_block = _fp8_block(qc, self.model_path)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # transformers' own quantizers stay out: FP8 is dequantized here
+        self.config = config
+        self.model_type = config.model_type
+        self.model = self._skeleton(config, attn_implementation)
+        self.layer_prefix, self.decoder_layers = self._find_layers()
+        self.router_attr, self.prob = self._resolve_router(router_attr, prob)
+        self.moe_layers = [i for i, layer in enumerate(self.decoder_layers) if self._router(layer) is not None]
+        if not self.moe_layers:
+            raise ValueError(f"LayerwiseStreamer: no decoder layer of {self.model_path} has a module "
+                             f"'{self.router_attr}'; pass router_attr= the router's path inside a decoder layer")
+        self.num_experts = self._router(self.decoder_layers[self.moe_layers[0]]).weight.shape[0]
+        self.stats: RouterStats | None = None
+        self.peak_gpu_bytes: int | None = None
+        self.largest_layer_bytes = 0
+        self.peak_host_activation_bytes = 0
+        self.max_chunk_bytes = 0
+        self.spills = 0
+        self.layer_seconds: list[float] = []
+
+    # ----------------------------------------------------------------------------------------------- setup
+
+    def _skeleton(self, config, attn_implementation):
+        from transformers import AutoModelForCausalLM
+
+        kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, **kw)
+        keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if keep and any(k in name for k in keep) and t.is_floating_point():
+                t.data = t.data.float()  # as from_pretrained keeps them (DeepSeek's e_score_correction_bias)
+        return model.eval()
+
+    def _find_layers(self):
+        n = self.config.num_hidden_layers
+        for name, mod in self.model.named_modules():
+            if isinstance(mod, nn.ModuleList) and name.endswith("layers") and len(mod) == n:
+                return name + ".", mod
+        raise ValueError(f"LayerwiseStreamer: no ModuleList of {n} decoder layers in {type(self.model).__name__}")
+
+    def _resolve_router(self, router_attr, prob):
+        if router_attr is None:
+            if self.model_type not in ROUTERS:
+                raise ValueError(f"LayerwiseStreamer: no router registered for model_type {self.model_type!r} (known: "
+                                 f"{sorted(ROUTERS)}); pass router_attr='mlp.gate' (its path inside a decoder layer) "
+                                 "and prob='sigmoid'|'softmax'")
+            router_attr, default = ROUTERS[self.model_type]
+            prob = prob or default
+        elif prob is None and self.model_type in ROUTERS:
+            prob = ROUTERS[self.model_type][1]
+        if prob not in ("sigmoid", "softmax"):
+            raise ValueError(f"LayerwiseStreamer: pass prob='sigmoid' or 'softmax' (how the router at {router_attr!r} "
+                             f"turns logits into probabilities), got {prob!r}")
+        return router_attr, prob
+
+    def _router(self, layer):
+        try:
+            return layer.get_submodule(self.router_attr)
+        except AttributeError:
+            return None
+
+    def _experts_path(self) -> str:
+        return (self.router_attr.rpartition(".")[0] + ".experts").lstrip(".")
+
+    # -------------------------------------------------------------------------------------------- loading
+
+    def _names(self, prefix: str, skip: str | None = None) -> list[str]:
+        from torchforge.export.naming import from_checkpoint_name
+
+        out = []
+        for n in self.tensor_files:
+            mem = from_checkpoint_name(n, self.model_type)
+            if mem.startswith(prefix) and not (skip and mem.startswith(prefix + skip + ".")):
+                out.append(n)
+        return out
+
+    def _read(self, idx: int, skip: str | None):
+        prefix = f"{self.layer_prefix}{idx}."
+        names = self._names(prefix, skip)
+        if not names:
+            raise CheckpointError(f"{self.model_path} has no tensors for decoder layer {idx} "
+                                  f"({prefix}*): the checkpoint is incomplete or not this config's")
+        if skip is None and all(n.startswith(prefix) for n in names):
+            names = [prefix]  # one prefix instead of thousands of names (iter_checkpoint matches every one)
+        return layer_loader.read_host(self.model_path, names, pin=self.device.type == "cuda")
+
+    def _load(self, module: nn.Module, prefix: str, host: dict, skip: str | None = None) -> int:
+        nbytes = layer_loader.materialize(module, self.device, skip)
+        try:
+            layer_loader.load_into(module, prefix, host, model_type=self.model_type, model_path=self.model_path,
+                                   fp8_block=self.fp8_block or (128, 128), skip=skip)
+        except BaseException:
+            self._free(module)
+            raise
+        return nbytes
+
+    def _free(self, module: nn.Module) -> None:
+        layer_loader.free(module)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def layers(self, *, routed_experts: bool = True):
+        """Yields (layer_idx, decoder layer on the device) for every layer: load, yield, free (seed 000 1.2.2).
+        The next layer's tensors are read from disk while the caller works on the current one; the caller must
+        not keep references to a layer after the next iteration starts. routed_experts=False leaves the
+        routed experts of MoE layers on the meta device (unread), as the "approx" mode needs."""
+        skip = None if routed_experts else self._experts_path()
+        n = len(self.decoder_layers)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchforge-prefetch") as pool:
+            future = pool.submit(self._read, 0, skip)
+            for i in range(n):
+                host = future.result()
+                future = pool.submit(self._read, i + 1, skip) if i + 1 < n else None
+                start = time.perf_counter()
+                layer = self.decoder_layers[i]
+                self.largest_layer_bytes = max(self.largest_layer_bytes,
+                                               self._load(layer, f"{self.layer_prefix}{i}.", host, skip))
+                del host
+                try:
+                    yield i, layer
+                finally:
+                    self._free(layer)
+                    self.layer_seconds.append(time.perf_counter() - start)
+
+    stream_layers = layers  # the seed's name
+
+    # ------------------------------------------------------------------------------------------- running
+
+    def _embed(self, batches, store: ActivationStore) -> None:
+        emb = self.model.get_input_embeddings()
+        prefix = next(n for n, m in self.model.named_modules() if m is emb) + "."
+        host = layer_loader.read_host(self.model_path, self._names(prefix), pin=False)
+        self._load(emb, prefix, host)
+        try:
+            for b, ids in enumerate(batches):
+                store.put(b, emb(ids.to(self.device)).to("cpu"), layer=0)
+        finally:
+            self._free(emb)
+
+    def _rotary(self):
+        rot = getattr(getattr(self.model, "model", self.model), "rotary_emb", None)
+        if rot is None:
+            raise ValueError(f"LayerwiseStreamer: {type(self.model).__name__} has no model.rotary_emb")
+        with torch.device(self.device):  # rotary __init__ signatures differ across models; all take the config
+            return type(rot)(rot.config)
+
+    def _mask(self, idx: int, h: torch.Tensor, position_ids: torch.Tensor):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            sliding = types[idx] == "sliding_attention"
+        else:
+            sliding = getattr(self.config, "sliding_window", None) is not None
+        fn = create_sliding_window_causal_mask if sliding else create_causal_mask
+        return fn(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                  position_ids=position_ids)
+
+    def _approx_forward(self, moe: nn.Module, router: nn.Module):
+        """seed 000 1.4: the MoE block's output without its routed experts (the router still runs)."""
+        def forward(hidden_states):
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            router(flat)
+            if getattr(moe, "shared_experts", None) is not None:
+                return moe.shared_experts(hidden_states)
+            if getattr(moe, "shared_expert", None) is not None:  # Qwen2-MoE: sigmoid-gated shared expert
+                out = moe.shared_expert(flat)
+                if getattr(moe, "shared_expert_gate", None) is not None:
+                    out = torch.sigmoid(moe.shared_expert_gate(flat)) * out
+                return out.reshape(hidden_states.shape)
+            return torch.zeros_like(hidden_states)
+        return forward
+
+    @torch.no_grad()
+    def collect_router_stats(self, batches, mode: str = "exact", *, max_tokens: int | None = None) -> RouterStats:
+        """RouterStats of `batches` (input_ids tensors [B, S], no padding) in "exact" or "approx" mode (see the
+        module docstring); the same result as `collect_router_stats` on the whole model in exact mode."""
+        if mode not in MODES:
+            raise ValueError(f"LayerwiseStreamer: mode must be one of {MODES}, got {mode!r}")
+        batches = self._take(batches, max_tokens)
+        names = [f"{self.layer_prefix}{i}.{self.router_attr}" for i in self.moe_layers]
+        row = {layer: r for r, layer in enumerate(self.moe_layers)}
+        stats = new_stats(len(names), self.num_experts, names, {
+            "prob": self.prob, "mode": mode, "router_attr": self.router_attr, "model_path": self.model_path,
+            "model_type": self.model_type, "dtype": str(self.dtype), "fp8": self.fp8_block is not None,
+            "batches": len(batches), "max_tokens": max_tokens, "streamer": True})
+        stats.tokens = sum(int(ids.numel()) for ids in batches)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.layer_seconds = []
+        store = ActivationStore(self.host_budget_bytes, self.offload_dir)
+        try:
+            self._embed(batches, store)
+            rotary = self._rotary()
+            for i, layer in self.layers(routed_experts=mode == "exact"):
+                sums = self._run_layer(i, layer, len(batches), store, rotary, mode)
+                if sums is not None:
+                    add_sums(stats, row[i], sums)
+        finally:
+            self.peak_host_activation_bytes = store.peak_host_bytes
+            self.max_chunk_bytes = store.max_chunk_bytes
+            self.spills = store.spills
+            store.close()
+            if on_cuda:
+                self.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device)
+        self.stats = stats
+        return stats
+
+    def _run_layer(self, i: int, layer: nn.Module, num_batches: int, store: ActivationStore, rotary, mode: str):
+        """Runs every batch through decoder layer `i`, replacing its hidden states in `store`; returns the layer's
+        router sums (on the device), None for a dense layer."""
+        router = self._router(layer)
+        acc: list = [None]
+        handle, moe = None, None
+        if router is not None:
+            def hook(mod, inputs, output):
+                s = router_sums(mod, inputs[0], output, self.prob)
+                acc[0] = s if acc[0] is None else tuple(x + y for x, y in zip(acc[0], s))
+            handle = router.register_forward_hook(hook)
+            if mode == "approx":
+                parent = self.router_attr.rpartition(".")[0]
+                if not parent:
+                    handle.remove()
+                    raise ValueError(f"LayerwiseStreamer: approx mode needs the router inside an MoE block "
+                                     f"(router_attr like 'mlp.gate'), got {self.router_attr!r}")
+                moe = layer.get_submodule(parent)
+                moe.forward = self._approx_forward(moe, router)  # instance attribute: shadows the class's forward
+        try:
+            for b in range(num_batches):
+                h = store.get(b).to(self.device, non_blocking=True)
+                pos = torch.arange(h.shape[1], device=self.device).unsqueeze(0)
+                out = layer(h, attention_mask=self._mask(i, h, pos), position_ids=pos,
+                            position_embeddings=rotary(h, pos), use_cache=False)
+                out = out[0] if isinstance(out, tuple) else out
+                store.put(b, out.to("cpu"), layer=i + 1)
+        finally:
+            if handle is not None:
+                handle.remove()
+            if moe is not None:
+                del moe.forward
+        return acc[0]
+
+    @staticmethod
+    def _take(batches, max_tokens):
+        out, tokens = [], 0
+        for ids in batches:
+            if max_tokens is not None and tokens >= max_tokens:
+                break
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+                raise ValueError("LayerwiseStreamer: batches must be input_ids tensors of shape [B, S], got "
+                                 f"{type(ids).__name__}{list(ids.shape) if isinstance(ids, torch.Tensor) else ''}")
+            out.append(ids)
+            tokens += ids.numel()
+        if not out:
+            raise ValueError("LayerwiseStreamer: no calibration batches")
+        return out
