@@ -27,13 +27,19 @@ MIX = {"math": 0.4, "prose": 0.3, "code": 0.3}
 EVAL_CHARS = 32_768
 
 
-def heldout_text() -> dict[str, str]:
-    """Held-out eval per domain and a math calibration slice (disjoint from eval and training)."""
+TEXT_NAMES = ("eval_math", "eval_prose", "eval_code", "calib_math", "calib_prose", "calib_code")
+
+
+def fixture_text() -> dict[str, str]:
+    """Held-out eval text per domain (never trained on) and calibration slices: math from its own seed
+    (disjoint from eval and training), prose and code from the training split (as calibration sets usually are)."""
     return {
         "eval_math": corpus.math_text("eval", EVAL_CHARS)[:EVAL_CHARS],
         "eval_prose": corpus.sample_text(corpus.prose_documents("eval"), EVAL_CHARS, seed=0),
         "eval_code": corpus.sample_text(corpus.code_documents("eval"), EVAL_CHARS, seed=0),
         "calib_math": corpus.math_text("calib", EVAL_CHARS)[:EVAL_CHARS],
+        "calib_prose": corpus.sample_text(corpus.prose_documents("train"), EVAL_CHARS, seed=1),
+        "calib_code": corpus.sample_text(corpus.code_documents("train"), EVAL_CHARS, seed=1),
     }
 
 
@@ -138,11 +144,10 @@ def main(argv=None) -> None:
     p.add_argument("--write-text-only", action="store_true")
     a = p.parse_args(argv)
 
-    names = ("eval_math", "eval_prose", "eval_code", "calib_math")
-    if not a.write_text_only and all(os.path.isfile(os.path.join(a.text_dir, f"{n}.txt")) for n in names):
-        texts = {n: load_text(n, a.text_dir) for n in names}  # the committed held-out text, whatever Python runs
+    if not a.write_text_only and all(os.path.isfile(os.path.join(a.text_dir, f"{n}.txt")) for n in TEXT_NAMES):
+        texts = {n: load_text(n, a.text_dir) for n in TEXT_NAMES}  # the committed text, whatever Python runs
     else:
-        texts = heldout_text()
+        texts = fixture_text()
         write_text(a.out, texts)
     if a.write_text_only:
         print(f"wrote {sorted(texts)} to {a.out}")

@@ -37,12 +37,19 @@ def _fused_key(name: str) -> str:
 
 
 def _run_batch(model: nn.Module, batch) -> None:
+    """One calibration forward; tensors go to the model's device (calibration text usually sits on the host)."""
+    param = next(model.parameters(), None)
+    dev = param.device if param is not None else None
+
+    def move(v):
+        return v.to(dev) if isinstance(v, torch.Tensor) and dev is not None else v
+
     if isinstance(batch, dict):
-        model(**batch)
+        model(**{k: move(v) for k, v in batch.items()})
     elif isinstance(batch, (tuple, list)):
-        model(*batch)
+        model(*(move(v) for v in batch))
     else:
-        model(batch)
+        model(move(batch))
 
 
 @torch.no_grad()
@@ -85,6 +92,8 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
     model.eval()
     try:
         n = 0
+        if isinstance(calib_data, torch.Tensor):  # input_ids [N, S] (or one sequence [S]): batches of 8 rows
+            calib_data = (calib_data if calib_data.dim() == 2 else calib_data.reshape(1, -1)).split(8)
         for batch in calib_data:
             _run_batch(model, batch)
             n += 1

@@ -45,7 +45,7 @@ def load_tiny_moe(dtype: torch.dtype = torch.float32, device: str | torch.device
 
 
 def load_text(name: str, path: str | None = None) -> str:
-    """Committed text beside the checkpoint: 'eval_math', 'eval_prose', 'eval_code' or 'calib_math'."""
+    """Committed text beside the checkpoint: 'eval_{math,prose,code}' or 'calib_{math,prose,code}'."""
     file = os.path.join(path or TINY_MOE_DIR, f"{name}.txt")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{file} is missing: `python examples/train_tiny_moe.py --write-text-only` "
