@@ -5,7 +5,8 @@ Times are medians of CUDA-graph replays (GPU time, no host launch gaps) except t
 Columns: bf16 F.linear; torchforge's dispatched op (split-K for M <= 16, tiled Triton, dequant + cuBLAS
 for large M); each path forced; tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
 bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros).
-`--sweep` also times split-K configurations at M = 1 (to pick the defaults in awq_splitk_triton.py).
+`--sweep` also times split-K configurations at M = 1 and 16, per-element dequant vs factored (to pick the
+defaults in awq_splitk_triton.py).
 """
 from __future__ import annotations
 
@@ -79,19 +80,27 @@ def main() -> int:
             rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_tiled, t_split, t_deq, t_tg,
                          t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}"])
         if args.sweep:
-            x = torch.randn(1, IC, device="cuda", dtype=torch.bfloat16)
-            for bn in (64, 128, 256):
-                for split in (4, 8, 16):
-                    for nw in (2, 4, 8):
-                        if IC % (split * 128):
-                            continue
-                        f = lambda: launch_w4a16_splitk(x, qw, sc, qz, G, block_n=bn, split_k=split, num_warps=nw)  # noqa: E731
-                        t = bench_graph_ms(f, rep_ms=50)
-                        sweep_rows.append([f"{OC}x{IC}", bn, split, nw, t, wbytes / t / 1e6])
+            for M in (1, 16):
+                x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+                for factored in (False, True):
+                    for bn in (64, 128, 256):
+                        for bk in (64, 128):
+                            for split in (4, 8, 16):
+                                for nw in (4, 8):
+                                    if IC % (split * bk):
+                                        continue
+                                    f = lambda: launch_w4a16_splitk(  # noqa: E731
+                                        x, qw, sc, qz, G, block_n=bn, block_k=bk, split_k=split, num_warps=nw,
+                                        factored=factored)
+                                    t = bench_graph_ms(f, rep_ms=30)
+                                    sweep_rows.append([f"{OC}x{IC}", M, factored, bn, bk, split, nw, t,
+                                                       wbytes / t / 1e6])
     print(f"device: {device_line()}")
     if sweep_rows:
-        print("\nsplit-K sweep at M = 1 (CUDA graph):")
-        print(markdown_table(["W", "BLOCK_N", "SPLIT_K", "warps", "ms", "int4 GB/s"], sweep_rows))
+        print("\nsplit-K sweep (CUDA graph); factored = codes into tl.dot, scale/zero per group (see awq_triton.py):")
+        sweep_rows.sort(key=lambda r: (r[0], r[1], r[7]))
+        print(markdown_table(["W", "M", "factored", "BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "ms", "int4 GB/s"],
+                             sweep_rows))
     print("\nw4a16_linear vs bf16 (ms, CUDA-graph medians unless eager):")
     print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "tiled", "split-K", "dequant+cuBLAS",
                           "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err"], rows))

@@ -16,15 +16,21 @@ from torchforge.ops._triton import HAS_TRITON, tl, triton
 
 __all__ = ["launch_w4a16_splitk", "splitk_config"]
 
+# Factored path (fp16/bf16 only): codes enter tl.dot unscaled and (zero, scale) are applied once per group
+# and column (see _awq_biased_codes). Off by default: on the H100 it was 10-20% slower than the per-element
+# dequantization at M = 1 and 16 (best 0.086 vs 0.075 ms on 18432 x 7168; `bench/w4a16_linear.py --sweep`,
+# 2026-11-22), so this kernel is not bound by dequantization arithmetic.
+FACTORED_DEFAULT = False
+
 if HAS_TRITON:
-    from torchforge.ops.awq_triton import _awq_dequant_tile
+    from torchforge.ops.awq_triton import _awq_biased_codes, _awq_dequant_tile, _awq_group_affine
 
     @triton.jit
     def _w4a16_splitk_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr,
         M, N, K, NP, stride_xm, K_PER_SPLIT,
         GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE_FP32: tl.constexpr,
+        IEEE_FP32: tl.constexpr, FACTORED: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -35,15 +41,23 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_begin = pid_k * K_PER_SPLIT
         for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-            w = _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-            w = w.to(x.dtype)  # round the weight like the reference and the tiled kernel do
-            # tl.dot even for M = 1 (rows padded to 16): on the H100 a BLOCK_M = 1 multiply-and-sum
-            # variant ran 2.5x slower (0.093 vs 0.037 ms on 7168 x 7168, bench/w4a16_linear.py).
-            if IEEE_FP32:  # fp32 activations: no TF32, like torch's default fp32 matmul
-                acc = tl.dot(x, w, acc, input_precision="ieee")
+            if FACTORED:
+                # sum_k x (q - z) s = s * (x @ (OFFSET + q) - (OFFSET + z) * sum_k x), per tile (one group)
+                codes = _awq_biased_codes(qw_ptr, k0, offs_k, pid_n, NP, BLOCK_N, x.dtype)
+                part = tl.dot(x, codes)
+                s, zb = _awq_group_affine(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE, BLOCK_N, x.dtype)
+                xs = tl.sum(x.to(tl.float32), axis=1)
+                acc += s[None, :] * (part - xs[:, None] * zb[None, :])
             else:
-                acc = tl.dot(x, w, acc)
+                w = _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
+                w = w.to(x.dtype)  # round the weight like the reference and the tiled kernel do
+                # tl.dot even for M = 1 (rows padded to 16): on the H100 a BLOCK_M = 1 multiply-and-sum
+                # variant ran 2.5x slower (0.093 vs 0.037 ms on 7168 x 7168, bench/w4a16_linear.py).
+                if IEEE_FP32:  # fp32 activations: no TF32, like torch's default fp32 matmul
+                    acc = tl.dot(x, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, w, acc)
         out = part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
         tl.store(out, acc, mask=mask_m[:, None] & (offs_n < N)[None, :])
 
@@ -62,15 +76,17 @@ if HAS_TRITON:
 
 def splitk_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) for decode sizes. BLOCK_K divides group_size (one scale row
-    per tile); SPLIT_K is the largest of 16/8/4/2/1 whose slice is a whole number of BLOCK_K tiles, chosen
-    so that (OC / BLOCK_N) * SPLIT_K gives several waves on a 132-SM H100."""
+    per tile). From the H100 sweep (`bench/w4a16_linear.py --sweep`, M = 1 and 16, 2026-11-22): BLOCK_N 128,
+    BLOCK_K 128, 4 warps; SPLIT_K 8 when OC gives >= 128 column blocks (18432 x 7168: 0.075 ms against 0.081
+    with 4) and 4 below (7168 x 7168: 0.034 ms against 0.040 with 16). SPLIT_K falls back to the largest
+    power of two whose slice is a whole number of BLOCK_K tiles."""
     bm = 16
     bn = 128
     bk = next(b for b in (128, 64, 32, 16) if group_size % b == 0)
-    programs_n = triton.cdiv(n, bn) if HAS_TRITON else (n + bn - 1) // bn
+    programs_n = (n + bn - 1) // bn
     split = 1
-    for s in (16, 8, 4, 2):
-        if k % (s * bk) == 0 and programs_n * s <= 8 * 132:
+    for s in (8 if programs_n >= 128 else 4, 4, 2):
+        if k % (s * bk) == 0:
             split = s
             break
     return bm, bn, bk, split
@@ -79,7 +95,7 @@ def splitk_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int, in
 def launch_w4a16_splitk(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                         bias: Optional[Tensor] = None, *, block_n: Optional[int] = None,
                         block_k: Optional[int] = None, split_k: Optional[int] = None,
-                        num_warps: int = 4, num_stages: int = 3) -> Tensor:
+                        num_warps: int = 4, num_stages: int = 3, factored: Optional[bool] = None) -> Tensor:
     """`x [..., IC] @ dequant(W).T (+ bias)` for small M (<= 16 rows) with split-K; output in x.dtype."""
     if not HAS_TRITON:
         raise RuntimeError("torchforge split-K kernel needs triton")
@@ -95,6 +111,9 @@ def launch_w4a16_splitk(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tens
     if ic % (split * bk) or group_size % bk:
         raise ValueError(f"launch_w4a16_splitk: IC={ic} must be a multiple of split_k*block_k={split * bk} "
                          f"and block_k must divide group_size={group_size}")
+    if factored is None:
+        factored = FACTORED_DEFAULT
+    factored = factored and x.dtype in (torch.float16, torch.bfloat16)
     out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, oc)
@@ -103,7 +122,7 @@ def launch_w4a16_splitk(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tens
     torch.library.wrap_triton(_w4a16_splitk_kernel)[grid](
         x2, qweight, scales, qzeros, part, m, oc, ic, np_, x2.stride(0), ic // split,
         GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE_FP32=x.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages)
+        FACTORED=factored, num_warps=num_warps, num_stages=num_stages)
     has_bias = bias is not None
     block = 1024
     torch.library.wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(m * oc, block),)](

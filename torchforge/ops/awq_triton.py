@@ -72,6 +72,45 @@ if HAS_TRITON:
         return (q - z[None, :]).to(tl.float32) * s[None, :]
 
     @triton.jit
+    def _awq_biased_codes(qw_ptr, k0, offs_k, pid_n, NP, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+        """`[BLOCK_K, BLOCK_N]` tile of `OFFSET + q` in DTYPE (fp16: 1024 + q, bf16: 128 + q), made without an
+        int-to-float conversion: OR-ing a 4-bit code into the mantissa of OFFSET, whose unit in the last place
+        is 1, gives the exact value (the "magic number" trick of fast int4 GEMMs). Scale and zero are left out:
+        the caller multiplies the codes by x with tl.dot and applies (OFFSET + z) and s once per output column
+        and group, which removes the per-element subtract and multiply of `_awq_dequant_tile`."""
+        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        kk = k0 + offs_k
+        qw = tl.load(qw_ptr + kk[:, None] * NP + offs_w[None, :], mask=(offs_w < NP)[None, :], other=0)
+        qw = tl.interleave(qw, qw)
+        qw = tl.interleave(qw, qw)
+        qw = tl.interleave(qw, qw)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
+        if DTYPE == tl.float16:
+            bits = ((qw >> shifts[None, :]) & 0xF) | 0x6400
+        else:
+            bits = ((qw >> shifts[None, :]) & 0xF) | 0x4300
+        return bits.to(tl.int16).to(DTYPE, bitcast=True)
+
+    @triton.jit
+    def _awq_group_affine(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          DTYPE: tl.constexpr):
+        """(scale, OFFSET + zero) of the group holding row k0, fp32 `[BLOCK_N]` each (see _awq_biased_codes)."""
+        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        g = k0 // GROUP_SIZE
+        zw = tl.load(z_ptr + g * NP + offs_w, mask=offs_w < NP, other=0)
+        zw = tl.interleave(zw, zw)
+        zw = tl.interleave(zw, zw)
+        zw = tl.interleave(zw, zw)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
+        z = ((zw >> shifts) & 0xF).to(tl.float32)
+        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        if DTYPE == tl.float16:
+            return s, z + 1024.0
+        return s, z + 128.0
+
+    @triton.jit
     def _w4a16_linear_kernel(
         x_ptr,
         qw_ptr,
