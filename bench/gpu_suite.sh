@@ -2,6 +2,7 @@
 # One device call does it all: install torchforge (building csrc/), run the whole test suite with the CUDA
 # tests, run the benchmarks and the demo. Logs go under $OUT (the device tool brings them back).
 #   device run:  bash bench/gpu_suite.sh        (carry .whl: wheels missing on the device, e.g. expecttest)
+#   decode only: SUITE=bench BENCHES=decode bash bench/gpu_suite.sh   (DECODE_ARGS: e.g. "--batches 1")
 set -uo pipefail
 OUT=${OUT:-/tmp/torchforge-out}
 mkdir -p "$OUT"
@@ -31,6 +32,7 @@ case " $SUITE " in *" bench "*)
       moe) TAIL=10 step bench_moe_w4a16 python3 bench/moe_w4a16.py ;;
       gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
       nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6
+      decode) TAIL=30 step bench_decode_e2e python3 bench/decode_e2e.py ${DECODE_ARGS:-} ;;  # end-to-end generate, bf16 vs W4A16 (not in the default list: ~4 min)
     esac
   done ;;
 esac

@@ -71,7 +71,9 @@ class LayerwiseStreamer:
     host memory beyond which batches go to `offload_dir` (a temporary folder when None); attn_implementation:
     forwarded to transformers ('sdpa' by default).
 
-    After a run: `stats` (RouterStats), `peak_gpu_bytes` (torch.cuda.max_memory_allocated, None off CUDA),
+    After a run: `stats` (RouterStats), `peak_gpu_bytes` (torch.cuda.max_memory_allocated above what was
+    allocated when the run started, None off CUDA; cuBLAS allocates its workspace, 32 MiB on Hopper, through
+    the caching allocator on the first matmul of a process, so run one matmul first to keep it out),
     `largest_layer_bytes`, `peak_host_activation_bytes`, `max_chunk_bytes`, `spills`, `layer_seconds`.
     """
 
@@ -279,6 +281,7 @@ class LayerwiseStreamer:
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            start_bytes = torch.cuda.memory_allocated(self.device)
         self.layer_seconds = []
         store = ActivationStore(self.host_budget_bytes, self.offload_dir)
         try:
@@ -294,7 +297,7 @@ class LayerwiseStreamer:
             self.spills = store.spills
             store.close()
             if on_cuda:
-                self.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device)
+                self.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device) - start_bytes
         self.stats = stats
         return stats
 
