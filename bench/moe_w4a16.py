@@ -21,10 +21,32 @@ from common import (  # noqa: E402
     quantize_experts_chunked)
 
 
+def sweep(q, E: int, H: int, I: int, K: int) -> list:
+    from torchforge.ops.awq_moe_triton import launch_awq_moe_gemm
+
+    out = []
+    for M in (1, 8, 64):
+        ids = torch.rand(M, E, device="cuda").topk(K, dim=-1).indices.flatten()
+        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(M * K, I, device="cuda", dtype=torch.bfloat16)
+        gemms = {"gate_up": (x, q.gate_up_qweight, q.gate_up_scales, q.gate_up_qzeros, K),
+                 "down": (h, q.down_qweight, q.down_scales, q.down_qzeros, 1)}
+        for name, (a, qw, sc, qz, div) in gemms.items():
+            for bn in (64, 128):
+                for bk in (64, 128):
+                    for nw in (4, 8):
+                        for ns in (3, 4):
+                            f = lambda: launch_awq_moe_gemm(a, ids, qw, sc, qz, 128, x_row_div=div,  # noqa: E731
+                                                            block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                            out.append([M, name, bn, bk, nw, ns, bench_graph_ms(f, rep_ms=30)])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,8,64,512")
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs over tile configs (M = 1, 8, 64)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/moe_w4a16.py: no CUDA device; nothing to measure")
@@ -77,6 +99,9 @@ def main() -> int:
         rows.append([M, hit, t_hf, t_q, t_hf / t_q, g_hf, g_q, g_hf / g_q, floor_ms,
                      floor_ms / (g_q if g_q == g_q else t_q), f"{rel:.1e}"])
         torch.cuda.empty_cache()
+    if args.sweep:
+        print("grouped GEMM tile sweep (CUDA graph ms; BLOCK_M from moe_block_m):")
+        print(markdown_table(["M", "GEMM", "BLOCK_N", "BLOCK_K", "warps", "stages", "ms"], sweep(q, E, H, I, K)))
     print(f"device: {device_line()}; copy bandwidth {bw:.0f} GB/s (read+write); HF experts impl: {impl}")
     print(markdown_table(["M tokens", "experts hit", "HF bf16 ms", "W4A16 ms", "speedup", "HF bf16 graph ms",
                           "W4A16 graph ms", "graph speedup", "int4 floor ms", "% of floor", "rel err vs dequant"], rows))

@@ -216,17 +216,31 @@ def test_router_attr_override(ckpts):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_fp8"])
-def test_cuda_matches_cpu_and_records_peak_memory(ckpts, name):
-    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # cuBLAS workspace allocated up front
+def test_cuda_matches_cpu_and_frees_every_layer(ckpts, name):
     cpu = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cpu").collect_router_stats(_batches())
     streamer = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cuda")
     for mode in ("exact", "approx"):
+        before = torch.cuda.memory_allocated()
         stats = streamer.collect_router_stats(_batches(), mode=mode)
         if mode == "exact":
             torch.testing.assert_close(stats.hit_map, cpu.hit_map, rtol=1e-4, atol=1e-4)
             assert torch.equal(stats.topk_counts.sum(1), cpu.topk_counts.sum(1))
-        assert streamer.largest_layer_bytes <= streamer.peak_gpu_bytes < 4 * streamer.largest_layer_bytes + 2**20
-        assert torch.cuda.memory_allocated() < streamer.largest_layer_bytes  # the last layer was freed
+        assert streamer.peak_gpu_bytes > 0
+        assert torch.cuda.memory_allocated() - before < streamer.largest_layer_bytes  # the last layer was freed
+
+
+@pytest.mark.cuda
+def test_cuda_peak_memory_does_not_grow_with_depth(tmp_path):
+    """One layer at a time: a checkpoint with twice the layers has the same peak GPU memory."""
+    paths = {n: make_checkpoint(tmp_path / f"l{n}", "deepseek_v3", **dict(TINY, num_layers=n)) for n in (2, 4)}
+    LayerwiseStreamer(paths[2], device="cuda").collect_router_stats(_batches())  # cuBLAS workspaces, caches
+    peaks = {}
+    for n, path in paths.items():
+        streamer = LayerwiseStreamer(path, device="cuda")
+        streamer.collect_router_stats(_batches())
+        peaks[n] = streamer.peak_gpu_bytes
+        assert peaks[n] >= streamer.largest_layer_bytes
+    assert peaks[4] <= peaks[2] + 2**16, peaks
 
 
 @pytest.mark.slow

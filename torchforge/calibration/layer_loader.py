@@ -73,7 +73,7 @@ def _destination(module: nn.Module, name: str) -> tuple[torch.Tensor, str]:
 
 def _dequantize_into(dest: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block, name: str, path: str) -> None:
     """`dest.copy_(dequantize_fp8_block(w, scale, block))` a few row blocks at a time, so that the fp32
-    temporaries stay small next to the layer (the same arithmetic: fp32 product, then one cast)."""
+    temporaries (three fp32 chunks of ~4M elements) stay small next to the layer (the same arithmetic: fp32 product, then one cast)."""
     want = expected_scale_shape(w.shape, block)
     if tuple(scale.shape) != want:
         raise CheckpointError(f"{name + _SCALE_INV!r} of {path} has shape {list(scale.shape)}, but {name!r} of shape "
@@ -84,7 +84,7 @@ def _dequantize_into(dest: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, b
         return
     bm, bn = block
     m, n = w.shape
-    step = max(1, (1 << 24) // max(1, n * bm)) * bm  # rows per chunk: a multiple of the block, ~16M elements
+    step = max(1, (1 << 22) // max(1, n * bm)) * bm  # rows per chunk: a multiple of the block, ~4M elements
     for r in range(0, m, step):
         part = w[r:r + step].float()
         s = scale[r // bm:(r + step) // bm].float().repeat_interleave(bm, dim=0)[:part.shape[0]]
