@@ -61,7 +61,7 @@ def moe_block_m(num_rows: int, num_experts: int) -> int:
 
 def launch_awq_moe_gemm(x: Tensor, expert_ids: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor,
                         group_size: int, *, x_row_div: int = 1, block_m: Optional[int] = None,
-                        block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 4,
+                        block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: int = 4,
                         num_stages: int = 3) -> Tensor:
     """out[r] = x[r // x_row_div] @ dequant(W[expert_ids[r]]).T for r < R = expert_ids.numel(); [R, OC]."""
     if not HAS_TRITON:
@@ -73,7 +73,11 @@ def launch_awq_moe_gemm(x: Tensor, expert_ids: Tensor, qweight: Tensor, scales: 
     if R == 0:
         return out
     bm = block_m or moe_block_m(R, E)
-    bk = block_k or next(b for b in (64, 32, 16) if group_size % b == 0)
+    # Tiles from the H100 sweep (`bench/moe_w4a16.py --sweep`, DeepSeek-V3 experts, 2026-11-22): BLOCK_K 128
+    # won at every M (gate_up at M = 8: 0.83 ms against 0.98 with 64); BLOCK_N 64 below 256 routed rows, 128
+    # from there (M = 64 x top-8: 3.04 ms against 3.39 with 64); 4 warps, 3 stages.
+    bk = block_k or next(b for b in (128, 64, 32, 16) if group_size % b == 0)
+    block_n = block_n or (64 if R < 256 else 128)
     rows, block_expert = moe_align(expert_ids, E, bm)
     x = x.contiguous()
     grid = (block_expert.numel(), triton.cdiv(N, block_n))
