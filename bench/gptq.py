@@ -274,6 +274,12 @@ def main() -> int:
         print(f"\n## Output error ||X (W - Q)^T|| / ||X W^T||, [{INTER}, {HID}], {TOKENS} correlated tokens, "
               "group 128\n")
         print(markdown_table(["method", "rel. error", "/ RTN", "seconds"], qrows))
+        # Perplexity on held-out text of a small trained HF model (the tiny MoE fixture), same run.
+        import quality_tiny_moe
+
+        print("\n## Held-out perplexity of the trained tiny MoE (bench/quality_tiny_moe.py)\n")
+        quality_tiny_moe.main(["--only", "fp32,bf16,rtn g64 sym,gptq g64 sym", "--eval-chars",
+                               "4096" if args.smoke else "16384", "--device", DEV])
     total = time.perf_counter() - t_start
     print(f"\ntotal bench time {total:.0f} s")
     with open(args.json, "w") as f:
