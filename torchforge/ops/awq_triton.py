@@ -43,32 +43,44 @@ def pick_block_k(group_size: int, cap: int = 64) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def _awq_nibbles(words, pid_n, BLOCK_N: tl.constexpr):
+        """`[..., BLOCK_N // 8]` packed words -> `[..., BLOCK_N]` int32 codes of output columns
+        pid_n * BLOCK_N + arange(BLOCK_N). Each word is loaded once and repeated 8 times along N with three
+        interleaves, so column n holds word n // 8 (loading [.., BLOCK_N] words directly would move every
+        word 8 times through the memory pipeline); then column n takes its nibble in AWQ order."""
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
+        # `>>` is arithmetic on int32: the 0xF mask drops the sign extension of negative words.
+        return (words >> shifts) & 0xF
+
+    @triton.jit
+    def _awq_code_tile(qw_ptr, k0, offs_k, pid_n, NP, BLOCK_N: tl.constexpr):
+        """int32 `[BLOCK_K, BLOCK_N]` codes of rows k0 + offs_k."""
+        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        qw = tl.load(qw_ptr + (k0 + offs_k)[:, None] * NP + offs_w[None, :], mask=(offs_w < NP)[None, :], other=0)
+        return _awq_nibbles(qw, pid_n, BLOCK_N)
+
+    @triton.jit
+    def _awq_group_params(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(fp32 scale, int32 zero) `[BLOCK_N]` of the group holding row k0."""
+        g = k0 // GROUP_SIZE
+        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        z = _awq_nibbles(tl.load(z_ptr + g * NP + offs_w, mask=offs_w < NP, other=0), pid_n, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        return s, z
+
+    @triton.jit
     def _awq_dequant_tile(
         qw_ptr, s_ptr, z_ptr, k0, offs_k, pid_n, N, NP, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
     ):
         """fp32 `[BLOCK_K, BLOCK_N]` tile of (q - z) * s for rows k0 + offs_k (one group) and output
         columns pid_n * BLOCK_N + arange(BLOCK_N)."""
-        # Load each packed word once ([BLOCK_K, BLOCK_N // 8]) and repeat it 8 times along N with three
-        # interleaves, so column n holds word n // 8 (loading [BLOCK_K, BLOCK_N] words directly would
-        # move every word 8 times through the memory pipeline).
-        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        mask_w = offs_w < NP
-        kk = k0 + offs_k
-        qw = tl.load(qw_ptr + kk[:, None] * NP + offs_w[None, :], mask=mask_w[None, :], other=0)
-        qw = tl.interleave(qw, qw)
-        qw = tl.interleave(qw, qw)
-        qw = tl.interleave(qw, qw)
-        g = k0 // GROUP_SIZE
-        zw = tl.load(z_ptr + g * NP + offs_w, mask=mask_w, other=0)
-        zw = tl.interleave(zw, zw)
-        zw = tl.interleave(zw, zw)
-        zw = tl.interleave(zw, zw)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
-        # `>>` is arithmetic on int32: the 0xF mask drops the sign extension of negative words.
-        q = (qw >> shifts[None, :]) & 0xF
-        z = (zw >> shifts) & 0xF
-        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        q = _awq_code_tile(qw_ptr, k0, offs_k, pid_n, NP, BLOCK_N)
+        s, z = _awq_group_params(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
         return (q - z[None, :]).to(tl.float32) * s[None, :]
 
     @triton.jit
@@ -78,37 +90,21 @@ if HAS_TRITON:
         is 1, gives the exact value (the "magic number" trick of fast int4 GEMMs). Scale and zero are left out:
         the caller multiplies the codes by x with tl.dot and applies (OFFSET + z) and s once per output column
         and group, which removes the per-element subtract and multiply of `_awq_dequant_tile`."""
-        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        kk = k0 + offs_k
-        qw = tl.load(qw_ptr + kk[:, None] * NP + offs_w[None, :], mask=(offs_w < NP)[None, :], other=0)
-        qw = tl.interleave(qw, qw)
-        qw = tl.interleave(qw, qw)
-        qw = tl.interleave(qw, qw)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
+        q = _awq_code_tile(qw_ptr, k0, offs_k, pid_n, NP, BLOCK_N)
         if DTYPE == tl.float16:
-            bits = ((qw >> shifts[None, :]) & 0xF) | 0x6400
+            bits = q | 0x6400
         else:
-            bits = ((qw >> shifts[None, :]) & 0xF) | 0x4300
+            bits = q | 0x4300
         return bits.to(tl.int16).to(DTYPE, bitcast=True)
 
     @triton.jit
     def _awq_group_affine(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                           DTYPE: tl.constexpr):
         """(scale, OFFSET + zero) of the group holding row k0, fp32 `[BLOCK_N]` each (see _awq_biased_codes)."""
-        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        g = k0 // GROUP_SIZE
-        zw = tl.load(z_ptr + g * NP + offs_w, mask=offs_w < NP, other=0)
-        zw = tl.interleave(zw, zw)
-        zw = tl.interleave(zw, zw)
-        zw = tl.interleave(zw, zw)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        shifts = (((offs_n % 8) // 2) + 4 * (offs_n % 2)) * 4
-        z = ((zw >> shifts) & 0xF).to(tl.float32)
-        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        s, z = _awq_group_params(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
         if DTYPE == tl.float16:
-            return s, z + 1024.0
-        return s, z + 128.0
+            return s, z.to(tl.float32) + 1024.0
+        return s, z.to(tl.float32) + 128.0
 
     @triton.jit
     def _w4a16_linear_kernel(
