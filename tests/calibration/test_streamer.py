@@ -131,14 +131,14 @@ def test_offload_spills_and_cleans_up(ckpts, tmp_path, monkeypatch):
     monkeypatch.setattr(activations.ActivationStore, "get", spy)
     offload = tmp_path / "nvme"
     offload.mkdir()
-    chunk = 2 * 6 * 64 * 4  # the first batch's hidden states fit, the second does not
-    streamer = LayerwiseStreamer(path, offload, dtype=torch.float32, device="cpu", host_budget_bytes=chunk)
+    chunk = 2 * 6 * 64 * 4  # the first batch's hidden states fit (with room for one in flight), the second does not
+    streamer = LayerwiseStreamer(path, offload, dtype=torch.float32, device="cpu", host_budget_bytes=2 * chunk)
     stats = streamer.collect_router_stats(_batches())
     assert torch.equal(stats.hit_map, ref.hit_map) and torch.equal(stats.topk_counts, ref.topk_counts)
     assert streamer.spills == 4  # batch 1, after the embedding and after each of the three layers
     assert ["hs_layer_0_batch_1.pt"] in seen and ["hs_layer_2_batch_1.pt"] in seen
     assert os.listdir(offload) == []
-    assert streamer.max_chunk_bytes == chunk and streamer.peak_host_activation_bytes <= chunk + 2 * 9 * 64 * 4
+    assert streamer.max_chunk_bytes == chunk and streamer.peak_host_activation_bytes <= 2 * chunk  # within budget
 
     # no offload_dir: a temporary folder, removed afterwards
     made = []

@@ -2,6 +2,9 @@
 
 They live in host memory while they fit a byte budget; beyond it each batch's tensor is written to
 `offload_dir/hs_layer_{l}_batch_{b}.pt` (the input of layer `l`) and read back when that layer needs it.
+The budget covers the batch in flight too (the one being read back, or just computed and being written):
+room for the largest batch is kept free, so held + in-flight bytes stay within it whenever the budget is at
+least one batch.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ class ActivationStore:
         self.drop(batch)
         n = _nbytes(t)
         self.max_chunk_bytes = max(self.max_chunk_bytes, n)
-        if self.budget is None or self.held_bytes + n <= self.budget:
+        if self.budget is None or self.held_bytes + n + self.max_chunk_bytes <= self.budget:
             self._mem[batch] = t
             self.held_bytes += n
             self._note(0)
