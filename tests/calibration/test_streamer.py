@@ -259,3 +259,14 @@ def test_bench_tiny_runs(tmp_path):
     assert [row["mode"] for row in rows] == ["exact", "approx"] and all(row["spills"] > 0 for row in rows)
     assert rows[1]["layer_bytes"] < rows[0]["layer_bytes"]  # approx never loads the routed experts
     assert os.listdir(tmp_path) == ["b.json"]  # checkpoint and spill folder removed
+
+
+def test_exact_mode_token_chunks_give_the_same_stats(ckpts):
+    """MoE blocks run on a few tokens at a time (a small working set) compute what whole batches compute."""
+    whole = LayerwiseStreamer(ckpts["deepseek_v3"], dtype=torch.float32, device="cpu", moe_chunk_tokens=None)
+    parts = LayerwiseStreamer(ckpts["deepseek_v3"], dtype=torch.float32, device="cpu", moe_chunk_tokens=4)
+    a, b = whole.collect_router_stats(_batches()), parts.collect_router_stats(_batches())
+    torch.testing.assert_close(b.hit_map, a.hit_map, rtol=1e-5, atol=1e-5)
+    assert torch.equal(b.topk_counts, a.topk_counts) and b.tokens == a.tokens
+    with pytest.raises(ValueError, match="moe_chunk_tokens must be >= 1"):
+        LayerwiseStreamer(ckpts["deepseek_v3"], device="cpu", moe_chunk_tokens=0)

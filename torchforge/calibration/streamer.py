@@ -69,7 +69,8 @@ class LayerwiseStreamer:
     dequantized to it); router_attr / prob: router path inside a decoder layer and 'sigmoid' | 'softmax', for
     architectures the registry (router_stats.ROUTERS) does not know; host_budget_bytes: hidden states held in
     host memory beyond which batches go to `offload_dir` (a temporary folder when None); attn_implementation:
-    forwarded to transformers ('sdpa' by default).
+    forwarded to transformers ('sdpa' by default); moe_chunk_tokens: exact mode runs each MoE block on at most
+    this many tokens at a time (None: whole batches).
 
     After a run: `stats` (RouterStats), `peak_gpu_bytes` (torch.cuda.max_memory_allocated above what was
     allocated when the run started, None off CUDA; cuBLAS allocates its workspace, 32 MiB on Hopper, through
@@ -79,10 +80,13 @@ class LayerwiseStreamer:
 
     def __init__(self, model_path, offload_dir=None, *, device=None, dtype: torch.dtype = torch.bfloat16,
                  router_attr: str | None = None, prob: str | None = None, host_budget_bytes: int | None = None,
-                 attn_implementation: str | None = None):
+                 attn_implementation: str | None = None, moe_chunk_tokens: int | None = 256):
         self.model_path = os.fspath(model_path)
         self.offload_dir = offload_dir
         self.host_budget_bytes = host_budget_bytes
+        if moe_chunk_tokens is not None and moe_chunk_tokens < 1:
+            raise ValueError(f"LayerwiseStreamer: moe_chunk_tokens must be >= 1 or None, got {moe_chunk_tokens}")
+        self.moe_chunk_tokens = moe_chunk_tokens
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
         config = _read_config(self.model_path)
@@ -249,6 +253,21 @@ class LayerwiseStreamer:
         return fn(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
                   position_ids=position_ids)
 
+    @staticmethod
+    def _token_chunked_forward(moe: nn.Module, chunk: int):
+        """The MoE block run on at most `chunk` tokens at a time (tokens are independent in an MoE block), so its
+        working set (routed copies of the tokens, expert intermediates: top-k x the chunk) stays small next to
+        the layer's weights whatever the calibration batch size."""
+        run = type(moe).forward
+
+        def forward(hidden_states):
+            flat = hidden_states.reshape(1, -1, hidden_states.shape[-1])
+            if flat.shape[1] <= chunk:
+                return run(moe, hidden_states)
+            parts = [run(moe, flat[:, i:i + chunk]) for i in range(0, flat.shape[1], chunk)]
+            return torch.cat(parts, dim=1).reshape(hidden_states.shape)
+        return forward
+
     def _approx_forward(self, moe: nn.Module, router: nn.Module):
         """seed 000 1.4: the MoE block's output without its routed experts (the router still runs)."""
         def forward(hidden_states):
@@ -312,14 +331,17 @@ class LayerwiseStreamer:
                 s = router_sums(mod, inputs[0], output, self.prob)
                 acc[0] = s if acc[0] is None else tuple(x + y for x, y in zip(acc[0], s))
             handle = router.register_forward_hook(hook)
+            parent = self.router_attr.rpartition(".")[0]
             if mode == "approx":
-                parent = self.router_attr.rpartition(".")[0]
                 if not parent:
                     handle.remove()
                     raise ValueError(f"LayerwiseStreamer: approx mode needs the router inside an MoE block "
                                      f"(router_attr like 'mlp.gate'), got {self.router_attr!r}")
                 moe = layer.get_submodule(parent)
                 moe.forward = self._approx_forward(moe, router)  # instance attribute: shadows the class's forward
+            elif parent and self.moe_chunk_tokens is not None:
+                moe = layer.get_submodule(parent)
+                moe.forward = self._token_chunked_forward(moe, self.moe_chunk_tokens)
         try:
             for b in range(num_batches):
                 h = store.get(b).to(self.device, non_blocking=True)
