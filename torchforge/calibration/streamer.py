@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from torchforge.export.folder import restore_fp32
 from torchforge.calibration import layer_loader
 from torchforge.calibration.activations import ActivationStore
 from torchforge.calibration.router_stats import ROUTERS, RouterStats, add_sums, new_stats, router_sums
@@ -122,10 +123,7 @@ class LayerwiseStreamer:
         kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, **kw)
-        keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if keep and any(k in name for k in keep) and t.is_floating_point():
-                t.data = t.data.float()  # as from_pretrained keeps them (DeepSeek's e_score_correction_bias)
+        restore_fp32(model)  # as from_pretrained keeps them (DeepSeek's e_score_correction_bias)
         return model.eval()
 
     def _find_layers(self):

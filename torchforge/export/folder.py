@@ -20,6 +20,18 @@ def keep_fp32(model: nn.Module) -> tuple[str, ...]:
         getattr(model, "_keep_in_fp32_modules", None) or ())
 
 
+def restore_fp32(model: nn.Module) -> nn.Module:
+    """Casts the tensors named by `keep_fp32` back to fp32 (meta tensors too). `from_config(dtype=bf16)` casts
+    everything, while `from_pretrained` and our exports keep them fp32: a skeleton must match what was saved, or
+    e.g. a bf16-rounded router bias changes expert choices."""
+    keep = keep_fp32(model)
+    if keep:
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if any(k in name for k in keep) and t.is_floating_point():
+                t.data = t.data.float()
+    return model
+
+
 def hf_experts_tensors(name: str, experts: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Unquantized HF fused experts -> the per-expert `{name}.{e}.{gate,up,down}_proj.weight` that checkpoints
     and vLLM use (gate_up_proj holds gate rows first)."""

@@ -211,13 +211,17 @@ def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, sour
         dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16
     qcfg = {"vllm-awq": _vllm_awq_config, "vllm-gptq": vllm_gptq_config,
             "compressed-tensors": compressed_tensors_config}[format](model)
+    from torchforge.prune.export import prune_for_save
+
     state = w4_state_dict(model, format, dtype)
     os.makedirs(out_dir, exist_ok=True)
-    save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
-                 metadata={"format": "pt", "torchforge": format})
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in mods})}
-    return finish_folder(model, out_dir, qcfg, dtype, meta, tokenizer=tokenizer, source_dir=source_dir)
+    state, edit_config = prune_for_save(model, state, out_dir, meta)  # pruned MoE: as for every format
+    save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
+                 metadata={"format": "pt", "torchforge": format})
+    return finish_folder(model, out_dir, qcfg, dtype, meta, tokenizer=tokenizer, source_dir=source_dir,
+                         edit_config=edit_config)
 
 
 # ------------------------------------------------------------------------------------------- load
@@ -326,6 +330,9 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
         for (e, proj), t in per_expert[name].items():
             qw, qz, s = _to_awq_expert(fmt, t, symmetric)
             stacked_parts[name].update({(e, proj, "qweight"): qw, (e, proj, "qzeros"): qz, (e, proj, "scales"): s})
+    from torchforge.prune.export import restore_pruned
+
+    model = restore_pruned(model, path)  # drop-pruned checkpoints: PrunedMoE(drop) over the kept experts
     quantized = {n: (m.qweight, m.qzeros, m.scales, m.g_idx) for n, m in model.named_modules()
                  if isinstance(m, ForgeGPTQLinear)}
     model.to_empty(device=device)

@@ -8,6 +8,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from torchforge.export.folder import restore_fp32
 from torchforge.export.naming import EXPERT_KEY, iter_memory_named, memory_names
 from torchforge.io import CheckpointError
 from torchforge.matching import is_fused_experts
@@ -24,7 +25,7 @@ def _build_skeleton(path: str, dtype: torch.dtype):
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # keep transformers' own quantizers out: torchforge owns these layers
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = restore_fp32(AutoModelForCausalLM.from_config(config, dtype=dtype))
     return model, qcfg if isinstance(qcfg, dict) else (qcfg.to_dict() if qcfg is not None else {})
 
 

@@ -208,15 +208,19 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
     else:
         hf_quant, qcfg = None, compressed_tensors_config(model)
     os.makedirs(out_dir, exist_ok=True)
+    from torchforge.prune.export import prune_for_save
+
     state, exact = nvfp4_state_dict(model, format, dtype)
+    meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None, "w4a4": _w4a4(model)}
+    if exact:
+        meta[EXACT_KEY] = exact
+    state, edit_config = prune_for_save(model, state, out_dir, meta)  # pruned MoE: as for every format
     save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
                  metadata={"format": "pt", "torchforge": format})
     if hf_quant is not None:
         atomic_write_json(os.path.join(out_dir, "hf_quant_config.json"), hf_quant)
-    meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None, "w4a4": _w4a4(model)}
-    if exact:
-        meta[EXACT_KEY] = exact
-    return finish_folder(model, out_dir, qcfg, dtype, meta, tokenizer=tokenizer, source_dir=source_dir)
+    return finish_folder(model, out_dir, qcfg, dtype, meta, tokenizer=tokenizer, source_dir=source_dir,
+                         edit_config=edit_config)
 
 
 # --------------------------------------------------------------------------------------------- load
@@ -356,6 +360,9 @@ def load_nvfp4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             exact = json.load(f).get(EXACT_KEY) or {}
+    from torchforge.prune.export import restore_pruned
+
+    model = restore_pruned(model, path)  # drop-pruned checkpoints: PrunedMoE(drop) over the kept experts
     model.to_empty(device=device)
     state = load_nvfp4_state(model, path, ct, exact)
     return finish_load(model, state, device)

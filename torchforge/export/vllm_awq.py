@@ -122,20 +122,17 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     qcfg = vllm_awq_quantization_config(model)
     os.makedirs(out_dir, exist_ok=True)
     state = export_state_dict(model, dtype)
-    # MoE expert pruning (torchforge.prune; no-op without PrunedMoE): reroute -> a standard smaller checkpoint (router
-    # rows sliced, experts renumbered; config below); drop -> expert_map.pt written beside the checkpoint.
-    from torchforge.prune.export import apply_pruned_config, export_pruned
+    from torchforge.prune.export import prune_for_save
 
-    state, prune_meta = export_pruned(model, state, out_dir)
-    save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
-                 metadata={"format": "pt", "torchforge": format})
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in _quantized_modules(model)})}
-    if prune_meta is not None:
-        meta["prune"] = prune_meta
-    # apply_pruned_config: fewer routed experts / valid group settings for reroute-pruned models
+    # MoE expert pruning (no-op without PrunedMoE): reroute -> a standard smaller checkpoint (router rows sliced,
+    # fewer routed experts in config.json); drop -> expert_map.pt written beside the checkpoint.
+    state, edit_config = prune_for_save(model, state, out_dir, meta)
+    save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes,
+                 metadata={"format": "pt", "torchforge": format})
     return finish_folder(model, out_dir, qcfg, dtype, meta, tokenizer=tokenizer, source_dir=source_dir,
-                         edit_config=lambda cfg: apply_pruned_config(cfg, model))
+                         edit_config=edit_config)
 
 
 def read_quantization_config(path: str) -> dict:

@@ -186,6 +186,15 @@ def export_pruned(model: nn.Module, state: dict, out_dir: str) -> tuple[dict, di
     return pruned_state_dict(model, state), meta
 
 
+def prune_for_save(model: nn.Module, state: dict, out_dir: str, meta: dict):
+    """The pruning step every `save_quantized` format shares: returns (checkpoint state, config.json editor) and
+    records the pruning in `meta` (torchforge.json). No-op for unpruned models."""
+    state, prune_meta = export_pruned(model, state, out_dir)
+    if prune_meta is not None:
+        meta["prune"] = prune_meta
+    return state, lambda cfg: apply_pruned_config(cfg, model)
+
+
 def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = None,
                 max_shard_bytes: int = 5 * 2**30) -> str:
     """Writes an UNQUANTIZED reroute-pruned model as a standard HF checkpoint folder (per-expert tensor names,

@@ -1,0 +1,40 @@
+"""Pruned MoE models in every quantized format: NVFP4 (ModelOpt, compressed-tensors) and GPTQ (vllm-gptq,
+compressed-tensors) checkpoints of reroute- and drop-pruned models reload with identical logits."""
+import json
+import os
+
+import pytest
+import torch
+
+import torchforge
+from tests import models
+from torchforge.prune import EXPERT_MAP_FILE, prune_experts
+
+# two experts kept in each of the two groups, so reroute keeps valid group-limited routing
+EXPERT_MAP = torch.tensor([[0, 1, -1, -1, 2, 3, -1, -1]], dtype=torch.int32)
+GPTQ = {"scheme": "w4a16-gptq", "group_size": 32}
+
+
+@pytest.mark.parametrize("mode", ["reroute", "drop"])
+@pytest.mark.parametrize("scheme,fmt", [("nvfp4", "modelopt-nvfp4"), ("nvfp4", "compressed-tensors"),
+                                        (GPTQ, "vllm-gptq"), (GPTQ, "compressed-tensors")])
+def test_pruned_quantized_reloads_identically(tmp_path, scheme, fmt, mode):
+    model = models.build("deepseek_v3", dtype=torch.bfloat16)
+    prune_experts(model, EXPERT_MAP, mode=mode)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    torchforge.quantize(model, scheme, calib_data=ids)
+    with torch.no_grad():
+        expected = model(ids).logits
+    torchforge.save_quantized(model, str(tmp_path), format=fmt)
+    cfg = json.load(open(tmp_path / "config.json"))
+    meta = json.load(open(tmp_path / "torchforge.json"))
+    assert meta["prune"]["mode"] == mode
+    if mode == "reroute":  # a standard smaller checkpoint
+        assert cfg["n_routed_experts"] == 4 and not os.path.exists(tmp_path / EXPERT_MAP_FILE)
+    else:  # original config, expert map beside it
+        assert cfg["n_routed_experts"] == 8 and os.path.exists(tmp_path / EXPERT_MAP_FILE)
+    loaded = torchforge.load_quantized(str(tmp_path))
+    assert loaded.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32  # as from_pretrained keeps it
+    with torch.no_grad():
+        got = loaded(ids).logits
+    assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
