@@ -58,7 +58,8 @@ SWEEP = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 32
 
 @torch.no_grad()
 def _sweep(q, ms, k, bw):
-    """Each projection's grouped GEMM alone, per tile config (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    """Each projection's grouped GEMM alone (CUDA-graph medians), per tile config (BLOCK_M, BLOCK_N, BLOCK_K,
+    warps, stages)."""
     from torchforge.ops.nvfp4_triton import grouped_config, launch_nvfp4_grouped_linear
 
     E, H, I = q.num_experts, q.hidden_size, q.intermediate_size
@@ -76,9 +77,9 @@ def _sweep(q, ms, k, bw):
             for cfg in SWEEP:
                 bm, bn, bk, nw, ns = cfg
                 try:
-                    times[cfg] = bench_ms(lambda: launch_nvfp4_grouped_linear(  # noqa: B023
+                    times[cfg] = bench_graph_ms(lambda: launch_nvfp4_grouped_linear(  # noqa: B023
                         *args, x_row_div=div, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns),
-                        warmup_ms=10, rep_ms=50)
+                        rep_ms=30)
                 except Exception as e:  # noqa: BLE001  (a config that does not compile / fit)
                     times[cfg] = float("nan")
                     print(f"sweep {proj} M={M} {cfg}: {type(e).__name__}")
