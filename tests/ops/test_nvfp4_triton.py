@@ -49,7 +49,7 @@ def test_align_groups_rows_by_expert():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(4, 48, 64, 10), (3, 80, 256, 37), (1, 16, 32, 1)])
+@pytest.mark.parametrize("shape", [(4, 48, 64, 10), (3, 80, 256, 37), (1, 16, 32, 1), (2, 136, 128, 40)])  # last: >= 16 rows per expert
 def test_grouped_kernel_matches_reference(dtype, shape):
     e, n, k, r = shape
     x, ids, p, s, ws2 = case(e, n, k, r, seed=sum(shape), dtype=dtype)
