@@ -42,11 +42,49 @@ def tinygemm_fn(w: torch.Tensor, x: torch.Tensor):
         return None
 
 
+def gemv_sweep(shapes: str) -> list:
+    import torchforge
+    from torchforge.ops.awq_gemv_triton import gemv_config, launch_w4a16_gemv
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+    from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
+
+    rows = []
+    for shape in shapes.split(","):
+        OC, IC = map(int, shape.split("x"))
+        w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
+        qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
+        wbytes = qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
+        x = torch.randn(1, IC, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), awq_dequantize_ref(qw, sc, qz, G).float())
+        t_split = bench_graph_ms(lambda: launch_w4a16_splitk(x, qw, sc, qz, G))
+        t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w))
+        groups = IC // G
+        _, _, auto_split, _ = gemv_config(IC, OC, G)
+        for bw in (32, 64, 128):
+            for bk in (8, 16, 32):
+                for nw in (2, 4, 8):
+                    for split in sorted({auto_split, max(1, auto_split // 2), min(groups, auto_split * 2)}):
+                        if groups % split:
+                            continue
+                        f = lambda: launch_w4a16_gemv(x, qw, sc, qz, G, block_w=bw, block_k=bk, split_k=split,  # noqa: E731
+                                                      num_warps=nw)
+                        try:
+                            rel = ((f().float() - ref).norm() / ref.norm()).item()
+                            t = bench_graph_ms(f, rep_ms=30)
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile
+                            print(f"gemv {shape} {bw} {bk} {nw} {split}: {type(e).__name__}: {str(e)[:100]}")
+                            continue
+                        rows.append([shape, bw, bk, split, nw, t, wbytes / t / 1e6, t_split, t_bf16, f"{rel:.1e}"])
+    rows.sort(key=lambda r: (r[0], r[5]))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="18432x7168,7168x7168", help="OCxIC list")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--gemv-sweep", action="store_true", help="time the batch-1 GEMV kernel's configurations")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
@@ -95,7 +133,12 @@ def main() -> int:
                                     t = bench_graph_ms(f, rep_ms=30)
                                     sweep_rows.append([f"{OC}x{IC}", M, factored, bn, bk, split, nw, t,
                                                        wbytes / t / 1e6])
+    gemv_rows = gemv_sweep(args.shapes) if args.gemv_sweep else []
     print(f"device: {device_line()}")
+    if gemv_rows:
+        print("\nbatch-1 GEMV (awq_gemv_triton.py) sweep, CUDA graph, bf16; split-K kernel and bf16 in the same run:")
+        print(markdown_table(["W", "BLOCK_W", "BLOCK_K", "SPLIT_K", "warps", "ms", "int4 GB/s", "split-K ms", "bf16 ms",
+                              "rel err"], gemv_rows))
     if sweep_rows:
         print("\nsplit-K sweep (CUDA graph); factored = codes into tl.dot, scale/zero per group (see awq_triton.py):")
         sweep_rows.sort(key=lambda r: (r[0], r[1], r[7]))
