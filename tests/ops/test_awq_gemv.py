@@ -5,7 +5,8 @@ import torch
 from torchforge.ops import awq_quantize, awq_unpack
 from torchforge.ops._triton import can_launch
 
-pytestmark = pytest.mark.skipif(not can_launch(torch.empty(0)), reason="needs triton (interpreter on CPU)")
+pytestmark = pytest.mark.skipif(not can_launch(torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu")),
+                                reason="needs triton (CUDA, or the interpreter on CPU)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -5,7 +5,9 @@ import torch
 from torchforge.ops import awq_quantize, awq_unpack
 from torchforge.ops._triton import can_launch
 
-pytestmark = pytest.mark.skipif(not can_launch(torch.empty(0)), reason="needs triton (interpreter on CPU)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not can_launch(torch.empty(0, device=DEVICE)),
+                                reason="needs triton (CUDA, or the interpreter on CPU)")
 
 
 def _dequant_independent(qw, s, z, G):
@@ -22,9 +24,9 @@ def test_splitk_kernel_matches_dequantized_matmul(m, ic, oc, G, split, bias, dty
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
 
     torch.manual_seed(m * 1000 + oc)
-    qw, s, z = awq_quantize(torch.randn(oc, ic), G, symmetric=oc % 16 == 0)
-    x = torch.randn(m, ic).to(dtype)
-    b = torch.randn(oc).to(dtype) if bias else None
+    qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(oc, ic), G, symmetric=oc % 16 == 0))
+    x = torch.randn(m, ic, device=DEVICE).to(dtype)
+    b = torch.randn(oc, device=DEVICE).to(dtype) if bias else None
     w = _dequant_independent(qw, s, z, G)
     if not factored:
         w = w.to(dtype).float()  # the per-element path rounds the weight to x.dtype; the factored one never forms it
@@ -64,6 +66,6 @@ def test_splitk_rejects_large_m():
 def test_dequant_t_kernel_matches_independent_dequantization(G):
     from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
 
-    qw, s, z = awq_quantize(torch.randn(40, 256), G, symmetric=False)
+    qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(40, 256), G, symmetric=False))
     w_t = launch_awq_dequantize_t(qw, s, z, G, torch.float32)
     assert torch.equal(w_t, _dequant_independent(qw, s, z, G).T.contiguous())

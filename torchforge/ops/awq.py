@@ -35,6 +35,7 @@ from torchforge.ops.awq_reference import (
     w4a16_linear_ref,
 )
 from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
+from torchforge.ops.awq_gemv_triton import launch_w4a16_gemv
 from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
 from torchforge.ops.awq_triton import launch_awq_grouped_linear, launch_w4a16_linear, pick_block_k
 
@@ -313,6 +314,9 @@ def _w4a16_linear(
     ic, oc = _check_w4a16_args(x, qweight, scales, qzeros, group_size, bias)
     if _kernel_ok(x, group_size):
         m = x.numel() // ic
+        if m == 1 and group_size % 16 == 0:
+            # batch-1 decode: the FMA GEMV (no tensor cores) reads the int4 weight ~1.7x faster than split-K
+            return launch_w4a16_gemv(x, qweight, scales, qzeros, group_size, bias)
         if m <= SPLITK_MAX_M:
             return launch_w4a16_splitk(x, qweight, scales, qzeros, group_size, bias)
         if m >= DEQUANT_CUBLAS_MIN_M:

@@ -61,18 +61,15 @@ if HAS_TRITON:
 
 
 def gemv_config(k: int, n: int, group_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_W, BLOCK_K, SPLIT_K, num_warps): untuned defaults; SPLIT_K divides the number of groups and
-    aims at ~1000 programs."""
-    bw, bk, warps = 64, 16, 4
+    """(BLOCK_W, BLOCK_K, SPLIT_K, num_warps). From the H100 sweep (`bench/w4a16_linear.py --gemv-sweep`,
+    2026-11-22): two groups per K slice was best on both DeepSeek-V3 shapes; 18432 x 7168: BLOCK_W 64, BLOCK_K
+    32, 2 warps, 0.043 ms (split-K kernel 0.074, bf16 0.094); 7168 x 7168: BLOCK_W 64, BLOCK_K 16, 4 warps,
+    0.022 ms (0.034, 0.040)."""
     groups = k // group_size
-    programs_w = (n // 8 + bw - 1) // bw
-    split = 1
-    for s in range(1, groups + 1):
-        if groups % s == 0:
-            split = s
-            if programs_w * s >= 1024:
-                break
-    return bw, min(bk, group_size), split, warps
+    split = groups // 2 if groups % 2 == 0 else groups
+    if n // 8 >= 2048:
+        return 64, min(32, group_size), split, 2
+    return 64, min(16, group_size), split, 4
 
 
 def launch_w4a16_gemv(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
