@@ -130,3 +130,22 @@ def test_recipe_prune_section_bad_hit_map(tmp_path):
     recipe = {**RECIPE, "prune": {"hit_map": str(tmp_path / "hit.pt"), "keep_ratio": 0.5}}
     with pytest.raises(ValueError, match="hit"):
         torchforge.quantize(models.build("deepseek_v3"), recipe)
+
+
+def test_recipe_prune_balance_groups_keeps_group_limited_routing(tmp_path):
+    """balance_groups: as many experts kept in each routing group, so the reroute export keeps n_group."""
+    hit = torch.tensor([[9.0, 8, 7, 6, 1, 2, 3, 0.5]])  # a plain top-4 would keep group 0 only
+    torch.save(hit, tmp_path / "hit.pt")
+    recipe = {**RECIPE, "prune": {"hit_map": str(tmp_path / "hit.pt"), "keep_k": 4, "balance_groups": True}}
+    model = torchforge.quantize(models.build("deepseek_v3"), recipe)
+    block = model.model.layers[1].mlp
+    assert sorted(block.kept_original_ids().tolist()) == [0, 1, 5, 6]
+    from torchforge.prune import pruned_config_changes
+
+    assert pruned_config_changes(model) == {"n_routed_experts": 4}  # n_group / topk_group kept as they are
+    plain = {**RECIPE, "prune": {"hit_map": str(tmp_path / "hit.pt"), "keep_k": 4}}
+    assert pruned_config_changes(torchforge.quantize(models.build("deepseek_v3"), plain))["n_group"] == 1
+    from torchforge.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="balance_groups applies"):
+        torchforge.Recipe.from_dict({**RECIPE, "prune": {"expert_map": "m.pt", "balance_groups": True}})

@@ -171,7 +171,9 @@ class PruneRecipe:
     """The `prune` section of a recipe: routed experts to drop before quantizing (see torchforge.prune).
 
     Either `expert_map` (a saved `expert_map.pt`, or the folder holding it) or `hit_map` (a saved [L, E]
-    tensor, e.g. from calibration) with `keep_k` or `keep_ratio`.
+    tensor, e.g. from calibration) with `keep_k` or `keep_ratio`. `balance_groups`: with `hit_map`, keep the
+    same number of experts in every routing group of a group-limited router (DeepSeek `n_group`), so a
+    reroute export keeps the model's group-limited routing.
     """
 
     expert_map: str | None = None
@@ -180,6 +182,7 @@ class PruneRecipe:
     keep_ratio: float | None = None
     mode: str = "reroute"
     renormalize: bool = False
+    balance_groups: bool = False
 
     def __post_init__(self) -> None:
         if (self.expert_map is None) == (self.hit_map is None):
@@ -202,6 +205,10 @@ class PruneRecipe:
             raise _fail("prune.keep_ratio", self.keep_ratio, "a fraction 0 < r <= 1")
         _check_str_choice("prune.mode", self.mode, PRUNE_MODES)
         _check_bool("prune.renormalize", self.renormalize)
+        _check_bool("prune.balance_groups", self.balance_groups)
+        if self.balance_groups and self.hit_map is None:
+            raise RecipeError("Recipe.prune: balance_groups applies when the map is built from 'hit_map'; a given "
+                              "'expert_map' is used as it is")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PruneRecipe":

@@ -143,3 +143,16 @@ def test_hit_map_must_match_model():
         check_hit_map_matches(torch.rand(2, 8), models.build("deepseek_v3"))
     with pytest.raises(ValueError, match="has no MoE blocks"):
         check_hit_map_matches(torch.rand(2, 8), models.build("llama"))
+
+
+def test_group_balanced_map_keeps_the_best_of_each_group():
+    hits = torch.tensor([[9.0, 8, 7, 6, 1, 2, 3, 0.5], [1.0, 2, 3, 4, 5, 6, 7, 8]])
+    m = build_expert_map(hits, keep_k=4, n_group=2)
+    # layer 0: group 0 keeps experts 0, 1 and group 1 keeps 6, 5; compact ids by overall hit order
+    assert m[0].tolist() == [0, 1, -1, -1, -1, 3, 2, -1]
+    assert m[1].tolist() == [-1, -1, 3, 2, -1, -1, 1, 0]
+    assert ((m >= 0).view(2, 2, 4).sum(-1) == 2).all()
+    with pytest.raises(ValueError, match="split evenly over n_group=2"):
+        build_expert_map(hits, keep_k=3, n_group=2)
+    with pytest.raises(ValueError, match="positive divisor of the 8"):
+        build_expert_map(hits, keep_k=4, n_group=3)

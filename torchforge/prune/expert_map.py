@@ -85,23 +85,45 @@ def _per_layer_keep(num_layers: int, num_experts: int, keep_k, keep_ratio) -> li
     return ks
 
 
-def build_expert_map(hit_map, keep_k=None, keep_ratio=None) -> torch.Tensor:
+def build_expert_map(hit_map, keep_k=None, keep_ratio=None, n_group: int | None = None) -> torch.Tensor:
     """hit_map `[L, E]` (float: per-expert router mass) -> expert map int32 `[L, E]`.
 
     Per layer, the `keep_k` experts with the largest hits are kept and numbered `0..keep_k-1` in
     descending hit order (ties: the lower original expert id first); the others get `-1`.
     `keep_k`: an int for every layer, or one int per layer. `keep_ratio`: keeps `max(1, round(ratio * E))`
     experts per layer. Exactly one of the two must be given.
+    `n_group`: keep the same number, keep_k / n_group, in each of the n_group contiguous expert groups of
+    group-limited routing (DeepSeek's `n_group`), the top ones of each group. A reroute export keeps
+    group-limited routing valid only then; otherwise it falls back to n_group = 1 (see torchforge.prune.export).
     """
     hits = _check_hit_map(hit_map)
     num_layers, num_experts = hits.shape
     ks = _per_layer_keep(num_layers, num_experts, keep_k, keep_ratio)
+    if n_group is not None:
+        _check_groups(num_experts, ks, n_group)
     out = torch.full((num_layers, num_experts), -1, dtype=torch.int32)
-    # A stable sort of the negated hits: descending, and equal hits keep ascending expert ids.
-    order = torch.sort(-hits, dim=1, stable=True).indices
     for layer, k in enumerate(ks):
-        out[layer, order[layer, :k]] = torch.arange(k, dtype=torch.int32)
+        # A stable sort of the negated hits: descending, and equal hits keep ascending expert ids.
+        order = torch.sort(-hits[layer], stable=True).indices
+        if n_group is not None:
+            size, per = num_experts // n_group, k // n_group
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(num_experts)
+            # within each group, the `per` best by overall rank; then all kept ones in overall rank order
+            by_group = torch.sort(rank.view(n_group, size), dim=1).values[:, :per].flatten()
+            order = order[torch.sort(by_group).values]
+        out[layer, order[:k]] = torch.arange(k, dtype=torch.int32)
     return out
+
+
+def _check_groups(num_experts: int, ks: list[int], n_group: int) -> None:
+    if not _is_int(n_group) or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"build_expert_map: n_group={n_group!r} must be a positive divisor of the {num_experts} "
+                         "routed experts (the router's n_group)")
+    bad = [k for k in ks if k % n_group]
+    if bad:
+        raise ValueError(f"build_expert_map: keep_k={bad[0]} does not split evenly over n_group={n_group} groups; "
+                         f"keep a multiple of {n_group} experts per layer")
 
 
 def validate_expert_map(expert_map, num_experts: int | None = None) -> torch.Tensor:

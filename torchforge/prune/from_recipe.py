@@ -6,6 +6,7 @@ import os
 import torch
 from torch import nn
 
+from torchforge.nn.routing import router_groups
 from torchforge.prune.apply import moe_blocks, prune_experts
 from torchforge.prune.expert_map import build_expert_map, check_hit_map_matches, load_expert_map
 
@@ -32,5 +33,8 @@ def prune_from_recipe(model: nn.Module, section) -> nn.Module:
     else:
         hit = _load_hit_map(section.hit_map)
         check_hit_map_matches(hit, model)
-        expert_map = build_expert_map(hit, keep_k=section.keep_k, keep_ratio=section.keep_ratio)
+        n_group = None
+        if section.balance_groups:
+            n_group, _ = router_groups(moe_blocks(model)[0][1].gate)  # None: the router is not group-limited
+        expert_map = build_expert_map(hit, keep_k=section.keep_k, keep_ratio=section.keep_ratio, n_group=n_group)
     return prune_experts(model, expert_map, mode=section.mode, renormalize=section.renormalize)
