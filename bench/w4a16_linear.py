@@ -2,11 +2,11 @@
 
     python bench/w4a16_linear.py [--m 1,16,64,256,1024,4096] [--sweep]
 Times are medians of CUDA-graph replays (GPU time, no host launch gaps) except the `eager` column.
-Columns: bf16 F.linear; torchforge's dispatched op (split-K for M <= 16, tiled Triton, dequant + cuBLAS
-for large M); each path forced; tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
+Columns: bf16 F.linear; torchforge's dispatched op (GEMV for M = 1, split-K for M <= 16, tiled Triton,
+dequant + cuBLAS for large M); each path forced; tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
 bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros).
-`--sweep` also times split-K configurations at M = 1 and 16, per-element dequant vs factored (to pick the
-defaults in awq_splitk_triton.py).
+`--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
+`--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py).
 """
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ def main() -> int:
     import torchforge
     from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
     from torchforge.ops.awq_reference import awq_dequantize_ref
+    from torchforge.ops.awq_gemv_triton import launch_w4a16_gemv
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
     from torchforge.ops.awq_triton import launch_w4a16_linear
 
@@ -112,27 +113,25 @@ def main() -> int:
             t_eager = bench_ms(op)
             t_tiled = bench_graph_ms(lambda: launch_w4a16_linear(x, qw, sc, qz, G))
             t_split = bench_graph_ms(lambda: launch_w4a16_splitk(x, qw, sc, qz, G)) if M <= 16 else float("nan")
+            t_gemv = bench_graph_ms(lambda: launch_w4a16_gemv(x, qw, sc, qz, G)) if M == 1 else float("nan")
             t_deq = bench_graph_ms(lambda: x @ launch_awq_dequantize_t(qw, sc, qz, G, x.dtype))
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
-            rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_tiled, t_split, t_deq, t_tg,
+            rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_tiled, t_split, t_deq, t_tg,
                          t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}"])
         if args.sweep:
             for M in (1, 16):
                 x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
-                for factored in (False, True):
-                    for bn in (64, 128, 256):
-                        for bk in (64, 128):
-                            for split in (4, 8, 16):
-                                for nw in (4, 8):
-                                    if IC % (split * bk):
-                                        continue
-                                    f = lambda: launch_w4a16_splitk(  # noqa: E731
-                                        x, qw, sc, qz, G, block_n=bn, block_k=bk, split_k=split, num_warps=nw,
-                                        factored=factored)
-                                    t = bench_graph_ms(f, rep_ms=30)
-                                    sweep_rows.append([f"{OC}x{IC}", M, factored, bn, bk, split, nw, t,
-                                                       wbytes / t / 1e6])
+                for bn in (64, 128, 256):
+                    for bk in (64, 128):
+                        for split in (4, 8, 16):
+                            for nw in (4, 8):
+                                if IC % (split * bk):
+                                    continue
+                                f = lambda: launch_w4a16_splitk(  # noqa: E731
+                                    x, qw, sc, qz, G, block_n=bn, block_k=bk, split_k=split, num_warps=nw)
+                                t = bench_graph_ms(f, rep_ms=30)
+                                sweep_rows.append([f"{OC}x{IC}", M, bn, bk, split, nw, t, wbytes / t / 1e6])
     gemv_rows = gemv_sweep(args.shapes) if args.gemv_sweep else []
     print(f"device: {device_line()}")
     if gemv_rows:
@@ -140,12 +139,11 @@ def main() -> int:
         print(markdown_table(["W", "BLOCK_W", "BLOCK_K", "SPLIT_K", "warps", "ms", "int4 GB/s", "split-K ms", "bf16 ms",
                               "rel err"], gemv_rows))
     if sweep_rows:
-        print("\nsplit-K sweep (CUDA graph); factored = codes into tl.dot, scale/zero per group (see awq_triton.py):")
-        sweep_rows.sort(key=lambda r: (r[0], r[1], r[7]))
-        print(markdown_table(["W", "M", "factored", "BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "ms", "int4 GB/s"],
-                             sweep_rows))
+        print("\nsplit-K sweep (CUDA graph):")
+        sweep_rows.sort(key=lambda r: (r[0], r[1], r[6]))
+        print(markdown_table(["W", "M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "ms", "int4 GB/s"], sweep_rows))
     print("\nw4a16_linear vs bf16 (ms, CUDA-graph medians unless eager):")
-    print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "tiled", "split-K", "dequant+cuBLAS",
+    print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "GEMV", "tiled", "split-K", "dequant+cuBLAS",
                           "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err"], rows))
     return 0
 

@@ -19,19 +19,17 @@ def _dequant_independent(qw, s, z, G):
 
 @pytest.mark.parametrize("m,ic,oc,G,split,bias", [(1, 256, 64, 128, 2, False), (3, 512, 40, 64, 4, True),
                                                   (16, 256, 136, 32, 1, True), (1, 128, 16, 16, 8, False)])
-@pytest.mark.parametrize("dtype,factored", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
-def test_splitk_kernel_matches_dequantized_matmul(m, ic, oc, G, split, bias, dtype, factored):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_splitk_kernel_matches_dequantized_matmul(m, ic, oc, G, split, bias, dtype):
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
 
     torch.manual_seed(m * 1000 + oc)
     qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(oc, ic), G, symmetric=oc % 16 == 0))
     x = torch.randn(m, ic, device=DEVICE).to(dtype)
     b = torch.randn(oc, device=DEVICE).to(dtype) if bias else None
-    w = _dequant_independent(qw, s, z, G)
-    if not factored:
-        w = w.to(dtype).float()  # the per-element path rounds the weight to x.dtype; the factored one never forms it
+    w = _dequant_independent(qw, s, z, G).to(dtype).float()  # the kernel rounds the weight to x.dtype
     expected = x.float() @ w.T + (b.float() if bias else 0)
-    out = launch_w4a16_splitk(x, qw, s, z, G, b, block_n=32, block_k=min(G, 32), split_k=split, factored=factored)
+    out = launch_w4a16_splitk(x, qw, s, z, G, b, block_n=32, block_k=min(G, 32), split_k=split)
     assert out.dtype == dtype and out.shape == (m, oc)
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     assert ((out.float() - expected).norm() / expected.norm()) < tol
@@ -40,7 +38,7 @@ def test_splitk_kernel_matches_dequantized_matmul(m, ic, oc, G, split, bias, dty
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 5, 16])
-def test_splitk_factored_on_cuda(m, dtype):
+def test_splitk_on_cuda(m, dtype):
     """bf16 only here: the Triton interpreter has no bf16 arithmetic."""
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
 
@@ -48,10 +46,9 @@ def test_splitk_factored_on_cuda(m, dtype):
     qw, s, z = (t.cuda() for t in awq_quantize(torch.randn(512, 1024), 128, symmetric=m != 5))
     x = torch.randn(m, 1024, device="cuda").to(dtype)
     expected = x.float() @ _dequant_independent(qw, s, z, 128).T
-    for factored in (False, True):
-        out = launch_w4a16_splitk(x, qw, s, z, 128, factored=factored)
-        err = ((out.float() - expected).norm() / expected.norm()).item()
-        assert err < (4e-3 if dtype == torch.bfloat16 else 1e-3), (factored, err)
+    out = launch_w4a16_splitk(x, qw, s, z, 128)
+    err = ((out.float() - expected).norm() / expected.norm()).item()
+    assert err < (4e-3 if dtype == torch.bfloat16 else 1e-3), err
 
 
 def test_splitk_rejects_large_m():

@@ -16,21 +16,16 @@ from torchforge.ops._triton import HAS_TRITON, tl, triton
 
 __all__ = ["launch_w4a16_splitk", "splitk_config"]
 
-# Factored path (fp16/bf16 only): codes enter tl.dot unscaled and (zero, scale) are applied once per group
-# and column (see _awq_biased_codes). Off by default: on the H100 it was 10-20% slower than the per-element
-# dequantization at M = 1 and 16 (best 0.086 vs 0.075 ms on 18432 x 7168; `bench/w4a16_linear.py --sweep`,
-# 2026-11-22), so this kernel is not bound by dequantization arithmetic.
-FACTORED_DEFAULT = False
 
 if HAS_TRITON:
-    from torchforge.ops.awq_triton import _awq_biased_codes, _awq_dequant_tile, _awq_group_affine
+    from torchforge.ops.awq_triton import _awq_dequant_tile
 
     @triton.jit
     def _w4a16_splitk_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr,
         M, N, K, NP, stride_xm, K_PER_SPLIT,
         GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE_FP32: tl.constexpr, FACTORED: tl.constexpr,
+        IEEE_FP32: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -42,22 +37,15 @@ if HAS_TRITON:
         k_begin = pid_k * K_PER_SPLIT
         for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-            if FACTORED:
-                # sum_k x (q - z) s = s * (x @ (OFFSET + q) - (OFFSET + z) * sum_k x), per tile (one group)
-                codes = _awq_biased_codes(qw_ptr, k0, offs_k, pid_n, NP, BLOCK_N, x.dtype)
-                part = tl.dot(x, codes)
-                s, zb = _awq_group_affine(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE, BLOCK_N, x.dtype)
-                xs = tl.sum(x.to(tl.float32), axis=1)
-                acc += s[None, :] * (part - xs[:, None] * zb[None, :])
+            w = _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
+            w = w.to(x.dtype)  # round the weight like the reference and the tiled kernel do
+            # tl.dot even for M = 1 (rows padded to 16), but M = 1 is dispatched to awq_gemv_triton.py. A variant
+            # feeding unscaled codes (magic-number trick) to tl.dot, scale / zero per group, measured 10-20% slower
+            # on the H100: this kernel is bound by the tensor-core operand path, not by dequantization arithmetic.
+            if IEEE_FP32:  # fp32 activations: no TF32, like torch's default fp32 matmul
+                acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
-                w = _awq_dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
-                w = w.to(x.dtype)  # round the weight like the reference and the tiled kernel do
-                # tl.dot even for M = 1 (rows padded to 16): on the H100 a BLOCK_M = 1 multiply-and-sum
-                # variant ran 2.5x slower (0.093 vs 0.037 ms on 7168 x 7168, bench/w4a16_linear.py).
-                if IEEE_FP32:  # fp32 activations: no TF32, like torch's default fp32 matmul
-                    acc = tl.dot(x, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, w, acc)
+                acc = tl.dot(x, w, acc)
         out = part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
         tl.store(out, acc, mask=mask_m[:, None] & (offs_n < N)[None, :])
 
@@ -95,7 +83,7 @@ def splitk_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int, in
 def launch_w4a16_splitk(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                         bias: Optional[Tensor] = None, *, block_n: Optional[int] = None,
                         block_k: Optional[int] = None, split_k: Optional[int] = None,
-                        num_warps: int = 4, num_stages: int = 3, factored: Optional[bool] = None) -> Tensor:
+                        num_warps: int = 4, num_stages: int = 3) -> Tensor:
     """`x [..., IC] @ dequant(W).T (+ bias)` for small M (<= 16 rows) with split-K; output in x.dtype."""
     if not HAS_TRITON:
         raise RuntimeError("torchforge split-K kernel needs triton")
@@ -111,9 +99,6 @@ def launch_w4a16_splitk(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tens
     if ic % (split * bk) or group_size % bk:
         raise ValueError(f"launch_w4a16_splitk: IC={ic} must be a multiple of split_k*block_k={split * bk} "
                          f"and block_k must divide group_size={group_size}")
-    if factored is None:
-        factored = FACTORED_DEFAULT
-    factored = factored and x.dtype in (torch.float16, torch.bfloat16)
     out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, oc)
@@ -122,7 +107,7 @@ def launch_w4a16_splitk(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tens
     torch.library.wrap_triton(_w4a16_splitk_kernel)[grid](
         x2, qweight, scales, qzeros, part, m, oc, ic, np_, x2.stride(0), ic // split,
         GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE_FP32=x.dtype == torch.float32,
-        FACTORED=factored, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     has_bias = bias is not None
     block = 1024
     torch.library.wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(m * oc, block),)](

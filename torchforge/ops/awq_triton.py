@@ -84,29 +84,6 @@ if HAS_TRITON:
         return (q - z[None, :]).to(tl.float32) * s[None, :]
 
     @triton.jit
-    def _awq_biased_codes(qw_ptr, k0, offs_k, pid_n, NP, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
-        """`[BLOCK_K, BLOCK_N]` tile of `OFFSET + q` in DTYPE (fp16: 1024 + q, bf16: 128 + q), made without an
-        int-to-float conversion: OR-ing a 4-bit code into the mantissa of OFFSET, whose unit in the last place
-        is 1, gives the exact value (the "magic number" trick of fast int4 GEMMs). Scale and zero are left out:
-        the caller multiplies the codes by x with tl.dot and applies (OFFSET + z) and s once per output column
-        and group, which removes the per-element subtract and multiply of `_awq_dequant_tile`."""
-        q = _awq_code_tile(qw_ptr, k0, offs_k, pid_n, NP, BLOCK_N)
-        if DTYPE == tl.float16:
-            bits = q | 0x6400
-        else:
-            bits = q | 0x4300
-        return bits.to(tl.int16).to(DTYPE, bitcast=True)
-
-    @triton.jit
-    def _awq_group_affine(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DTYPE: tl.constexpr):
-        """(scale, OFFSET + zero) of the group holding row k0, fp32 `[BLOCK_N]` each (see _awq_biased_codes)."""
-        s, z = _awq_group_params(s_ptr, z_ptr, k0, pid_n, N, NP, GROUP_SIZE, BLOCK_N)
-        if DTYPE == tl.float16:
-            return s, z.to(tl.float32) + 1024.0
-        return s, z.to(tl.float32) + 128.0
-
-    @triton.jit
     def _w4a16_linear_kernel(
         x_ptr,
         qw_ptr,
