@@ -45,3 +45,26 @@ def test_plot_hitmap_png(tmp_path, capsys):
     assert px(3, 1 * 6 + 3) == (255, 255, 255) and px(3, 2 * 6 + 3) == (255, 255, 255)
     assert px(3, 3 * 6 + 3) != (255, 255, 255) and px(0, 3 * 6) == (68, 1, 84)
     assert px(0, 1 * 6) == (253, 231, 37)  # the row maximum is the brightest colour
+
+
+def test_quantize_command_exports_what_the_api_exports(tmp_path):
+    """`torchforge quantize SRC OUT --recipe ...` on the trained fixture = torchforge.quantize + save_quantized."""
+    import torch
+
+    import torchforge
+    from torchforge.cli import main
+    from torchforge.testing.tiny_moe import TINY_MOE_DIR, encode, load_text, load_tiny_moe, windows
+
+    recipe = tmp_path / "recipe.yaml"
+    torchforge.Recipe.from_dict({"scheme": "w4a16-gptq", "group_size": 64}).to_file(recipe)
+    calib = windows(encode(load_text("calib_code")), 128)[:8]
+    torch.save(calib, tmp_path / "calib.pt")
+    out = tmp_path / "out"
+    assert main(["quantize", TINY_MOE_DIR, str(out), "--recipe", str(recipe), "--calib-ids", str(tmp_path / "calib.pt"),
+                 "--format", "vllm-gptq", "--device", "cpu"]) == 0
+    expected = torchforge.quantize(load_tiny_moe(dtype=torch.bfloat16), torchforge.Recipe.from_file(recipe),
+                                   calib_data=calib)
+    ids = calib[:2]
+    with torch.no_grad():
+        assert torch.equal(torchforge.load_quantized(str(out))(ids).logits, expected(ids).logits)
+    assert main(["quantize", str(tmp_path / "nowhere"), str(out)]) == 2  # clear error, no traceback

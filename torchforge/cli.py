@@ -6,6 +6,12 @@ import json
 import sys
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _demo(args) -> int:
     from torchforge.demo import format_table, run_demo
 
@@ -43,6 +49,33 @@ def _plot_hitmap(args) -> int:
     return 0
 
 
+def _quantize(args) -> int:
+    """Whole-checkpoint quantization: the model is loaded (not streamed), quantized by the recipe, exported."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import torchforge
+
+    if not os.path.isfile(os.path.join(args.src, "config.json")):
+        raise FileNotFoundError(f"{args.src} has no config.json: pass an HF checkpoint folder")
+    recipe = torchforge.Recipe.coerce(args.recipe)
+    calib = None
+    if args.calib_ids:
+        calib = torch.load(args.calib_ids, map_location="cpu", weights_only=True)
+        if not isinstance(calib, torch.Tensor) or calib.dim() != 2 or calib.is_floating_point():
+            raise ValueError(f"--calib-ids {args.calib_ids}: expected a saved integer input_ids tensor [N, S]")
+    elif recipe.scheme == "w4a16-gptq":
+        print("torchforge quantize: no --calib-ids; GPTQ falls back to RTN for every module", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(args.src, dtype=getattr(torch, recipe.dtype)).to(args.device).eval()
+    torchforge.quantize(model, recipe, calib_data=calib)
+    fmt = args.format or recipe.export_format
+    out = torchforge.save_quantized(model, args.out, format=fmt, source_dir=args.src)
+    print(f"{args.src} -> {out} ({fmt}, recipe {recipe.scheme}, group {recipe.group_size})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchforge", description="4-bit compression of dense and MoE LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -55,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--max-rows", type=int, default=50)
     i.set_defaults(func=_inspect)
+    q = sub.add_parser("quantize", help="quantize an HF checkpoint folder with a recipe and export it (loads the "
+                                        "whole model; layer-wise streaming covers calibration only)")
+    q.add_argument("src", help="HF checkpoint folder (config.json + safetensors)")
+    q.add_argument("out", help="output folder")
+    q.add_argument("--recipe", default="w4a16-rtn", help="preset name or a YAML/JSON recipe file")
+    q.add_argument("--format", default=None, help="export format (default: the recipe's export_format)")
+    q.add_argument("--calib-ids", default=None, help="torch-saved input_ids [N, S] for calibrated schemes")
+    q.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+    q.set_defaults(func=_quantize)
     h = sub.add_parser("plot-hitmap", help="PNG heatmap of a hit_map [layers, experts], kept experts marked")
     h.add_argument("hit_map", help="a torch-saved [L, E] tensor, or a dict with a 'hit_map' tensor")
     h.add_argument("--out", default="hitmap.png")
