@@ -68,3 +68,9 @@ def test_quantize_command_exports_what_the_api_exports(tmp_path):
     with torch.no_grad():
         assert torch.equal(torchforge.load_quantized(str(out))(ids).logits, expected(ids).logits)
     assert main(["quantize", str(tmp_path / "nowhere"), str(out)]) == 2  # clear error, no traceback
+    streamed = tmp_path / "streamed"
+    assert main(["quantize", TINY_MOE_DIR, str(streamed), "--recipe", "w4a16-rtn-g64", "--stream", "--device", "cpu"]) == 0
+    rtn = torchforge.quantize(load_tiny_moe(dtype=torch.bfloat16), "w4a16-rtn-g64")
+    with torch.no_grad():
+        assert torch.equal(torchforge.load_quantized(str(streamed))(ids).logits, rtn(ids).logits)
+    assert main(["quantize", TINY_MOE_DIR, str(streamed), "--stream", "--device", "cpu"]) == 2  # not over a checkpoint

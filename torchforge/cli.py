@@ -50,7 +50,8 @@ def _plot_hitmap(args) -> int:
 
 
 def _quantize(args) -> int:
-    """Whole-checkpoint quantization: the model is loaded (not streamed), quantized by the recipe, exported."""
+    """Whole-checkpoint quantization: loaded with transformers, quantized by the recipe, exported; or with --stream
+    (RTN only) one tensor at a time (torchforge.export.stream_quantize)."""
     import os
 
     import torch
@@ -61,6 +62,12 @@ def _quantize(args) -> int:
     if not os.path.isfile(os.path.join(args.src, "config.json")):
         raise FileNotFoundError(f"{args.src} has no config.json: pass an HF checkpoint folder")
     recipe = torchforge.Recipe.coerce(args.recipe)
+    if args.stream:
+        from torchforge.export.stream_quantize import quantize_checkpoint
+
+        out = quantize_checkpoint(args.src, args.out, recipe, device=args.device)
+        print(f"{args.src} -> {out} (vllm-awq, streamed tensor by tensor, group {recipe.group_size})")
+        return 0
     calib = None
     if args.calib_ids:
         calib = torch.load(args.calib_ids, map_location="cpu", weights_only=True)
@@ -88,14 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--max-rows", type=int, default=50)
     i.set_defaults(func=_inspect)
-    q = sub.add_parser("quantize", help="quantize an HF checkpoint folder with a recipe and export it (loads the "
-                                        "whole model; layer-wise streaming covers calibration only)")
+    q = sub.add_parser("quantize", help="quantize an HF checkpoint folder with a recipe and export it")
     q.add_argument("src", help="HF checkpoint folder (config.json + safetensors)")
     q.add_argument("out", help="output folder")
     q.add_argument("--recipe", default="w4a16-rtn", help="preset name or a YAML/JSON recipe file")
     q.add_argument("--format", default=None, help="export format (default: the recipe's export_format)")
     q.add_argument("--calib-ids", default=None, help="torch-saved input_ids [N, S] for calibrated schemes")
     q.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+    q.add_argument("--stream", action="store_true", help="round-to-nearest recipes: one tensor at a time, any model "
+                   "size (the default loads the whole model)")
     q.set_defaults(func=_quantize)
     h = sub.add_parser("plot-hitmap", help="PNG heatmap of a hit_map [layers, experts], kept experts marked")
     h.add_argument("hit_map", help="a torch-saved [L, E] tensor, or a dict with a 'hit_map' tensor")
@@ -112,7 +120,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"torchforge {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,56 @@
+"""Streamed RTN of a whole checkpoint writes what quantize + save_quantized write, tensor for tensor."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import torchforge
+from tests import models
+from torchforge.export.stream_quantize import quantize_checkpoint
+from torchforge.io import iter_checkpoint
+from torchforge.testing import make_checkpoint
+
+
+def _tensors(path):
+    return dict(iter_checkpoint(path))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "llama"])
+def test_streamed_equals_in_memory(tmp_path, arch):
+    src = tmp_path / "src"
+    models.build(arch, dtype=torch.bfloat16).save_pretrained(src)
+    recipe = {"scheme": "w4a16-rtn", "group_size": 32}
+    streamed = quantize_checkpoint(str(src), str(tmp_path / "streamed"), recipe, device="cpu", max_shard_bytes=40_000)
+    from transformers import AutoModelForCausalLM
+
+    model = torchforge.quantize(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16), recipe)
+    ref = torchforge.save_quantized(model, str(tmp_path / "ref"))
+    a, b = _tensors(streamed), _tensors(ref)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    qa = json.load(open(os.path.join(streamed, "config.json")))["quantization_config"]
+    qb = json.load(open(os.path.join(ref, "config.json")))["quantization_config"]
+    assert qa == qb
+    assert os.path.exists(os.path.join(streamed, "model.safetensors.index.json"))  # several shards were written
+    ids = torch.randint(0, 96, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(torchforge.load_quantized(streamed)(ids).logits, model(ids).logits)
+
+
+def test_streamed_fp8_source_and_refusals(tmp_path):
+    src = make_checkpoint(tmp_path / "fp8", "deepseek_v3", fp8=True, num_layers=2, hidden_size=128,
+                          n_routed_experts=4, moe_intermediate_size=128, vocab_size=64)
+    out = quantize_checkpoint(str(src), str(tmp_path / "q"), {"scheme": "w4a16-rtn", "group_size": 64},
+                              device="cpu")
+    names = list(_tensors(out))
+    assert any(n.endswith("experts.3.down_proj.qweight") for n in names)
+    assert not any("scale_inv" in n for n in names)  # FP8 dequantized before quantizing
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+    with pytest.raises(ValueError, match="round-to-nearest W4A16 only"):
+        quantize_checkpoint(str(src), str(tmp_path / "g"), "w4a16-gptq")
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        quantize_checkpoint(str(src), out, {"scheme": "w4a16-rtn", "group_size": 64}, device="cpu")

@@ -1,0 +1,84 @@
+"""Round-to-nearest W4A16 of a whole checkpoint, one tensor at a time (`torchforge quantize --stream`).
+
+Neither host nor GPU memory ever holds more than one tensor and one output shard, so a 671B checkpoint (bf16, or
+DeepSeek's block FP8, dequantized per tensor) is quantized on one GPU. The output is the checkpoint
+`torchforge.quantize(model, recipe)` + `save_quantized(model, out, "vllm-awq")` would write, tensor for tensor:
+the same module selection (the recipe matched against a meta-device skeleton of the model), the same
+`quantization_config`, per-expert names, fp32 for the tensors transformers keeps in fp32. RTN needs no
+activations; calibrated schemes (GPTQ, NVFP4 input scales) and pruning need the model and are refused.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from torchforge.export.folder import finish_folder, keep_fp32
+from torchforge.export.load import _build_skeleton, _swap_quantized_modules
+from torchforge.export.naming import EXPERT_KEY, from_checkpoint_name, to_checkpoint_name
+from torchforge.export.vllm_awq import vllm_awq_quantization_config
+from torchforge.io import iter_checkpoint
+from torchforge.io.shard_writer import ShardWriter
+from torchforge.matching import is_fused_experts, paired_modules_error, select_modules
+from torchforge.ops import awq_quantize
+from torchforge.recipe import Recipe
+
+
+def _targets(model: nn.Module, recipe: Recipe) -> tuple[set[str], set[str]]:
+    """(Linear module names, fused-experts module names) that `torchforge.quantize` would quantize."""
+    selected = select_modules(model, recipe.targets, recipe.ignore)
+    err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
+    if err:
+        raise ValueError(err)
+    linears = {n for n, m in selected if isinstance(m, nn.Linear)}
+    experts = {n for n, m in selected if is_fused_experts(m)} if recipe.quantize_experts else set()
+    return linears, experts
+
+
+def quantize_checkpoint(src: str, out: str, recipe: Recipe | str | dict = "w4a16-rtn", *, device=None,
+                        max_shard_bytes: int = 5 * 2**30) -> str:
+    """Streams `src` (an HF checkpoint folder) into a vllm-awq checkpoint at `out`; returns `out`."""
+    recipe = Recipe.coerce(recipe)
+    if recipe.scheme != "w4a16-rtn" or recipe.prune is not None:
+        raise ValueError(f"streamed quantization does round-to-nearest W4A16 only (recipe scheme {recipe.scheme!r}"
+                         f"{', with a prune section' if recipe.prune is not None else ''}); calibrated schemes and "
+                         "pruning need the model in memory: use torchforge.quantize + save_quantized")
+    if recipe.export_format != "vllm-awq":
+        raise ValueError(f"streamed quantization writes vllm-awq; the recipe asks for {recipe.export_format!r}")
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise FileNotFoundError(f"{src} has no config.json: pass an HF checkpoint folder")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, recipe.dtype)
+    model, _ = _build_skeleton(src, dtype)  # meta device: names, module types, config
+    linears, experts = _targets(model, recipe)
+    G, sym = recipe.group_size, recipe.symmetric
+    # the skeleton as quantize() would leave it, for the quantization_config (module names only, still meta)
+    _swap_quantized_modules(model, {f"{n}.qweight" for n in linears} | {f"{n}.0.gate_proj.qweight" for n in experts},
+                            G, sym)
+    qcfg = vllm_awq_quantization_config(model)
+    mt = model.config.model_type
+    fp32_keys = keep_fp32(model)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    writer = ShardWriter(out, max_shard_bytes, metadata={"torchforge": "vllm-awq"})
+    try:
+        for ck_name, t in iter_checkpoint(src, dequantize_fp8=True):
+            name = from_checkpoint_name(ck_name, mt)
+            owner, _, leaf = name.rpartition(".")
+            if t.is_floating_point():  # as from_pretrained(dtype=...) would hold it
+                t = t.float() if any(k in name for k in fp32_keys) else t.to(dtype)
+            m = EXPERT_KEY.match(name)
+            if (m and m["module"] in experts and m["kind"] == "weight") or (owner in linears and leaf == "weight"):
+                qweight, scales, qzeros = awq_quantize(t.to(device), G, symmetric=sym)
+                for kind, q in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+                    writer.add(to_checkpoint_name(f"{owner}.{kind}", mt), q)
+                continue
+            if tied and name == "lm_head.weight":
+                continue  # tied to embed_tokens; HF and vLLM re-tie at load
+            writer.add(to_checkpoint_name(name, mt), t)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    meta = {"format": "vllm-awq", "recipe": recipe.to_dict(), "symmetric": [sym], "streamed": True}
+    return finish_folder(model, out, qcfg, dtype, meta, source_dir=src)
