@@ -183,3 +183,16 @@ def test_errors():
         torchforge.prune_experts(model, torch.arange(8, dtype=torch.int32)[None])
     with pytest.raises(ValueError, match="has no MoE blocks"):
         torchforge.prune_experts(models.build("llama"), torch.zeros(1, 8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["drop", "reroute"])
+def test_pruned_moe_traces_without_graph_breaks(mode):
+    """Dynamo captures the whole pruned block (backend="eager": the trace is the test, no inductor compile)."""
+    from torchforge.prune import prune_experts
+
+    model = models.build("deepseek_v3")
+    prune_experts(model, torch.tensor([[0, 1, -1, -1, 2, 3, -1, -1]], dtype=torch.int32), mode=mode)
+    block = model.model.layers[1].mlp
+    x = torch.randn(1, 5, 64)
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), block(x))
