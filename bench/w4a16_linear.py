@@ -2,11 +2,12 @@
 
     python bench/w4a16_linear.py [--m 1,16,64,256,1024,4096] [--sweep]
 Times are medians of CUDA-graph replays (GPU time, no host launch gaps) except the `eager` column.
-Columns: bf16 F.linear; torchforge's dispatched op (GEMV for M = 1, split-K for M <= 16, tiled Triton,
-dequant + cuBLAS for large M); each path forced; tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
+Columns: bf16 F.linear; torchforge's dispatched op (GEMV for M = 1, the tensor-core kernel up to 128 rows,
+dequant + cuBLAS beyond); each path forced (the split-K and tiled kernels are the fp32 paths now); tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
 bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros).
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
-`--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py).
+`--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py); `--mma-sweep 16,64,...` only the tensor-core
+kernel's (awq_mma_triton.py) at those M.
 """
 from __future__ import annotations
 
@@ -79,20 +80,87 @@ def gemv_sweep(shapes: str) -> list:
     return rows
 
 
+def mma_candidates(m: int) -> list:
+    """MmaConfig grid per M bucket for `--mma-sweep`. The first sweep (2026-11-22, BENCHMARKS.md) settled the
+    layout: SWAP_AB + FACTORED won at M = 16, the plain layout at M >= 64; this grid varies what is left."""
+    from torchforge.ops.awq_mma_triton import MmaConfig
+
+    if m <= 16:
+        return [MmaConfig(16, bn, 128, sp, True, True, 4, st, pf) for bn in (64, 128) for sp in (4, 8)
+                for pf in (False, True) for st in (3, 4)][: 16 if m == 16 else 4]
+    if m <= 64:
+        return ([MmaConfig(64, 64, 128, sp, False, f, 4, 4, pf) for sp in (2, 4) for f in (False, True)
+                 for pf in (False, True)]
+                + [MmaConfig(32, bn, 128, 2, False, True, 4, 4, True) for bn in (64, 128)]
+                + [MmaConfig(64, 64, 128, 2, True, True, 4, 4, True)])
+    if m <= 256:
+        return [MmaConfig(bm, bn, 128, sp, False, f, 4, 4, True) for bm, bn, sp in ((64, 64, 2), (64, 128, 1),
+                                                                                   (128, 128, 1)) for f in (False, True)]
+    return [MmaConfig(128, 128, 64, 1, False, False, 4, st, pf) for st in (3, 4) for pf in (False, True)]
+
+
+def mma_sweep(shapes: str, ms: str) -> list:
+    """Time every `mma_candidates` config of the tensor-core kernel; bf16 and the dispatched op in the same run."""
+    import torchforge
+    from torchforge.ops.awq_mma_triton import launch_w4a16_mma
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+
+    import time
+
+    deadline = time.time() + float(os.environ.get("SWEEP_BUDGET_S", "420"))  # print what we have within a device call
+    rows = []
+    for shape in shapes.split(","):
+        OC, IC = map(int, shape.split("x"))
+        w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
+        qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
+        wbytes = qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
+        wdq = awq_dequantize_ref(qw, sc, qz, G).float()
+        for M in map(int, ms.split(",")):
+            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ wdq.T
+            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
+            t_op = bench_graph_ms(lambda: torchforge.ops.w4a16_linear(x, qw, sc, qz, G), rep_ms=50)
+            for cfg in mma_candidates(M):
+                if time.time() > deadline:
+                    print(f"mma sweep: time budget spent, skipped {shape} M={M} {cfg}")
+                    continue
+                f = lambda: launch_w4a16_mma(x, qw, sc, qz, G, config=cfg)  # noqa: E731
+                try:
+                    rel = ((f().float() - ref).norm() / ref.norm()).item()
+                    t = bench_graph_ms(f, rep_ms=30)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    print(f"mma {shape} M={M} {cfg}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                rows.append([shape, M, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, int(cfg.swap_ab),
+                             int(cfg.factored), int(cfg.prefetch), cfg.num_warps, cfg.num_stages, t, t_bf16 / t, t_op,
+                             wbytes / t / 1e6, f"{rel:.1e}"])
+    rows.sort(key=lambda r: (r[0], r[1], r[11]))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="18432x7168,7168x7168", help="OCxIC list")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--gemv-sweep", action="store_true", help="time the batch-1 GEMV kernel's configurations")
+    ap.add_argument("--mma-sweep", default="", help="M list: time the tensor-core kernel's configurations, then stop")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
+        return 0
+    if args.mma_sweep:
+        mrows = mma_sweep(args.shapes, args.mma_sweep)
+        print(f"device: {device_line()}")
+        print("\ntensor-core kernel (awq_mma_triton.py) sweep, CUDA graph, bf16; ratio = bf16 / config:")
+        print(markdown_table(["W", "M", "BM", "BN", "BK", "split", "swap", "fact", "prefetch", "warps", "stages", "ms", "bf16/ms",
+                              "op ms", "int4 GB/s", "rel err"], mrows))
         return 0
     import torchforge
     from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
     from torchforge.ops.awq_reference import awq_dequantize_ref
     from torchforge.ops.awq_gemv_triton import launch_w4a16_gemv
+    from torchforge.ops.awq_mma_triton import launch_w4a16_mma
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
     from torchforge.ops.awq_triton import launch_w4a16_linear
 
@@ -114,10 +182,11 @@ def main() -> int:
             t_tiled = bench_graph_ms(lambda: launch_w4a16_linear(x, qw, sc, qz, G))
             t_split = bench_graph_ms(lambda: launch_w4a16_splitk(x, qw, sc, qz, G)) if M <= 16 else float("nan")
             t_gemv = bench_graph_ms(lambda: launch_w4a16_gemv(x, qw, sc, qz, G)) if M == 1 else float("nan")
+            t_mma = bench_graph_ms(lambda: launch_w4a16_mma(x, qw, sc, qz, G)) if 1 < M <= 256 else float("nan")
             t_deq = bench_graph_ms(lambda: x @ launch_awq_dequantize_t(qw, sc, qz, G, x.dtype))
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
-            rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_tiled, t_split, t_deq, t_tg,
+            rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_mma, t_tiled, t_split, t_deq, t_tg,
                          t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}"])
         if args.sweep:
             for M in (1, 16):
@@ -143,7 +212,7 @@ def main() -> int:
         sweep_rows.sort(key=lambda r: (r[0], r[1], r[6]))
         print(markdown_table(["W", "M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "ms", "int4 GB/s"], sweep_rows))
     print("\nw4a16_linear vs bf16 (ms, CUDA-graph medians unless eager):")
-    print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "GEMV", "tiled", "split-K", "dequant+cuBLAS",
+    print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "GEMV", "tensor-core", "tiled", "split-K", "dequant+cuBLAS",
                           "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err"], rows))
     return 0
 

@@ -36,6 +36,7 @@ from torchforge.ops.awq_reference import (
 )
 from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
 from torchforge.ops.awq_gemv_triton import launch_w4a16_gemv
+from torchforge.ops.awq_mma_triton import launch_w4a16_mma
 from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
 from torchforge.ops.awq_triton import launch_awq_grouped_linear, launch_w4a16_linear, pick_block_k
 
@@ -237,10 +238,12 @@ def _check_grouped_args(
 
 
 # Dispatch of w4a16_linear on CUDA by M = rows of x, from bench/w4a16_linear.py on the H100 (BENCHMARKS.md):
-# split-K wins up to 16 rows; from 256 rows (7168x7168: already from 64) dequantize + cuBLAS beats the
-# tiled kernel, e.g. 0.237 vs 0.417 ms at M = 256 on 18432x7168.
+# one row: the FMA GEMV; up to MMA_MAX_M rows (bf16/fp16): the tensor-core kernel of awq_mma_triton.py
+# (0.189 vs 0.222 ms for dequantize + cuBLAS at M = 128 on 18432x7168, 0.332 vs 0.239 at 256); beyond that
+# one dequantize pass and cuBLAS. fp32 activations take the split-K (<= 16 rows) or tiled kernel.
 SPLITK_MAX_M = 16
-DEQUANT_CUBLAS_MIN_M = 128
+MMA_MAX_M = 128
+DEQUANT_CUBLAS_MIN_M = 129
 
 
 def _kernel_ok(t: Tensor, group_size: int) -> bool:
@@ -317,6 +320,8 @@ def _w4a16_linear(
         if m == 1 and group_size % 16 == 0:
             # batch-1 decode: the FMA GEMV (no tensor cores) reads the int4 weight ~1.7x faster than split-K
             return launch_w4a16_gemv(x, qweight, scales, qzeros, group_size, bias)
+        if m <= MMA_MAX_M and x.dtype != torch.float32:
+            return launch_w4a16_mma(x, qweight, scales, qzeros, group_size, bias)
         if m <= SPLITK_MAX_M:
             return launch_w4a16_splitk(x, qweight, scales, qzeros, group_size, bias)
         if m >= DEQUANT_CUBLAS_MIN_M:
