@@ -81,18 +81,19 @@ def gemv_sweep(shapes: str) -> list:
 
 
 def mma_candidates(m: int) -> list:
-    """MmaConfig grid per M bucket for `--mma-sweep`. The first sweep (2026-11-22, BENCHMARKS.md) settled the
-    layout: SWAP_AB + FACTORED won at M = 16, the plain layout at M >= 64; this grid varies what is left."""
+    """MmaConfig grid per M bucket for `--mma-sweep`. The first two sweeps (2026-11-22, BENCHMARKS.md) settled the
+    layout (SWAP_AB + FACTORED up to 16 rows, the plain layout from 64) and register prefetch; `ncu` then showed
+    the kernel latency bound (no unit above 51% busy; 4 resp. 2 blocks per SM, limited by registers), so this grid
+    varies what sets registers and bytes in flight: BLOCK_K, warps, stages, SPLIT_K."""
     from torchforge.ops.awq_mma_triton import MmaConfig
 
     if m <= 16:
-        return [MmaConfig(16, bn, 128, sp, True, True, 4, st, pf) for bn in (64, 128) for sp in (4, 8)
-                for pf in (False, True) for st in (3, 4)][: 16 if m == 16 else 4]
+        return [MmaConfig(16, 64, bk, sp, True, True, nw, st, True) for bk in (32, 64, 128) for sp in (4, 8)
+                for nw in (2, 4) for st in (2, 3)]
     if m <= 64:
-        return ([MmaConfig(64, 64, 128, sp, False, f, 4, 4, pf) for sp in (2, 4) for f in (False, True)
-                 for pf in (False, True)]
-                + [MmaConfig(32, bn, 128, 2, False, True, 4, 4, True) for bn in (64, 128)]
-                + [MmaConfig(64, 64, 128, 2, True, True, 4, 4, True)])
+        return ([MmaConfig(64, 64, bk, sp, False, False, nw, st, True) for bk in (32, 64, 128) for sp in (2, 4)
+                 for nw in (4, 8) for st in (2, 3)]
+                + [MmaConfig(64, 64, 64, sp, True, True, 4, 3, True) for sp in (2, 4)])
     if m <= 256:
         return [MmaConfig(bm, bn, 128, sp, False, f, 4, 4, True) for bm, bn, sp in ((64, 64, 2), (64, 128, 1),
                                                                                    (128, 128, 1)) for f in (False, True)]
