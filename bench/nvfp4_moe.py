@@ -1,6 +1,7 @@
 """One DeepSeek-V3 MoE layer (256 experts of 7168 x 2048, top-8): NVFP4 experts vs HF's bf16 experts.
 
     python bench/nvfp4_moe.py [--m 1,8,64,512] [--experts 256] [--no-awq] [--w4a4] [--sweep]
+    python bench/nvfp4_moe.py --gemv-sweep [--gemv-m 1,8] [--experts 256]
 
 Baseline: transformers' DeepseekV3Experts in bf16 with `_experts_implementation = "grouped_mm"` where this
 transformers has it (else its default loop), built directly on the GPU with random weights, measured in the same
@@ -12,6 +13,13 @@ host launch gaps). `floor` = NVFP4 bytes (codes + fp8 scales) of the experts hit
 Needs about 36 GB of GPU memory with the AWQ comparison, 30 GB without. Exits 0 without a GPU.
 `--sweep` also times each grouped GEMM alone over a grid of tile configurations (the defaults in
 `torchforge.ops.nvfp4_triton.grouped_config` were chosen without a GPU).
+`ops.nvfp4_grouped_linear` runs the grouped GEMV (`torchforge.ops.nvfp4_gemv_triton`) when the routed rows are at
+most half the experts (`use_grouped_gemv`, column `kernel`), else the sorted grouped GEMM.
+`--gemv-sweep` only times the grouped GEMV kernel alone (no HF model, random NVFP4 bytes: timing does not depend
+on values), gate_up [E, 4096, 7168] and down [E, 7168, 2048] at `--gemv-m` tokens x top-8, over `GEMV_SWEEP`
+(BLOCK_N, BLOCK_K, SPLIT_K, warps; the defaults of `gemv_config` were chosen without a GPU) and the grouped GEMM
+kernel (with its align kernel) in the same run; CUDA-graph medians; GB/s = NVFP4 bytes (codes + fp8 scales) of
+the experts hit / time. About 1.5 minutes, most of it compiling.
 """
 from __future__ import annotations
 
@@ -92,6 +100,68 @@ def _sweep(q, ms, k, bw):
                          + [str(c) for c in SWEEP], rows))
 
 
+GEMV_SWEEP = [(16, 256, 1, 2), (16, 512, 1, 2), (16, 512, 1, 4), (32, 128, 1, 2), (32, 256, 1, 2),
+              (32, 256, 1, 4), (32, 512, 1, 4), (64, 128, 1, 4), (64, 256, 1, 4), (64, 256, 1, 8), (64, 512, 1, 4),
+              (64, 512, 1, 8), (128, 128, 1, 4), (128, 128, 1, 8), (128, 256, 1, 4), (128, 256, 1, 8),
+              (32, 256, 2, 4), (32, 512, 2, 4), (64, 128, 2, 4), (64, 256, 2, 4), (64, 256, 4, 4), (128, 128, 2, 4),
+              (128, 256, 2, 8), (128, 256, 4, 8)]
+
+
+@torch.no_grad()
+def _gemv_sweep(ms, E: int, bw: float, H: int = 7168, I: int = 2048, K: int = 8):
+    """The grouped GEMV kernel alone per projection over GEMV_SWEEP (BLOCK_N, BLOCK_K, SPLIT_K, warps), against
+    the grouped GEMM kernel in the same run (CUDA-graph medians). Random codes, fp8 scales in [0.5, 2)."""
+    from torchforge.ops.nvfp4_gemv_triton import gemv_config, launch_nvfp4_grouped_gemv
+    from torchforge.ops.nvfp4_triton import launch_nvfp4_grouped_linear
+
+    def weights(n, k):
+        packed = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda")
+        scales = torch.randint(0x30, 0x40, (E, n, k // 16), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        return packed, scales, torch.full((E,), 1e-3, device="cuda")
+
+    projs = [("gate_up", weights(2 * I, H), 2 * I, H, K), ("down", weights(H, I), H, I, 1)]
+    read_bw = bw / 2  # GB/s of reads in a device copy
+    summary, grid_cols, grid = [], [], {cfg: [] for cfg in GEMV_SWEEP}
+    for M in ms:
+        ids = torch.rand(M, E, device="cuda").topk(K, dim=-1).indices.reshape(-1)
+        hit = ids.unique().numel()
+        R = M * K
+        for proj, (packed, scales, ws2), n, k, div in projs:
+            x = torch.randn(R // div, k, device="cuda", dtype=torch.bfloat16)
+            args = (x, ids, packed, scales, ws2)
+            gbytes = hit * n * k * 9 / 16 / 1e9  # E2M1 codes + fp8 block scales of the experts hit
+            ref = launch_nvfp4_grouped_linear(*args, x_row_div=div).float()
+            t_grouped = bench_graph_ms(lambda: launch_nvfp4_grouped_linear(*args, x_row_div=div), rep_ms=20)  # noqa: B023
+            default = gemv_config(R, n, k)
+            times, worst = {}, 0.0
+            for cfg in GEMV_SWEEP + ([default] if default not in GEMV_SWEEP else []):
+                bn, bk, sk, nw = cfg
+                run = lambda: launch_nvfp4_grouped_gemv(*args, x_row_div=div, block_n=bn, block_k=bk,  # noqa: E731,B023
+                                                        split_k=sk, num_warps=nw)
+                try:
+                    err = float((run().float() - ref).norm() / ref.norm())
+                    worst = max(worst, err)
+                    times[cfg] = bench_graph_ms(run, rep_ms=20)
+                except Exception as e:  # noqa: BLE001  (a config that does not compile / fit)
+                    times[cfg] = float("nan")
+                    print(f"gemv sweep {proj} M={M} {cfg}: {type(e).__name__}: {e}"[:200])
+            best_t, best_cfg = min((t, c) for c, t in times.items() if t == t)
+            t_def = times.get(default, float("nan"))
+            summary.append([M, proj, R, hit, f"{gbytes * 1e3:.0f}", t_grouped, gbytes / t_grouped * 1e3, str(default),
+                            t_def, gbytes / t_def * 1e3, str(best_cfg), best_t, gbytes / best_t * 1e3,
+                            f"{gbytes / best_t * 1e3 / read_bw:.0%}", t_grouped / best_t, f"{worst:.1e}"])
+            grid_cols.append(f"M={M} {proj} ms (GB/s)")
+            for cfg in GEMV_SWEEP:
+                t = times[cfg]
+                grid[cfg].append(f"{t:.4f} ({gbytes / t * 1e3:.0f})" if t == t else "fail")
+    print(f"\n### grouped NVFP4 GEMV sweep ({E} experts, top-{K}; read bandwidth of a device copy {read_bw:.0f} GB/s)")
+    print(markdown_table(["M", "GEMM", "rows", "experts hit", "MB read", "grouped GEMM ms", "grouped GB/s",
+                          "GEMV default cfg", "default ms", "default GB/s", "GEMV best cfg", "best ms", "best GB/s",
+                          "best % of read bw", "best speedup vs grouped", "max rel err vs grouped"], summary))
+    print("\nGEMV per config (BLOCK_N, BLOCK_K, SPLIT_K, warps):")
+    print(markdown_table(["config"] + grid_cols, [[str(c)] + grid[c] for c in GEMV_SWEEP]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,8,64,512")
@@ -99,10 +169,19 @@ def main() -> int:
     ap.add_argument("--no-awq", action="store_true", help="skip the W4A16 (AWQ) MoE comparison")
     ap.add_argument("--w4a4", action="store_true", help="also time the W4A4 emulation mode")
     ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs over a grid of tile configs")
+    ap.add_argument("--gemv-sweep", action="store_true",
+                    help="only time the grouped GEMV kernel over a grid of configs (and the grouped GEMM), then exit")
+    ap.add_argument("--gemv-m", default="1,8", help="token counts of --gemv-sweep")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/nvfp4_moe.py: no CUDA device; nothing to measure")
         return 0
+    if args.gemv_sweep:
+        bw = copy_bandwidth_gbs(1 << 30)
+        print(f"device: {device_line()}; copy bandwidth {bw:.0f} GB/s (read+write)")
+        _gemv_sweep([int(m) for m in args.gemv_m.split(",")], args.experts, bw)
+        return 0
+    from torchforge.ops.nvfp4_gemv_triton import use_grouped_gemv
     from torchforge.nn import ForgeAWQExperts, NVFP4Experts
 
     E, H, I, K = args.experts, 7168, 2048, 8
@@ -149,13 +228,14 @@ def main() -> int:
                 t_w4a4 = bench_ms(f_q)
                 q.w4a4 = False
         best_q = g_q if g_q == g_q else t_q
-        rows.append([M, hit, t_hf, t_q, t_hf / t_q, g_hf, g_q, g_hf / g_q, t_awq, t_awq / t_q, g_awq / g_q,
+        kernel = "GEMV" if use_grouped_gemv(M * K, E) else "grouped GEMM"
+        rows.append([M, hit, kernel, t_hf, t_q, t_hf / t_q, g_hf, g_q, g_hf / g_q, t_awq, t_awq / t_q, g_awq / g_q,
                      floor_ms, floor_ms / best_q, t_w4a4, f"{rel:.1e}"])
         torch.cuda.empty_cache()
     print(f"device: {device_line()}; copy bandwidth {bw:.0f} GB/s (read+write); HF experts impl: {impl}")
     if args.sweep:
         _sweep(q, [int(m) for m in args.m.split(",")], K, bw)
-    print(markdown_table(["M tokens", "experts hit", "HF bf16 ms", "NVFP4 ms", "speedup vs bf16", "HF bf16 graph ms",
+    print(markdown_table(["M tokens", "experts hit", "kernel", "HF bf16 ms", "NVFP4 ms", "speedup vs bf16", "HF bf16 graph ms",
                           "NVFP4 graph ms", "graph speedup", "W4A16 AWQ ms", "speedup vs AWQ", "graph speedup vs AWQ",
                           "NVFP4 floor ms", "% of floor", "W4A4-emu ms", "rel err vs dequant"], rows))
     return 0

@@ -4,9 +4,12 @@ Format and rounding rules: `torchforge.ops.nvfp4_reference` (NVIDIA ModelOpt's N
 activation quantization, CUTLASS/FlashInfer 128x4 scale atoms).
 
 Dispatch:
-* `nvfp4_grouped_linear`, `nvfp4_linear`: `triton_op` when triton imports; CUDA tensors run the Triton
-  kernels of `torchforge.ops.nvfp4_triton` (on-device expert sort + grouped GEMM that dequantizes FP4 x E4M3
-  in registers), CPU tensors the pure-PyTorch reference.
+* `nvfp4_grouped_linear`, `nvfp4_linear`: `triton_op` when triton imports; CUDA tensors run Triton kernels
+  that dequantize FP4 x E4M3 in registers, CPU tensors the pure-PyTorch reference. Which kernel is a rule on
+  shapes only (`_launch_grouped`): few routed rows per expert (decode: ``R <= max(1, E / 2)``,
+  `nvfp4_gemv_triton.use_grouped_gemv`) run the grouped GEMV of `torchforge.ops.nvfp4_gemv_triton` (one
+  program per routed row and BLOCK_N outputs, fp32 FMAs, no sort); more rows run the on-device expert sort +
+  grouped tl.dot GEMM of `torchforge.ops.nvfp4_triton`. Both handle W4A4 emulation and out-of-range ids.
 * `nvfp4_quantize`, `nvfp4_dequantize`, `nvfp4_quantize_activation`, `nvfp4_fake_quantize_activation`,
   `nvfp4_swizzle_scales`, `nvfp4_unswizzle_scales`: `custom_op` whose implementation is the reference (pure
   torch, so it runs on CUDA as well; quantization goes one expert at a time to bound memory).
@@ -38,6 +41,7 @@ from torchforge.ops.nvfp4_reference import (
     swizzle_scales_ref,
     unswizzle_scales_ref,
 )
+from torchforge.ops.nvfp4_gemv_triton import launch_nvfp4_grouped_gemv, use_grouped_gemv
 from torchforge.ops.nvfp4_triton import launch_nvfp4_grouped_linear
 
 if HAS_TRITON:
@@ -194,6 +198,15 @@ def _check_positive(op: str, t: Optional[Tensor], what: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------- ops
+def _launch_grouped(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Tensor,
+                    input_scale: Optional[Tensor], x_row_div: int = 1) -> Tensor:
+    """Triton path of the NVFP4 matmuls (arguments validated): the grouped GEMV when the routed rows are few
+    for the number of experts (`use_grouped_gemv`: shapes only, no host sync), else the sorted grouped GEMM."""
+    if use_grouped_gemv(expert_ids.shape[0], packed.shape[0]):
+        return launch_nvfp4_grouped_gemv(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
+    return launch_nvfp4_grouped_linear(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
+
+
 @custom_op("torchforge::nvfp4_quantize", mutates_args=())
 def _nvfp4_quantize(weight: Tensor, weight_scale_2: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     _check_quantize_args(weight, weight_scale_2)
@@ -300,7 +313,7 @@ def _nvfp4_grouped_linear(x: Tensor, expert_ids: Tensor, packed: Tensor, scales:
                           input_scale: Optional[Tensor], x_row_div: int) -> Tensor:
     _check_grouped_args(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
     if use_triton(x):
-        return launch_nvfp4_grouped_linear(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
+        return _launch_grouped(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)
     _check_positive("nvfp4_grouped_linear", input_scale, "input_scale")
     rows = x.repeat_interleave(x_row_div, dim=0) if x_row_div > 1 else x
     return nvfp4_grouped_linear_ref(rows, expert_ids, packed, scales, weight_scale_2, input_scale)
@@ -320,9 +333,8 @@ def _nvfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Ten
     if use_triton(x):
         x2 = x.reshape(-1, k)
         ids = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
-        out = launch_nvfp4_grouped_linear(x2, ids, packed.unsqueeze(0), scales.unsqueeze(0),
-                                          weight_scale_2.reshape(1),
-                                          None if input_scale is None else input_scale.reshape(1))
+        out = _launch_grouped(x2, ids, packed.unsqueeze(0), scales.unsqueeze(0), weight_scale_2.reshape(1),
+                              None if input_scale is None else input_scale.reshape(1))
         if bias is not None:
             out = (out.float() + bias.float()).to(x.dtype)
         return out.reshape(*x.shape[:-1], n)
@@ -413,10 +425,11 @@ def nvfp4_grouped_linear(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: 
     ``x.dtype`` (``x_row_div = top_k`` lets the gate_up GEMM read the ``[T, H]`` hidden states directly).
 
     ``x [R / x_row_div, K]``, ``expert_ids [R]`` in ``[0, E)``, ``packed [E, N, K/2]`` uint8, ``scales [E, N, K/16]`` fp8,
-    ``weight_scale_2 [E]`` fp32, optional ``input_scale [E]`` fp32 (W4A4 emulation). CUDA: on-device sort of
-    the rows by expert and one grouped Triton GEMM (weights dequantized in registers, fp32 accumulation,
-    ``weight_scale_2`` applied to the accumulator); out-of-range ids give NaN rows. CPU: the reference
-    (out-of-range ids raise ValueError).
+    ``weight_scale_2 [E]`` fp32, optional ``input_scale [E]`` fp32 (W4A4 emulation). CUDA: with few rows per
+    expert (``R <= max(1, E)``, decode) one grouped GEMV kernel, one program per routed row; else an
+    on-device sort of the rows by expert and one grouped Triton GEMM. Both dequantize the weights in registers,
+    accumulate in fp32 and apply ``weight_scale_2`` at the end; out-of-range ids give NaN rows. CPU: the
+    reference (out-of-range ids raise ValueError).
     """
     if _eager():
         _check_grouped_args(x, expert_ids, packed, scales, weight_scale_2, input_scale, x_row_div)

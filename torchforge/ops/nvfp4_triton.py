@@ -21,6 +21,9 @@ Grouped (MoE) matmul, no host sync and no loop over experts:
    multiplied by `weight_scale_2 * 2**22` (times `input_scale` in W4A4 emulation) at the end.
    W4A4 emulation (`QUANT_A`) quantizes each activation tile as vLLM's `ref_nvfp4_quant` does (see
    `nvfp4_reference`), with exact fp8/E2M1 rounding in integer arithmetic.
+
+At decode (few routed rows per expert) `torchforge.ops.nvfp4` runs the grouped GEMV of `nvfp4_gemv_triton`
+instead (same contract, same exact dequantization, no sort, no padding to BLOCK_M, no tl.dot).
 """
 from typing import Optional
 
