@@ -1,17 +1,26 @@
 """One DeepSeek-V3 MoE layer (256 experts of 7168 x 2048, top-8): W4A16 experts vs HF's bf16 experts.
 
     python bench/moe_w4a16.py [--m 1,8,64,512] [--experts 256]
+    python bench/moe_w4a16.py --gemv-sweep [--gemv-m 1,8]
 Baseline: transformers' DeepseekV3Experts in bf16 with `_experts_implementation = "grouped_mm"` (its
 fastest path; falls back to the default loop if this transformers lacks it), measured in the same run.
-Ours: ForgeAWQExperts (group 128), expert-sorted Triton grouped GEMMs. Times: eager medians (both sides
-launch from Python) and, where capture works, CUDA-graph medians. `floor` is the int4 bytes of the
-experts actually hit over the measured copy bandwidth.
+Ours: ForgeAWQExperts (group 128) through awq_moe_gemm: the grouped GEMV (awq_moe_gemv_triton.py) when the
+routed rows are few relative to the experts (`use_moe_gemv`; the `path` column), else the expert-sorted
+Triton grouped GEMM. Times: eager medians (both sides launch from Python) and, where capture works,
+CUDA-graph medians. `floor` is the int4 bytes of the experts actually hit over the measured copy bandwidth.
+
+`--gemv-sweep` runs alone (no HF model, random AWQ words, ~1-2 min): the grouped GEMV by itself (its split-K
+reduce included) on gate_up [E, 7168, 4096/8] and down [E, 2048, 7168/8] at M tokens x top-8 over BLOCK_W,
+BLOCK_K, SPLIT_K, num_warps and num_stages (30 configs per case), CUDA-graph medians, against the grouped
+GEMM's default in the same run; GB/s counts the int4 bytes (qweight + scales + qzeros) of the experts hit,
+read once.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -42,17 +51,95 @@ def sweep(q, E: int, H: int, I: int, K: int) -> list:
     return out
 
 
+def gemv_sweep(E: int, H: int, I: int, K: int, ms: list[int], G: int = 128, rep_ms: int = 20,
+               device: str = "cuda", timer=None) -> tuple[list, list, float]:
+    """Grouped GEMV configs on random AWQ experts: (all rows, best-per-case rows, copy GB/s); 30 configs per
+    (GEMM, M), listed below. `timer` and `device` let it run on CPU under TRITON_INTERPRET=1 (a logic check)."""
+    from torchforge.ops.awq_moe_gemv_triton import launch_awq_moe_gemv, moe_gemv_config
+    from torchforge.ops.awq_moe_triton import launch_awq_moe_gemm
+
+    timer = timer or (lambda f: bench_graph_ms(f, rep_ms=rep_ms))
+    bw_gbs = copy_bandwidth_gbs(1 << 30) if device == "cuda" else float("nan")
+    i32 = dict(dtype=torch.int32, device=device)
+
+    def rand_awq(k: int, n: int):  # random words: the kernels' speed does not depend on the codes
+        qw = torch.randint(-2**31, 2**31, (E, k, n // 8), **i32)
+        sc = (torch.rand(E, k // G, n, device=device) * 2e-3 + 1e-3).half()
+        qz = torch.randint(-2**31, 2**31, (E, k // G, n // 8), **i32)
+        return qw, sc, qz
+
+    weights = {"gate_up": (rand_awq(H, 2 * I), K), "down": (rand_awq(I, H), 1)}
+    rows, best = [], []
+    for M in ms:
+        ids = torch.rand(M, E, device=device).topk(K, dim=-1).indices.flatten()
+        R, hit = ids.numel(), ids.unique().numel()
+        for name, ((qw, sc, qz), div) in weights.items():
+            _, k, np_ = qw.shape
+            a = torch.randn(R // div, k, device=device, dtype=torch.bfloat16)
+            nbytes = hit * (qw[0].numel() * 4 + sc[0].numel() * 2 + qz[0].numel() * 4)
+            gemm = lambda: launch_awq_moe_gemm(a, ids, qw, sc, qz, G, x_row_div=div)  # noqa: E731
+            ref = gemm().float()
+            t_gemm = timer(gemm)
+            groups = k // G
+            dflt = moe_gemv_config(R, k, np_ * 8, G)
+            # (BLOCK_W, warps): 128 words per warp (the K-sum of a group stays in registers) or 64 (one shuffle);
+            # BLOCK_K 2 / 4 (8 spills); (pipeline stages, groups per K slice): unpipelined, 3 and 5 stages x 1, 2
+            configs = [(bw, bk, groups // gps, nw, ns) for bw, nw in ((64, 1), (128, 1), (256, 2)) for bk in (2, 4)
+                       for ns, gps in ((1, 2), (3, 1), (3, 2), (5, 1), (5, 2))] + [dflt]
+            configs = list(dict.fromkeys(c for c in configs if c[2] >= 1 and groups % c[2] == 0 and G % c[1] == 0))
+            case = []
+            for bw, bk, split, nw, ns in configs:
+                f = lambda: launch_awq_moe_gemv(a, ids, qw, sc, qz, G, x_row_div=div, block_w=bw,  # noqa: E731
+                                                block_k=bk, split_k=split, num_warps=nw, num_stages=ns)
+                try:
+                    rel = ((f().float() - ref).norm() / ref.norm()).item()
+                    t = timer(f)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    print(f"gemv {name} M={M} {bw} {bk} {split} {nw} {ns}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                gbs = nbytes / t / 1e6
+                case.append([M, name, R, hit, bw, bk, split, nw, ns, "*" if (bw, bk, split, nw, ns) == dflt else "",
+                             t, gbs, gbs / bw_gbs, t_gemm, t_gemm / t, f"{rel:.1e}"])
+            case.sort(key=lambda r: r[10])
+            rows += case
+            if case:
+                d = next((r for r in case if r[9] == "*"), None)
+                b = case[0]
+                best.append([M, name, R, hit, "/".join(map(str, b[4:9])), b[10], b[12],
+                             d[10] if d else float("nan"), d[12] if d else float("nan"), t_gemm, t_gemm / b[10]])
+    return rows, best, bw_gbs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,8,64,512")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs over tile configs (M = 1, 8, 64)")
+    ap.add_argument("--gemv-sweep", action="store_true",
+                    help="only time the grouped GEMV kernel's configs (and the grouped GEMM) on random AWQ experts")
+    ap.add_argument("--gemv-m", default="1,8", help="tokens for --gemv-sweep (x top-8 routed rows)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/moe_w4a16.py: no CUDA device; nothing to measure")
         return 0
+    if args.gemv_sweep:
+        t0 = time.time()
+        torch.manual_seed(0)
+        rows, best, bw = gemv_sweep(args.experts, 7168, 2048, 8, [int(m) for m in args.gemv_m.split(",")])
+        print(f"device: {device_line()}; copy bandwidth {bw:.0f} GB/s (read+write)")
+        print("grouped GEMV sweep (CUDA graph ms, split-K reduce included; * = moe_gemv_config default; "
+              "GB/s = int4 bytes of the experts hit / time; % copy = GB/s over the copy rate):")
+        print(markdown_table(["M", "GEMM", "rows", "experts hit", "BLOCK_W", "BLOCK_K", "SPLIT_K", "warps", "stages",
+                              "default", "ms", "GB/s", "% copy", "grouped GEMM ms", "speedup vs GEMM",
+                              "rel err vs GEMM"], rows))
+        print("best per case:")
+        print(markdown_table(["M", "GEMM", "rows", "experts hit", "BW/BK/SPLIT/warps/stages", "best ms", "best % copy",
+                              "default ms", "default % copy", "grouped GEMM ms", "best speedup vs GEMM"], best))
+        print(f"sweep took {time.time() - t0:.0f} s")
+        return 0
     import torchforge
     from torchforge.nn import ForgeAWQExperts
+    from torchforge.ops.awq_moe import use_moe_gemv
 
     E, H, I, K = args.experts, 7168, 2048, 8
     torch.manual_seed(0)
@@ -96,14 +183,15 @@ def main() -> int:
                 g_q = bench_graph_ms(f_q)
             except Exception:  # noqa: BLE001
                 g_q = float("nan")
-        rows.append([M, hit, t_hf, t_q, t_hf / t_q, g_hf, g_q, g_hf / g_q, floor_ms,
+        path = "gemv" if use_moe_gemv(M * K, E) else "gemm"
+        rows.append([M, hit, path, t_hf, t_q, t_hf / t_q, g_hf, g_q, g_hf / g_q, floor_ms,
                      floor_ms / (g_q if g_q == g_q else t_q), f"{rel:.1e}"])
         torch.cuda.empty_cache()
     if args.sweep:
         print("grouped GEMM tile sweep (CUDA graph ms; BLOCK_M from moe_block_m):")
         print(markdown_table(["M", "GEMM", "BLOCK_N", "BLOCK_K", "warps", "stages", "ms"], sweep(q, E, H, I, K)))
     print(f"device: {device_line()}; copy bandwidth {bw:.0f} GB/s (read+write); HF experts impl: {impl}")
-    print(markdown_table(["M tokens", "experts hit", "HF bf16 ms", "W4A16 ms", "speedup", "HF bf16 graph ms",
+    print(markdown_table(["M tokens", "experts hit", "path", "HF bf16 ms", "W4A16 ms", "speedup", "HF bf16 graph ms",
                           "W4A16 graph ms", "graph speedup", "int4 floor ms", "% of floor", "rel err vs dequant"], rows))
     return 0
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from torchforge import ops
 from torchforge.ops.awq_moe import awq_moe_gemm
+from torchforge.ops.awq_moe_fused import awq_moe_down_combine, awq_moe_gate_up_silu
 
 
 def _act(name_or_fn):
@@ -14,6 +15,11 @@ def _act(name_or_fn):
     from transformers.activations import ACT2FN
 
     return ACT2FN[name_or_fn]
+
+
+def _is_silu(act_fn) -> bool:
+    """nn.SiLU or transformers' SiLUActivation (ACT2FN["silu"]), both F.silu."""
+    return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
 
 class ForgeAWQExperts(nn.Module):
@@ -86,6 +92,13 @@ class ForgeAWQExperts(nn.Module):
         T, k = top_k_index.shape
         G = self.group_size
         flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick
+        if _is_silu(self.act_fn):
+            # the same computation as below as two ops, whose decode path fuses SiLU * up and the weighted sum
+            # into the GEMVs' split-K reduce kernels (awq_moe_fused.py)
+            h = awq_moe_gate_up_silu(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
+                                     self.gate_up_qzeros, G, k)
+            return awq_moe_down_combine(h, flat_ids, top_k_weights, self.down_qweight, self.down_scales,
+                                        self.down_qzeros, G)
         gate_up = awq_moe_gemm(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
                                    self.gate_up_qzeros, G, k)
         gate, up = gate_up.chunk(2, dim=-1)

@@ -11,6 +11,7 @@ from torchforge.ops.awq import (
     w4a16_linear,
 )
 from torchforge.ops.awq_moe import awq_moe_gemm
+from torchforge.ops.awq_moe_fused import awq_moe_down_combine, awq_moe_gate_up_silu
 from torchforge.ops.moe_remap import moe_remap
 
 # NVFP4 (ModelOpt format; issue 6): see torchforge.ops.nvfp4.
@@ -36,6 +37,8 @@ __all__ = [
     "w4a16_linear",
     "awq_grouped_linear",
     "awq_moe_gemm",
+    "awq_moe_gate_up_silu",
+    "awq_moe_down_combine",
     "moe_remap",
     # NVFP4
     "E2M1_VALUES",

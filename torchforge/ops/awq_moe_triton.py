@@ -6,6 +6,8 @@ ruinous at 512 tokens x top-8. Here rows are first sorted into blocks of BLOCK_M
 expert's dequantized [BLOCK_K, BLOCK_N] tiles through tl.dot, and scatters the results back to the rows'
 original positions. Row r of x is read at x[r // X_ROW_DIV], so the gate_up GEMM can read the [T, H]
 hidden states of top-k routing directly (X_ROW_DIV = k) instead of a k-times repeated copy.
+Decode-sized calls (few routed rows per expert) go to the grouped GEMV in awq_moe_gemv_triton.py instead
+(`awq_moe.use_moe_gemv`).
 """
 from typing import Optional
 

@@ -1,0 +1,97 @@
+"""awq_moe_gate_up_silu / awq_moe_down_combine: the reference path against awq_moe_gemm + the PyTorch epilogue,
+the fused decode path (grouped GEMV + epilogue reduce kernel, TRITON_INTERPRET=1 on CPU) against the same
+GEMV followed by the unfused epilogue, opcheck, and bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchforge.ops import awq_moe_down_combine, awq_moe_gate_up_silu, awq_moe_gemm, awq_quantize
+from torchforge.ops._triton import can_launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E, H, I, G = 6, 64, 32, 32
+
+
+def _experts(seed=0):
+    torch.manual_seed(seed)
+    gu = awq_quantize(torch.randn(E, 2 * I, H) * 0.2, G, symmetric=False)
+    down = awq_quantize(torch.randn(E, H, I) * 0.2, G, symmetric=True)
+    return [t.to(DEVICE) for t in gu], [t.to(DEVICE) for t in down]
+
+
+def _unfused(x, ids, w, gu, down, k):
+    """ForgeAWQExperts' epilogue written out: chunk, SiLU * up, weighted fp32 sum over the k picks."""
+    gate, up = awq_moe_gemm(x, ids, *gu, G, k).chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    d = awq_moe_gemm(h, ids, *down, G, 1)
+    return h, (d.view(x.shape[0], k, -1).float() * w.unsqueeze(-1).float()).sum(1).to(x.dtype)
+
+
+def _routing(T, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E, (T * k,), generator=g).to(DEVICE)
+    w = torch.rand(T, k, generator=g).to(DEVICE)
+    return ids, w
+
+
+@pytest.mark.parametrize("T,k", [(1, 4), (5, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ops_equal_gemm_plus_epilogue(T, k, dtype):
+    """On CPU both ops take the reference GEMM and the PyTorch epilogue: bit for bit the unfused sequence."""
+    gu, down = _experts()
+    x = torch.randn(T, H, device=DEVICE).to(dtype)
+    ids, w = _routing(T, k, seed=T)
+    h_ref, out_ref = _unfused(x, ids, w, gu, down, k)
+    h = awq_moe_gate_up_silu(x, ids, *gu, G, k)
+    out = awq_moe_down_combine(h_ref, ids, w, *down, G)
+    if DEVICE == "cpu":
+        assert torch.equal(h, h_ref) and torch.equal(out, out_ref)
+    else:
+        torch.testing.assert_close(h, h_ref, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(out, out_ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(not can_launch(torch.empty(0, device=DEVICE)), reason="needs triton (CUDA or the interpreter)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,k,split", [(1, 4, 2), (3, 2, 1)])
+def test_fused_decode_path_matches_gemv_then_epilogue(monkeypatch, dtype, T, k, split):
+    """The op bodies as on CUDA (GEMV path forced on CPU tensors under the interpreter): fused reduce kernels
+    against the same GEMV's reduced output followed by the PyTorch epilogue."""
+    import torchforge.ops.awq_moe as awq_moe
+    import torchforge.ops.awq_moe_fused as fused
+    import torchforge.ops.awq_moe_gemv_triton as gemv
+
+    monkeypatch.setattr(fused, "use_triton", can_launch)
+    monkeypatch.setattr(awq_moe, "use_triton", can_launch)
+    monkeypatch.setattr(gemv, "moe_gemv_config", lambda R, kk, n, g: (4, 16, min(split, kk // g), 1, 1))  # small tiles
+    gu, down = _experts(seed=T)
+    x = torch.randn(T, H, device=DEVICE).to(dtype)
+    ids, w = _routing(T, k, seed=10 + T)
+    h_ref, out_ref = _unfused(x, ids, w, gu, down, k)  # awq_moe_gemm also takes the GEMV here
+    h = awq_moe_gate_up_silu(x, ids, *gu, G, k)
+    out = awq_moe_down_combine(h_ref, ids, w, *down, G)
+    # Same partial sums and the same roundings; only exp() and the order of the fp32 sum over k may differ.
+    ulp = {torch.float32: 1e-6, torch.float16: 2.0**-10}[dtype]
+    torch.testing.assert_close(h, h_ref, rtol=ulp, atol=ulp * h_ref.abs().max().item())
+    torch.testing.assert_close(out, out_ref, rtol=ulp, atol=ulp * out_ref.abs().max().item())
+
+
+def test_opcheck_fused_ops():
+    gu, down = _experts()
+    x = torch.randn(2, H, device=DEVICE)
+    ids, w = _routing(2, 3, seed=3)
+    torch.library.opcheck(torch.ops.torchforge.awq_moe_gate_up_silu.default, (x, ids, *gu, G, 3))
+    h = torch.randn(6, I, device=DEVICE)
+    torch.library.opcheck(torch.ops.torchforge.awq_moe_down_combine.default, (h, ids, w, *down, G))
+
+
+def test_bad_input_names_the_tensor():
+    gu, down = _experts()
+    ids, w = _routing(2, 3, seed=3)
+    h = torch.randn(6, I, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weights has shape \(3, 3\); expected \[T, k\] with T \* k = 6"):
+        awq_moe_down_combine(h, ids, torch.rand(3, 3, device=DEVICE), *down, G)
+    with pytest.raises(TypeError, match="weights must be floating point"):
+        awq_moe_down_combine(h, ids, torch.ones(2, 3, dtype=torch.int64, device=DEVICE), *down, G)
+    with pytest.raises(ValueError, match=r"expected \(4,\) = rows of x \(2\) x x_row_div \(2\)"):
+        awq_moe_gate_up_silu(torch.randn(2, H, device=DEVICE), ids, *gu, G, 2)  # 6 ids for 2 tokens x top-2
