@@ -164,6 +164,8 @@ def _to_patterns(field: str, value: Any, allow_empty: bool) -> tuple[str, ...]:
 
 
 PRUNE_MODES = ("reroute", "drop")
+# The router statistic experts are ranked by (the keys of torchforge.prune.RANK_BY).
+PRUNE_RANK_BY = ("probability", "count", "weight")
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,10 @@ class PruneRecipe:
     Either `expert_map` (a saved `expert_map.pt`, or the folder holding it) or `hit_map` (a saved [L, E]
     tensor, e.g. from calibration) with `keep_k` or `keep_ratio`. `balance_groups`: with `hit_map`, keep the
     same number of experts in every routing group of a group-limited router (DeepSeek `n_group`), so a
-    reroute export keeps the model's group-limited routing.
+    reroute export keeps the model's group-limited routing. `rank_by`: with `hit_map`, the router statistic the
+    experts are ranked by: "probability" (the default: the hit map, summed router probabilities; the file may
+    be a bare tensor), "count" (top-k picks) or "weight" (routed weight received, what `drop` pruning removes);
+    the last two need the file `RouterStats.save` writes (see torchforge.prune.RANK_BY).
     """
 
     expert_map: str | None = None
@@ -183,6 +188,7 @@ class PruneRecipe:
     mode: str = "reroute"
     renormalize: bool = False
     balance_groups: bool = False
+    rank_by: str = "probability"
 
     def __post_init__(self) -> None:
         if (self.expert_map is None) == (self.hit_map is None):
@@ -209,6 +215,10 @@ class PruneRecipe:
         if self.balance_groups and self.hit_map is None:
             raise RecipeError("Recipe.prune: balance_groups applies when the map is built from 'hit_map'; a given "
                               "'expert_map' is used as it is")
+        _check_str_choice("prune.rank_by", self.rank_by, PRUNE_RANK_BY)
+        if self.rank_by != "probability" and self.hit_map is None:
+            raise RecipeError("Recipe.prune: rank_by applies when the map is built from 'hit_map' (router statistics); "
+                              "a given 'expert_map' is used as it is")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PruneRecipe":

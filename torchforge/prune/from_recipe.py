@@ -8,13 +8,27 @@ from torch import nn
 
 from torchforge.nn.routing import router_groups
 from torchforge.prune.apply import moe_blocks, prune_experts
-from torchforge.prune.expert_map import build_expert_map, check_hit_map_matches, load_expert_map
+from torchforge.prune.expert_map import (
+    RANK_BY,
+    build_expert_map,
+    check_hit_map_matches,
+    load_expert_map,
+    ranking_statistic,
+)
 
 
-def _load_hit_map(path: str) -> torch.Tensor:
+def _load_hit_map(path: str, rank_by: str = "probability") -> torch.Tensor:
+    """The [L, E] ranking tensor of a saved file: a tensor or a dict with 'hit_map' (rank_by "probability"), or
+    the dict `RouterStats.save` writes (any rank_by: its 'topk_counts' / 'routed_weight' for "count" / "weight")."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"recipe prune.hit_map: {path} does not exist")
     obj = torch.load(path, map_location="cpu", weights_only=True)
+    if rank_by != "probability":
+        if not isinstance(obj, dict) or not isinstance(obj.get(RANK_BY[rank_by]), torch.Tensor):
+            raise ValueError(f"recipe prune.rank_by={rank_by!r}: {path} must be router statistics saved by "
+                             f"RouterStats.save (a dict with a {RANK_BY[rank_by]!r} tensor); it holds "
+                             f"{type(obj).__name__}" + (f" with keys {sorted(obj)}" if isinstance(obj, dict) else ""))
+        return ranking_statistic(obj, rank_by)
     hit = obj.get("hit_map") if isinstance(obj, dict) else obj
     if not isinstance(hit, torch.Tensor):
         raise ValueError(f"recipe prune.hit_map: {path} holds {type(obj).__name__}, not a tensor or a dict with "
@@ -31,7 +45,7 @@ def prune_from_recipe(model: nn.Module, section) -> nn.Module:
     if section.expert_map is not None:
         expert_map = load_expert_map(section.expert_map)
     else:
-        hit = _load_hit_map(section.hit_map)
+        hit = _load_hit_map(section.hit_map, section.rank_by)
         check_hit_map_matches(hit, model)
         n_group = None
         if section.balance_groups:
