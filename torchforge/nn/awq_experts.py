@@ -92,9 +92,10 @@ class ForgeAWQExperts(nn.Module):
         T, k = top_k_index.shape
         G = self.group_size
         flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick
-        if _is_silu(self.act_fn):
+        if _is_silu(self.act_fn) and not (torch.is_grad_enabled() and top_k_weights.requires_grad):
             # the same computation as below as two ops, whose decode path fuses SiLU * up and the weighted sum
-            # into the GEMVs' split-K reduce kernels (awq_moe_fused.py)
+            # into the GEMVs' split-K reduce kernels (awq_moe_fused.py); they have no autograd formula, so
+            # router weights that need a gradient take the PyTorch epilogue below
             h = awq_moe_gate_up_silu(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
                                      self.gate_up_qzeros, G, k)
             return awq_moe_down_combine(h, flat_ids, top_k_weights, self.down_qweight, self.down_scales,
