@@ -2,19 +2,13 @@
 import pytest
 import torch
 
-from torchforge.ops import awq_quantize, awq_unpack
+from tests.ops.awq_oracle import dequant_independent
+from torchforge.ops import awq_quantize
 from torchforge.ops._triton import can_launch
 
 pytestmark = pytest.mark.skipif(not can_launch(torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu")),
                                 reason="needs triton (CUDA, or the interpreter on CPU)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _dequant_independent(qw, s, z, G):
-    """(code - zero) * scale from unpacked nibbles, [OC, IC] fp32."""
-    codes = awq_unpack(qw).float()
-    zeros = awq_unpack(z).float().repeat_interleave(G, 0)
-    return ((codes - zeros) * s.float().repeat_interleave(G, 0)).T
 
 
 @pytest.mark.parametrize("ic,oc,G,split,bw,bk,sym", [(256, 64, 128, 2, 8, 16, True), (384, 72, 64, 3, 4, 32, False),
@@ -28,7 +22,7 @@ def test_gemv_matches_dequantized_matvec(ic, oc, G, split, bw, bk, sym, dtype):
     qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(oc, ic) * 3, G, symmetric=sym))
     x = torch.randn(1, ic, device=DEVICE).to(dtype)
     b = torch.randn(oc, device=DEVICE).to(dtype)
-    expected = x.float() @ _dequant_independent(qw, s, z, G).T + b.float()
+    expected = x.float() @ dequant_independent(qw, s, z, G).T + b.float()
     out = launch_w4a16_gemv(x, qw, s, z, G, b, block_w=bw, block_k=bk, split_k=split)
     assert out.dtype == dtype and out.shape == (1, oc)
     tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]

@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from torchforge.ops import awq_quantize, awq_unpack
+from tests.ops.awq_oracle import dequant_independent
+from torchforge.ops import awq_quantize
 from torchforge.ops._triton import can_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -13,19 +14,12 @@ pytestmark = pytest.mark.skipif(not can_launch(torch.empty(0, device=DEVICE)),
                                 reason="needs triton (CUDA, or the interpreter on CPU)")
 
 
-def _dequant_independent(qw, s, z, G):
-    """(code - zero) * scale from unpacked nibbles, [OC, IC] fp32."""
-    codes = awq_unpack(qw).float()
-    zeros = awq_unpack(z).float().repeat_interleave(G, 0)
-    return ((codes - zeros) * s.float().repeat_interleave(G, 0)).T
-
-
 def _case(m, ic, oc, G, dtype, bias, symmetric, seed):
     torch.manual_seed(seed)
     qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(oc, ic) * 0.1, G, symmetric=symmetric))
     x = torch.randn(m, ic, device=DEVICE).to(dtype)
     b = torch.randn(oc, device=DEVICE).to(dtype) if bias else None
-    expected = x.float() @ _dequant_independent(qw, s, z, G).T + (b.float() if bias else 0)
+    expected = x.float() @ dequant_independent(qw, s, z, G).T + (b.float() if bias else 0)
     return x, qw, s, z, b, expected
 
 
@@ -51,8 +45,8 @@ def test_mma_kernel_matches_dequantized_matmul(m, ic, oc, G, bias, swap_ab, fact
 def test_mma_kernel_factored_bits_cover_every_code_and_zero():
     """All 16 codes against all 16 zero points in one weight, with a wide activation range: the c + q trick
     must be exact, so the factored result matches the fp32 product to fp16 output rounding."""
-    from torchforge.ops.awq_mma_triton import MmaConfig, launch_w4a16_mma
     from torchforge.ops import awq_pack
+    from torchforge.ops.awq_mma_triton import MmaConfig, launch_w4a16_mma
 
     G, ic, oc = 32, 64, 256
     codes = torch.arange(ic * oc).reshape(ic, oc).remainder(16).to(torch.uint8)
@@ -60,7 +54,7 @@ def test_mma_kernel_factored_bits_cover_every_code_and_zero():
     qw, z = awq_pack(codes).to(DEVICE), awq_pack(zeros).to(DEVICE)
     s = torch.rand(ic // G, oc).add(0.5).to(torch.float16).to(DEVICE)
     x = (torch.randn(5, ic) * torch.logspace(-2, 2, ic)).to(torch.float16).to(DEVICE)
-    expected = x.float() @ _dequant_independent(qw, s, z, G).T
+    expected = x.float() @ dequant_independent(qw, s, z, G).T
     out = launch_w4a16_mma(x, qw, s, z, G, config=MmaConfig(16, 64, 32, 1, True, True, 4, 2))
     assert ((out.float() - expected).norm() / expected.norm()) < 1e-3
 

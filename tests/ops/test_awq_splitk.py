@@ -2,19 +2,13 @@
 import pytest
 import torch
 
-from torchforge.ops import awq_quantize, awq_unpack
+from tests.ops.awq_oracle import dequant_independent
+from torchforge.ops import awq_quantize
 from torchforge.ops._triton import can_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not can_launch(torch.empty(0, device=DEVICE)),
                                 reason="needs triton (CUDA, or the interpreter on CPU)")
-
-
-def _dequant_independent(qw, s, z, G):
-    """(code - zero) * scale from unpacked nibbles, [OC, IC] fp32."""
-    codes = awq_unpack(qw).float()
-    zeros = awq_unpack(z).float().repeat_interleave(G, 0)
-    return ((codes - zeros) * s.float().repeat_interleave(G, 0)).T
 
 
 @pytest.mark.parametrize("m,ic,oc,G,split,bias", [(1, 256, 64, 128, 2, False), (3, 512, 40, 64, 4, True),
@@ -27,7 +21,7 @@ def test_splitk_kernel_matches_dequantized_matmul(m, ic, oc, G, split, bias, dty
     qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(oc, ic), G, symmetric=oc % 16 == 0))
     x = torch.randn(m, ic, device=DEVICE).to(dtype)
     b = torch.randn(oc, device=DEVICE).to(dtype) if bias else None
-    w = _dequant_independent(qw, s, z, G).to(dtype).float()  # the kernel rounds the weight to x.dtype
+    w = dequant_independent(qw, s, z, G).to(dtype).float()  # the kernel rounds the weight to x.dtype
     expected = x.float() @ w.T + (b.float() if bias else 0)
     out = launch_w4a16_splitk(x, qw, s, z, G, b, block_n=32, block_k=min(G, 32), split_k=split)
     assert out.dtype == dtype and out.shape == (m, oc)
@@ -45,7 +39,7 @@ def test_splitk_on_cuda(m, dtype):
     torch.manual_seed(m)
     qw, s, z = (t.cuda() for t in awq_quantize(torch.randn(512, 1024), 128, symmetric=m != 5))
     x = torch.randn(m, 1024, device="cuda").to(dtype)
-    expected = x.float() @ _dequant_independent(qw, s, z, 128).T
+    expected = x.float() @ dequant_independent(qw, s, z, 128).T
     out = launch_w4a16_splitk(x, qw, s, z, 128)
     err = ((out.float() - expected).norm() / expected.norm()).item()
     assert err < (4e-3 if dtype == torch.bfloat16 else 1e-3), err
@@ -65,4 +59,4 @@ def test_dequant_t_kernel_matches_independent_dequantization(G):
 
     qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(40, 256), G, symmetric=False))
     w_t = launch_awq_dequantize_t(qw, s, z, G, torch.float32)
-    assert torch.equal(w_t, _dequant_independent(qw, s, z, G).T.contiguous())
+    assert torch.equal(w_t, dequant_independent(qw, s, z, G).T.contiguous())
