@@ -17,12 +17,14 @@ def _tensors(path):
     return dict(iter_checkpoint(path))
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "llama"])
-def test_streamed_equals_in_memory(tmp_path, arch):
+@pytest.mark.parametrize("arch,device", [("deepseek_v3", "cpu"), ("mixtral", "cpu"), ("llama", "cpu"),
+                                         pytest.param("deepseek_v3", "cuda", marks=pytest.mark.cuda)])
+def test_streamed_equals_in_memory(tmp_path, arch, device):
+    """On CUDA the streamed quantizer runs the csrc kernel (bit-exact to the reference the in-memory path uses)."""
     src = tmp_path / "src"
     models.build(arch, dtype=torch.bfloat16).save_pretrained(src)
     recipe = {"scheme": "w4a16-rtn", "group_size": 32}
-    streamed = quantize_checkpoint(str(src), str(tmp_path / "streamed"), recipe, device="cpu", max_shard_bytes=40_000)
+    streamed = quantize_checkpoint(str(src), str(tmp_path / "streamed"), recipe, device=device, max_shard_bytes=40_000)
     from transformers import AutoModelForCausalLM
 
     model = torchforge.quantize(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16), recipe)
