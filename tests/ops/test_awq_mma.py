@@ -79,3 +79,42 @@ def test_mma_default_configs_on_cuda(m, dtype):
     out = launch_w4a16_mma(x, qw, s, z, 128, b)
     err = ((out.float() - expected).norm() / expected.norm()).item()
     assert err < (4e-3 if dtype == torch.bfloat16 else 1e-3), err
+
+
+def test_mma_kernel_program_swizzle_over_several_row_groups():
+    """5 row blocks in groups of 2 (a partial last group): every output tile is computed exactly once."""
+    from torchforge.ops.awq_mma_triton import MmaConfig, launch_w4a16_mma
+
+    x, qw, s, z, b, expected = _case(80, 128, 96, 64, torch.float16, True, symmetric=False, seed=7)
+    out = launch_w4a16_mma(x, qw, s, z, 64, b, config=MmaConfig(16, 32, 64, 1, False, True, 4, 2, True), group_m=2)
+    assert ((out.float() - expected).norm() / expected.norm()) < 1.5e-3
+
+
+def test_w4a16_linear_kernel_dispatch_takes_non_contiguous_weights(monkeypatch):
+    """The op's CUDA dispatch (forced here onto the interpreter) with strided scales and bias, 32 fp16 rows: the
+    tensor-core kernel indexes dense arrays, so the op must make them contiguous first."""
+    import torchforge.ops.awq as awq
+    from torchforge.ops import w4a16_linear
+
+    monkeypatch.setattr(awq, "use_triton", can_launch)
+    x, qw, s, z, b, expected = _case(32, 256, 64, 128, torch.float16, True, symmetric=False, seed=3)
+    s_strided = torch.empty(s.shape[0], 2 * s.shape[1], dtype=s.dtype, device=DEVICE)[:, ::2]
+    s_strided.copy_(s)
+    b_strided = torch.empty(2 * b.shape[0], dtype=b.dtype, device=DEVICE)[::2]
+    b_strided.copy_(b)
+    assert not s_strided.is_contiguous() and not b_strided.is_contiguous()
+    out = w4a16_linear(x, qw, s_strided, z, 128, b_strided)
+    assert ((out.float() - expected).norm() / expected.norm()) < 1.5e-3
+
+
+def test_w4a16_linear_dequant_cublas_branch_keeps_x_dtype_with_fp32_bias(monkeypatch):
+    """Above the tensor-core kernel's rows the op dequantizes and calls matmul; an fp32 bias must not promote the
+    output (the fake and the reference return x.dtype)."""
+    import torchforge.ops.awq as awq
+    from torchforge.ops import w4a16_linear
+
+    monkeypatch.setattr(awq, "use_triton", can_launch)
+    x, qw, s, z, b, expected = _case(awq.MMA_MAX_M + 1, 128, 32, 64, torch.float16, True, symmetric=True, seed=4)
+    out = w4a16_linear(x, qw, s, z, 64, b.float())
+    assert out.dtype == torch.float16
+    assert ((out.float() - expected).norm() / expected.norm()) < 1.5e-3

@@ -95,3 +95,40 @@ def test_bad_input_names_the_tensor():
         awq_moe_down_combine(h, ids, torch.ones(2, 3, dtype=torch.int64, device=DEVICE), *down, G)
     with pytest.raises(ValueError, match=r"expected \(4,\) = rows of x \(2\) x x_row_div \(2\)"):
         awq_moe_gate_up_silu(torch.randn(2, H, device=DEVICE), ids, *gu, G, 2)  # 6 ids for 2 tokens x top-2
+
+
+def test_zero_tokens():
+    gu, down = _experts()
+    ids = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    h = awq_moe_gate_up_silu(torch.randn(0, H, device=DEVICE), ids, *gu, G, 4)
+    out = awq_moe_down_combine(h, ids, torch.rand(0, 4, device=DEVICE), *down, G)
+    assert h.shape == (0, I) and out.shape == (0, H)
+
+
+def test_experts_module_takes_the_fused_ops_and_falls_back_for_router_gradients(monkeypatch):
+    """No gradient needed: ForgeAWQExperts runs the two fused ops. Router weights that need a gradient: the
+    PyTorch epilogue, whose gradient w.r.t. the weights is each pick's down-projection output."""
+    import torchforge.nn.awq_experts as mod
+    from torchforge.nn import ForgeAWQExperts
+
+    torch.manual_seed(0)
+    experts = ForgeAWQExperts(E, H, I, group_size=G, device=DEVICE).pack_weights(
+        torch.randn(E, 2 * I, H) * 0.2, torch.randn(E, H, I) * 0.2)
+    calls = []
+    orig = mod.awq_moe_down_combine
+    monkeypatch.setattr(mod, "awq_moe_down_combine", lambda *a: calls.append(1) or orig(*a))
+    x = torch.randn(3, H, device=DEVICE)
+    ids, w = _routing(3, 2, seed=5)
+    ids = ids.view(3, 2)
+    with torch.no_grad():
+        fused = experts(x, ids, w)
+    assert calls == [1]
+    w_grad = w.clone().requires_grad_(True)
+    out = experts(x, ids, w_grad)
+    assert calls == [1]  # the fallback did not call the fused op
+    torch.testing.assert_close(out, fused)
+    out.sum().backward()
+    h = awq_moe_gate_up_silu(x, ids.reshape(-1), experts.gate_up_qweight, experts.gate_up_scales,
+                             experts.gate_up_qzeros, G, 2)
+    down = awq_moe_gemm(h, ids.reshape(-1), experts.down_qweight, experts.down_scales, experts.down_qzeros, G, 1)
+    torch.testing.assert_close(w_grad.grad, down.view(3, 2, H).sum(-1))

@@ -106,7 +106,7 @@ class ForgeAWQExperts(nn.Module):
         down = awq_moe_gemm(self.act_fn(gate) * up, flat_ids, self.down_qweight, self.down_scales,
                                 self.down_qzeros, G, 1)
         # Weighted sum over the k picks in fp32 (router weights are fp32), then back to the activation dtype.
-        out = (down.view(T, k, -1).float() * top_k_weights.unsqueeze(-1).float()).sum(dim=1)
+        out = (down.view(T, k, self.hidden_size).float() * top_k_weights.unsqueeze(-1).float()).sum(dim=1)
         return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:

@@ -317,6 +317,9 @@ def _w4a16_linear(
     ic, oc = _check_w4a16_args(x, qweight, scales, qzeros, group_size, bias)
     if _kernel_ok(x, group_size):
         m = x.numel() // ic
+        # the kernels index these as dense row-major arrays
+        qweight, scales, qzeros = qweight.contiguous(), scales.contiguous(), qzeros.contiguous()
+        bias = bias.contiguous() if bias is not None else None
         if m == 1 and group_size % 16 == 0:
             # batch-1 decode: the FMA GEMV (no tensor cores) reads the int4 weight ~1.7x faster than split-K
             return launch_w4a16_gemv(x, qweight, scales, qzeros, group_size, bias)
@@ -329,7 +332,7 @@ def _w4a16_linear(
             # dequantizing every tile in the mainloop once M amortizes that pass.
             w_t = launch_awq_dequantize_t(qweight, scales, qzeros, group_size, x.dtype)
             out = torch.matmul(x, w_t)
-            return out + bias if bias is not None else out
+            return (out + bias).to(x.dtype) if bias is not None else out  # an fp32 bias must not promote
         return launch_w4a16_linear(x, qweight, scales, qzeros, group_size, bias)
     return w4a16_linear_ref(x, qweight, scales, qzeros, group_size, bias)
 

@@ -68,13 +68,13 @@ def _(x, expert_ids, qweight, scales, qzeros, group_size, top_k):
 @_define("torchforge::awq_moe_down_combine", mutates_args=())
 def _awq_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight: Tensor, scales: Tensor,
                           qzeros: Tensor, group_size: int) -> Tensor:
-    tokens, _ = _check_combine(h, expert_ids, weights, qweight, scales, qzeros, group_size)
+    tokens, oc = _check_combine(h, expert_ids, weights, qweight, scales, qzeros, group_size)
     if _gemv_path(h, expert_ids, qweight, group_size):
         part = launch_awq_moe_gemv(h, expert_ids, qweight, scales, qzeros, group_size, x_row_div=1, partials=True)
         return launch_combine_reduce(part, weights, h.dtype)
     down = _awq_moe_gemm(h, expert_ids, qweight, scales, qzeros, group_size, 1)
     # Weighted sum over the k picks in fp32 (router weights are fp32), then back to the activation dtype.
-    out = (down.view(tokens, weights.shape[1], -1).float() * weights.unsqueeze(-1).float()).sum(dim=1)
+    out = (down.view(tokens, weights.shape[1], oc).float() * weights.unsqueeze(-1).float()).sum(dim=1)
     return out.to(h.dtype)
 
 

@@ -29,9 +29,10 @@ if HAS_TRITON:
         g_ptrs = part_ptr + r.to(tl.int64) * (2 * I) + i
         gate = tl.zeros((BLOCK,), dtype=tl.float32)
         up = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(SPLIT_K):
-            gate += tl.load(g_ptrs + s * R * 2 * I, mask=mask, other=0.0)
-            up += tl.load(g_ptrs + s * R * 2 * I + I, mask=mask, other=0.0)
+        for s in range(SPLIT_K):  # step the 64-bit pointer slab by slab: no int32 product of s * R * 2I
+            gate += tl.load(g_ptrs, mask=mask, other=0.0)
+            up += tl.load(g_ptrs + I, mask=mask, other=0.0)
+            g_ptrs += R * 2 * I
         dt = out_ptr.dtype.element_ty
         gate = gate.to(dt).to(tl.float32)  # the GEMM output in the activation dtype, as unfused
         up = up.to(dt).to(tl.float32)

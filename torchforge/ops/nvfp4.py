@@ -6,7 +6,7 @@ activation quantization, CUTLASS/FlashInfer 128x4 scale atoms).
 Dispatch:
 * `nvfp4_grouped_linear`, `nvfp4_linear`: `triton_op` when triton imports; CUDA tensors run Triton kernels
   that dequantize FP4 x E4M3 in registers, CPU tensors the pure-PyTorch reference. Which kernel is a rule on
-  shapes only (`_launch_grouped`): few routed rows per expert (decode: ``R <= max(1, E / 2)``,
+  shapes only (`_launch_grouped`): few routed rows per expert (decode: ``R <= max(1, E)``,
   `nvfp4_gemv_triton.use_grouped_gemv`) run the grouped GEMV of `torchforge.ops.nvfp4_gemv_triton` (one
   program per routed row and BLOCK_N outputs, fp32 FMAs, no sort); more rows run the on-device expert sort +
   grouped tl.dot GEMM of `torchforge.ops.nvfp4_triton`. Both handle W4A4 emulation and out-of-range ids.
