@@ -93,8 +93,7 @@ def test_mma_kernel_program_swizzle_over_several_row_groups():
 def test_w4a16_linear_kernel_dispatch_takes_non_contiguous_weights(monkeypatch):
     """The op's CUDA dispatch (forced here onto the interpreter) with strided scales and bias, 32 fp16 rows: the
     tensor-core kernel indexes dense arrays, so the op must make them contiguous first."""
-    import torchforge.ops.awq as awq
-    from torchforge.ops import w4a16_linear
+    from torchforge.ops import awq, w4a16_linear
 
     monkeypatch.setattr(awq, "use_triton", can_launch)
     x, qw, s, z, b, expected = _case(32, 256, 64, 128, torch.float16, True, symmetric=False, seed=3)
@@ -110,8 +109,7 @@ def test_w4a16_linear_kernel_dispatch_takes_non_contiguous_weights(monkeypatch):
 def test_w4a16_linear_dequant_cublas_branch_keeps_x_dtype_with_fp32_bias(monkeypatch):
     """Above the tensor-core kernel's rows the op dequantizes and calls matmul; an fp32 bias must not promote the
     output (the fake and the reference return x.dtype)."""
-    import torchforge.ops.awq as awq
-    from torchforge.ops import w4a16_linear
+    from torchforge.ops import awq, w4a16_linear
 
     monkeypatch.setattr(awq, "use_triton", can_launch)
     x, qw, s, z, b, expected = _case(awq.MMA_MAX_M + 1, 128, 32, 64, torch.float16, True, symmetric=True, seed=4)

@@ -5,7 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchforge.ops import awq_moe_down_combine, awq_moe_gate_up_silu, awq_moe_gemm, awq_quantize, awq_unpack
+from torchforge.ops import (
+    awq_moe_down_combine,
+    awq_moe_gate_up_silu,
+    awq_moe_gemm,
+    awq_quantize,
+    awq_unpack,
+)
 from torchforge.ops._triton import can_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,9 +77,9 @@ def test_ops_match_fp64_oracle(T, k, dtype):
 def test_fused_decode_path_matches_gemv_then_epilogue(monkeypatch, dtype, T, k, split):
     """The op bodies as on CUDA (GEMV path forced on CPU tensors under the interpreter): fused reduce kernels
     against the same GEMV's reduced output followed by the PyTorch epilogue."""
-    import torchforge.ops.awq_moe as awq_moe
     import torchforge.ops.awq_moe_fused as fused
     import torchforge.ops.awq_moe_gemv_triton as gemv
+    from torchforge.ops import awq_moe
 
     monkeypatch.setattr(fused, "use_triton", can_launch)
     monkeypatch.setattr(awq_moe, "use_triton", can_launch)

@@ -16,7 +16,7 @@ One kernel, three compile-time switches, so the sweep in `bench/w4a16_linear.py 
 Programs are ordered in groups of GROUP_M row blocks so that neighbouring programs share weight tiles in L2.
 Arguments are assumed validated by `torchforge.ops.awq`.
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -156,7 +156,7 @@ _MAGIC_BITS = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 def launch_w4a16_mma(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-                     bias: Optional[Tensor] = None, *, config: Optional[MmaConfig] = None, group_m: int = 8) -> Tensor:
+                     bias: Tensor | None = None, *, config: MmaConfig | None = None, group_m: int = 8) -> Tensor:
     """`x [..., IC] @ dequant(W).T (+ bias)` on tensor cores; x bf16 or fp16; output in x.dtype."""
     if not HAS_TRITON:
         raise RuntimeError("torchforge W4A16 MMA kernel needs triton")

@@ -16,14 +16,17 @@ from torch import Tensor
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq_moe import _awq_moe_gemm, _check_moe_args, use_moe_gemv
 from torchforge.ops.awq_moe_gemv_triton import launch_awq_moe_gemv
-from torchforge.ops.moe_epilogue_triton import launch_combine_reduce, launch_silu_mul_reduce
+from torchforge.ops.moe_epilogue_triton import (
+    launch_combine_reduce,
+    launch_silu_mul_reduce,
+)
 
 if HAS_TRITON:
     from torch.library import triton_op as _define
 else:
     from torch.library import custom_op as _define
 
-__all__ = ["awq_moe_gate_up_silu", "awq_moe_down_combine"]
+__all__ = ["awq_moe_down_combine", "awq_moe_gate_up_silu"]
 
 
 def _gemv_path(x: Tensor, expert_ids: Tensor, qweight: Tensor, group_size: int) -> bool:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from torchforge.ops._triton import HAS_TRITON, tl, triton
 
-__all__ = ["launch_silu_mul_reduce", "launch_combine_reduce"]
+__all__ = ["launch_combine_reduce", "launch_silu_mul_reduce"]
 
 if HAS_TRITON:
 
@@ -73,7 +73,7 @@ def launch_silu_mul_reduce(part: Tensor, dtype: torch.dtype) -> Tensor:
 
 def launch_combine_reduce(part: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
     """fp32 partials `[S, T * k, N]` of the down GEMV and router weights `[T, k]` -> `[T, N]` in `dtype`."""
-    split, rows, n = part.shape
+    split, _, n = part.shape
     tokens, top_k = weights.shape
     weights = weights.contiguous()
     out = torch.empty((tokens, n), dtype=dtype, device=part.device)
