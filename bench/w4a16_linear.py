@@ -162,6 +162,7 @@ def main() -> int:
     from torchforge.ops.awq_reference import awq_dequantize_ref
     from torchforge.ops.awq_gemv_triton import launch_w4a16_gemv
     from torchforge.ops.awq_mma_triton import launch_w4a16_mma
+    from torchforge.ops.awq_moe_gemv_triton import launch_awq_moe_gemv
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
     from torchforge.ops.awq_triton import launch_w4a16_linear
 
@@ -172,6 +173,7 @@ def main() -> int:
         w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
         qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
         wbytes = qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
+        zero_id = torch.zeros(1, dtype=torch.int64, device="cuda")
         for M in map(int, args.m.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x.float(), awq_dequantize_ref(qw, sc, qz, G).float())
@@ -183,11 +185,15 @@ def main() -> int:
             t_tiled = bench_graph_ms(lambda: launch_w4a16_linear(x, qw, sc, qz, G))
             t_split = bench_graph_ms(lambda: launch_w4a16_splitk(x, qw, sc, qz, G)) if M <= 16 else float("nan")
             t_gemv = bench_graph_ms(lambda: launch_w4a16_gemv(x, qw, sc, qz, G)) if M == 1 else float("nan")
+            # the MoE decode GEMV with one expert: its 8-accumulator inner loop compiles to ~4 instructions per
+            # weight against ~5.9 for the dense GEMV's (SASS read on CPU); this column says whether that shows
+            t_gemv8 = (bench_graph_ms(lambda: launch_awq_moe_gemv(x, zero_id, qw[None], sc[None], qz[None], G))
+                       if M == 1 else float("nan"))
             t_mma = bench_graph_ms(lambda: launch_w4a16_mma(x, qw, sc, qz, G)) if 1 < M <= 256 else float("nan")
             t_deq = bench_graph_ms(lambda: x @ launch_awq_dequantize_t(qw, sc, qz, G, x.dtype))
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
-            rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_mma, t_tiled, t_split, t_deq, t_tg,
+            rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_gemv8, t_mma, t_tiled, t_split, t_deq, t_tg,
                          t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}"])
         if args.sweep:
             for M in (1, 16):
@@ -213,7 +219,7 @@ def main() -> int:
         sweep_rows.sort(key=lambda r: (r[0], r[1], r[6]))
         print(markdown_table(["W", "M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "ms", "int4 GB/s"], sweep_rows))
     print("\nw4a16_linear vs bf16 (ms, CUDA-graph medians unless eager):")
-    print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "GEMV", "tensor-core", "tiled", "split-K", "dequant+cuBLAS",
+    print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "GEMV", "MoE GEMV, E=1", "tensor-core", "tiled", "split-K", "dequant+cuBLAS",
                           "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err"], rows))
     return 0
 
