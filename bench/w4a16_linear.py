@@ -43,18 +43,24 @@ def tinygemm_fn(w: torch.Tensor, x: torch.Tensor):
         return None
 
 
-def gemv_sweep(shapes: str) -> list:
+def quantized_case(shape: str):
+    """"OCxIC" -> (OC, IC, bf16 weight N(0, 0.02), qweight, scales, qzeros, int4 bytes read per matmul)."""
     import torchforge
+
+    OC, IC = map(int, shape.split("x"))
+    w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
+    qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
+    return OC, IC, w, qw, sc, qz, qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
+
+
+def gemv_sweep(shapes: str) -> list:
     from torchforge.ops.awq_gemv_triton import gemv_config, launch_w4a16_gemv
     from torchforge.ops.awq_reference import awq_dequantize_ref
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
 
     rows = []
     for shape in shapes.split(","):
-        OC, IC = map(int, shape.split("x"))
-        w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
-        qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
-        wbytes = qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
         x = torch.randn(1, IC, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x.float(), awq_dequantize_ref(qw, sc, qz, G).float())
         t_split = bench_graph_ms(lambda: launch_w4a16_splitk(x, qw, sc, qz, G))
@@ -102,19 +108,16 @@ def mma_candidates(m: int) -> list:
 
 def mma_sweep(shapes: str, ms: str) -> list:
     """Time every `mma_candidates` config of the tensor-core kernel; bf16 and the dispatched op in the same run."""
+    import time
+
     import torchforge
     from torchforge.ops.awq_mma_triton import launch_w4a16_mma
     from torchforge.ops.awq_reference import awq_dequantize_ref
 
-    import time
-
     deadline = time.time() + float(os.environ.get("SWEEP_BUDGET_S", "420"))  # print what we have within a device call
     rows = []
     for shape in shapes.split(","):
-        OC, IC = map(int, shape.split("x"))
-        w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
-        qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
-        wbytes = qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
         wdq = awq_dequantize_ref(qw, sc, qz, G).float()
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
@@ -169,10 +172,7 @@ def main() -> int:
     torch.manual_seed(0)
     rows, sweep_rows = [], []
     for shape in args.shapes.split(","):
-        OC, IC = map(int, shape.split("x"))
-        w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
-        qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
-        wbytes = qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
         zero_id = torch.zeros(1, dtype=torch.int64, device="cuda")
         for M in map(int, args.m.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
