@@ -165,7 +165,6 @@ def main() -> int:
         w, ids = scores.topk(K, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).float()
         with torch.no_grad():
-            ref = hf(x, ids, w)
             out = q(x, ids, w)
             deq_ref = hf_deq(x, ids, w)
         rel = ((out.float() - deq_ref.float()).norm() / deq_ref.float().norm()).item()

@@ -88,7 +88,7 @@ def test_uncalibrated_exports_weight_only(tmp_path):
 
 
 def test_compressed_tensors_reads_our_files(tmp_path):
-    ct = pytest.importorskip("compressed_tensors")
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
     from compressed_tensors.quantization import QuantizationConfig

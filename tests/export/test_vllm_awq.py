@@ -5,13 +5,11 @@ import os
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from safetensors import safe_open
 
 import torchforge
 from tests import models
 from torchforge.export.vllm_awq import export_state_dict
 from torchforge.io import iter_checkpoint
-from torchforge.nn import ForgeAWQExperts
 
 RECIPE = {"scheme": "w4a16-rtn", "group_size": 32}
 

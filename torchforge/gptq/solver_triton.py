@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from torchforge.ops._triton import HAS_TRITON, tl, triton

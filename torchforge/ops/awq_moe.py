@@ -6,7 +6,6 @@ pair without materialising k copies of x; the down projection uses x_row_div = 1
 CUDA: a grouped GEMV (awq_moe_gemv_triton.py) when the routed rows are few relative to the experts (decode;
 `use_moe_gemv`), else the expert-sorted tiled grouped GEMM (awq_moe_triton.py). CPU: the reference.
 """
-from typing import Optional
 
 import torch
 from torch import Tensor
