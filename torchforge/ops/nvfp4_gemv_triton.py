@@ -26,7 +26,7 @@ shuffles; x is loaded once per tile and split into 8 vectors (code p of every wo
 BLOCK_K 256, 4 warps: 128 registers, no spills, about 4.8 instructions per code in the K loop.
 
 Split-K: with SPLIT_K > 1 each program writes its fp32 partial sum (already scaled) to ``[SPLIT_K, R, N]``;
-`_nvfp4_splitk_sum_kernel` adds the partials in a fixed order (deterministic, no atomics) and casts.
+`awq_splitk_triton._splitk_reduce_kernel` adds the partials in a fixed order (deterministic, no atomics) and casts.
 
 Out-of-range expert ids (outside ``[0, E)``): the row is written as NaN, as the grouped kernel does (no host
 sync). W4A4 emulation (``input_scale``) quantizes each x block of 16 exactly as the grouped kernel does.
@@ -73,6 +73,7 @@ def gemv_config(rows: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 if HAS_TRITON:
+    from torchforge.ops.awq_splitk_triton import _splitk_reduce_kernel
     from torchforge.ops.nvfp4_triton import _quant_a_tile
 
     @triton.jit
@@ -158,14 +159,6 @@ if HAS_TRITON:
             alpha = ins * ws2 * 4194304.0
         tl.store(dst, (tl.sum(acc, 1) * alpha).to(dst_ptr.dtype.element_ty), mask=mask_n)
 
-    @triton.jit
-    def _nvfp4_splitk_sum_kernel(part_ptr, out_ptr, RN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < RN
-        acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-        for s in range(1, SPLIT_K):  # fixed order: deterministic
-            acc += tl.load(part_ptr + s * RN + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_nvfp4_grouped_gemv(
@@ -228,6 +221,7 @@ def launch_nvfp4_grouped_gemv(
     )
     if split > 1:
         block = 1024
-        torch.library.wrap_triton(_nvfp4_splitk_sum_kernel)[(triton.cdiv(r * n, block),)](
-            dst, out, r * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+        # the W4A16 split-K reduce: fixed-order fp32 sum of the slices (deterministic), cast to out's dtype
+        torch.library.wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(r * n, block),)](
+            dst, dst, out, r * n, n, SPLIT_K=split, HAS_BIAS=False, BLOCK=block, num_warps=4)
     return out
