@@ -133,7 +133,7 @@ def test_experts_module_takes_the_fused_ops_and_falls_back_for_router_gradients(
 
     torch.manual_seed(0)
     experts = ForgeAWQExperts(E, H, I, group_size=G, device=DEVICE).pack_weights(
-        torch.randn(E, 2 * I, H) * 0.2, torch.randn(E, H, I) * 0.2)
+        torch.randn(E, 2 * I, H, device=DEVICE) * 0.2, torch.randn(E, H, I, device=DEVICE) * 0.2)
     calls = []
     orig = mod.awq_moe_down_combine
     monkeypatch.setattr(mod, "awq_moe_down_combine", lambda *a: calls.append(1) or orig(*a))
