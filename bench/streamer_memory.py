@@ -9,11 +9,14 @@ experts of moe_intermediate 2048 but only --experts of them (256 in the real mod
 first_k_dense_replace=1 with a dense intermediate of 4096 (18432 in the real model), vocabulary 32000; FP8
 (DeepSeek's 128x128 block layout) unless --bf16. About 8.5 GB on disk with FP8 and 16 experts (16 GB bf16).
 
-Then runs LayerwiseStreamer in "exact" and "approx" mode, each in a fresh process (so that its peak RSS is its
-own), on --tokens random tokens in batches of [1, --seq], with offload on: the host budget for hidden states
+Then runs LayerwiseStreamer in "exact" and "approx" mode with each layer's attention and MLP halves as separate
+stages (the default), and "exact" with whole layers (split_layers=False) as the baseline, each in a fresh process
+(so that its peak RSS is its own), on --tokens random tokens in batches of [1, --seq], with offload on: the host budget for hidden states
 is 2 batches, the rest is spilled to a folder next to the checkpoint. Prints, per mode: largest layer weight
-bytes on the device, bytes of one batch's hidden states, peak GPU bytes (torch.cuda.max_memory_allocated),
-peak / (layer + chunk), peak host RSS and the activation bytes held against the budget, spill count, median
+bytes (both halves; for approx without the routed experts, which it never reads), the most weight bytes on the
+device at once (one stage), bytes of one batch's hidden states, peak GPU bytes (torch.cuda.max_memory_allocated),
+peak / (layer + chunk) against the checkpoint's largest full layer (what the goal names) and against the layer
+the mode reads, peak host RSS and the activation bytes held against the budget, spill count, median
 seconds per layer, and for approx how many of each layer's top-k experts by hit_map agree with exact mode.
 Runtime on an H100: about 1-2 minutes, most of it writing the checkpoint.
 """
@@ -62,15 +65,18 @@ def _child(args) -> None:
     g = torch.Generator().manual_seed(0)
     vocab = _config(args.ckpt)["vocab_size"]
     batches = [torch.randint(0, vocab, (1, args.seq), generator=g) for _ in range(max(1, args.tokens // args.seq))]
-    streamer = LayerwiseStreamer(args.ckpt, args.offload, host_budget_bytes=args.budget)
+    streamer = LayerwiseStreamer(args.ckpt, args.offload, host_budget_bytes=args.budget,
+                                 split_layers=not args.whole)
     if streamer.device.type == "cuda":  # cuBLAS's workspace (a fixed cost per process) before the measurement
         torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")
     start = time.perf_counter()
     stats = streamer.collect_router_stats(batches, mode=args.child)
     total = time.perf_counter() - start
-    stats.save(os.path.join(args.offload, f"stats_{args.child}.pt"))
+    if not args.whole:
+        stats.save(os.path.join(args.offload, f"stats_{args.child}.pt"))
     print(json.dumps({
-        "mode": args.child, "device": str(streamer.device), "layer_bytes": streamer.largest_layer_bytes,
+        "mode": args.child + (" (whole layers)" if args.whole else ""), "device": str(streamer.device),
+        "layer_bytes": streamer.largest_layer_bytes, "stage_bytes": streamer.largest_stage_bytes,
         "chunk_bytes": streamer.max_chunk_bytes, "peak_gpu_bytes": streamer.peak_gpu_bytes,
         "host_activation_bytes": streamer.peak_host_activation_bytes, "budget": args.budget,
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "spills": streamer.spills,
@@ -105,6 +111,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (a temporary folder inside)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", choices=("exact", "approx"), help=argparse.SUPPRESS)
+    ap.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--offload", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
@@ -124,9 +131,9 @@ def main() -> None:
         hidden = _config(ckpt)["hidden_size"]
         budget = 2 * args.seq * hidden * 2  # two bf16 batches: the rest spills
         rows = []
-        for mode in ("exact", "approx"):
+        for mode, whole in (("exact", True), ("exact", False), ("approx", False)):
             cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", ckpt, "--offload", offload,
-                   "--budget", str(budget), "--tokens", str(args.tokens), "--seq", str(args.seq)]
+                   "--budget", str(budget), "--tokens", str(args.tokens), "--seq", str(args.seq)] + ["--whole"] * whole
             r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
             if r.returncode != 0:
                 sys.exit(f"{mode} run failed:\n{r.stderr[-4000:]}")
@@ -138,15 +145,18 @@ def main() -> None:
           f"{'bf16' if args.bf16 else 'FP8 (128x128 blocks)'}, {_mb(disk)} written in {write_s:.1f} s; "
           f"{rows[0]['tokens']} tokens in batches of [1, {args.seq}]; device {rows[0]['device']}, "
           f"torch {torch.__version__}")
-    header = ["mode", "largest layer weights", "activation chunk", "peak GPU", "peak / (layer + chunk)",
-              "peak RSS", "activations on host (peak) / budget", "spills", "s / layer", f"top-{top_k} agreement"]
+    full_layer = rows[0]["layer_bytes"]
+    header = ["mode", "largest layer weights", "most weights at once", "activation chunk", "peak GPU",
+              "peak / (full layer + chunk)", "peak / (layer read + chunk)", "peak RSS", "activations on host (peak) / budget", "spills", "s / layer", f"top-{top_k} agreement"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         peak = r["peak_gpu_bytes"]
-        ratio = "n/a" if peak is None else f"{peak / (r['layer_bytes'] + r['chunk_bytes']):.2f}"
-        cells = [r["mode"], _mb(r["layer_bytes"]), _mb(r["chunk_bytes"]), _mb(r["peak_gpu_bytes"]), ratio,
+        ratio = "n/a" if peak is None else f"{peak / (full_layer + r['chunk_bytes']):.2f}"
+        ratio_read = "n/a" if peak is None else f"{peak / (r['layer_bytes'] + r['chunk_bytes']):.2f}"
+        cells = [r["mode"], _mb(r["layer_bytes"]), _mb(r["stage_bytes"]), _mb(r["chunk_bytes"]),
+                 _mb(r["peak_gpu_bytes"]), ratio, ratio_read,
                  _mb(r["rss_bytes"]), f"{_mb(r['host_activation_bytes'])} / {_mb(r['budget'])}", r["spills"],
-                 f"{r['s_per_layer']:.3f}", "1 (reference)" if r["mode"] == "exact" else agreement]
+                 f"{r['s_per_layer']:.3f}", "1 (reference)" if r["mode"].startswith("exact") else agreement]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         if r["spill_files_left"]:
             sys.exit(f"{r['mode']}: {r['spill_files_left']} spill files were not cleaned up")

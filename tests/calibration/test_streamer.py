@@ -135,8 +135,9 @@ def test_offload_spills_and_cleans_up(ckpts, tmp_path, monkeypatch):
     streamer = LayerwiseStreamer(path, offload, dtype=torch.float32, device="cpu", host_budget_bytes=2 * chunk)
     stats = streamer.collect_router_stats(_batches())
     assert torch.equal(stats.hit_map, ref.hit_map) and torch.equal(stats.topk_counts, ref.topk_counts)
-    assert streamer.spills == 4  # batch 1, after the embedding and after each of the three layers
+    assert streamer.spills == 7  # batch 1, after the embedding and after both halves of each of the three layers
     assert ["hs_layer_0_batch_1.pt"] in seen and ["hs_layer_2_batch_1.pt"] in seen
+    assert ["hs_layer_2_mid_batch_1.pt"] in seen  # between layer 2's attention and MLP stages
     assert os.listdir(offload) == []
     assert streamer.max_chunk_bytes == chunk and streamer.peak_host_activation_bytes <= 2 * chunk  # within budget
 
@@ -146,7 +147,7 @@ def test_offload_spills_and_cleans_up(ckpts, tmp_path, monkeypatch):
     monkeypatch.setattr(activations.tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(**kw)) or made[-1])
     streamer = LayerwiseStreamer(path, dtype=torch.float32, device="cpu", host_budget_bytes=0)
     assert torch.equal(streamer.collect_router_stats(_batches()).hit_map, ref.hit_map)
-    assert streamer.spills == 8 and len(made) == 1 and not os.path.exists(made[0])
+    assert streamer.spills == 14 and len(made) == 1 and not os.path.exists(made[0])
 
 
 def test_one_layer_materialized_at_a_time(ckpts, monkeypatch):
@@ -181,9 +182,20 @@ def test_one_layer_materialized_at_a_time(ckpts, monkeypatch):
     counts = []
     real = layer_loader.materialize
     monkeypatch.setattr(layer_loader, "materialize", lambda m, *a: counts.append(len(on_meta(-1))) or real(m, *a))
+    on_device = []
+    real_run = streamer._run_layer
+
+    def run(i, stage, layer, *a):
+        halves = {n: any(t.device.type != "meta" for t in getattr(layer, n).state_dict().values())
+                  for n in ("self_attn", "mlp")}
+        on_device.append((i, stage, sorted(n for n, v in halves.items() if v)))
+        return real_run(i, stage, layer, *a)
+
+    monkeypatch.setattr(streamer, "_run_layer", run)
     streamer.collect_router_stats(_batches(), mode="approx")
-    assert counts == [0, 0, 0, 0]  # the embedding, then three layers, each with nothing else materialized
-    assert streamer.largest_layer_bytes > 0 and len(streamer.layer_seconds) == 3
+    assert counts == [0] * 7  # the embedding, then both halves of three layers, each with nothing else materialized
+    assert on_device == [(i, s, [h]) for i in range(3) for s, h in (("attn", "self_attn"), ("mlp", "mlp"))]
+    assert streamer.largest_layer_bytes > streamer.largest_stage_bytes > 0 and len(streamer.layer_seconds) == 3
 
 
 def test_errors_name_the_fix(ckpts, tmp_path):
@@ -256,8 +268,10 @@ def test_bench_tiny_runs(tmp_path):
                         "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [row["mode"] for row in rows] == ["exact", "approx"] and all(row["spills"] > 0 for row in rows)
-    assert rows[1]["layer_bytes"] < rows[0]["layer_bytes"]  # approx never loads the routed experts
+    assert [row["mode"] for row in rows] == ["exact (whole layers)", "exact", "approx"]
+    assert all(row["spills"] > 0 for row in rows)
+    assert rows[2]["layer_bytes"] < rows[1]["layer_bytes"] == rows[0]["layer_bytes"]  # approx never loads the experts
+    assert rows[1]["stage_bytes"] < rows[0]["stage_bytes"] == rows[0]["layer_bytes"]  # split: never a whole layer
     assert os.listdir(tmp_path) == ["b.json"]  # checkpoint and spill folder removed
 
 
@@ -270,3 +284,24 @@ def test_exact_mode_token_chunks_give_the_same_stats(ckpts):
     assert torch.equal(b.topk_counts, a.topk_counts) and b.tokens == a.tokens
     with pytest.raises(ValueError, match="moe_chunk_tokens must be >= 1"):
         LayerwiseStreamer(ckpts["deepseek_v3"], device="cpu", moe_chunk_tokens=0)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "mixtral"])
+def test_split_layers_compute_what_whole_layers_compute(ckpts, name):
+    """Attention then MLP as separate stages, each with the other half stubbed to zero: the same hidden states
+    (adding a zero is exact), so the same statistics to the bit."""
+    split = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cpu")
+    whole = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cpu", split_layers=False)
+    assert split.split_layers and not whole.split_layers
+    for mode in ("exact", "approx"):
+        a, b = split.collect_router_stats(_batches(), mode=mode), whole.collect_router_stats(_batches(), mode=mode)
+        assert torch.equal(a.hit_map, b.hit_map) and torch.equal(a.topk_counts, b.topk_counts)
+        assert torch.equal(a.routed_weight, b.routed_weight)
+        assert split.largest_layer_bytes == whole.largest_layer_bytes == whole.largest_stage_bytes
+        assert split.largest_stage_bytes < split.largest_layer_bytes
+    # an architecture whose attention module has another name: no split by default, a clear error if asked for
+    split.decoder_layers[1].attention = split.decoder_layers[1].self_attn
+    del split.decoder_layers[1].self_attn
+    assert split._resolve_split(None) is False
+    with pytest.raises(ValueError, match="split_layers=True needs .*'self_attn'.*pass split_layers=False"):
+        split._resolve_split(True)

@@ -50,8 +50,9 @@ class ActivationStore:
     def _note(self, transient: int) -> None:
         self.peak_host_bytes = max(self.peak_host_bytes, self.held_bytes + transient)
 
-    def put(self, batch: int, t: torch.Tensor, layer: int) -> None:
-        """Stores `t` (a host tensor) as batch `batch`'s input of layer `layer`, replacing what was there."""
+    def put(self, batch: int, t: torch.Tensor, layer: int | str) -> None:
+        """Stores `t` (a host tensor) as batch `batch`'s input of layer `layer` (a label in the spill file's name),
+        replacing what was there."""
         self.drop(batch)
         n = _nbytes(t)
         self.max_chunk_bytes = max(self.max_chunk_bytes, n)

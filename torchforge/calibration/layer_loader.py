@@ -26,21 +26,38 @@ def read_host(model_path: str, prefixes: list[str], pin: bool) -> dict[str, torc
     return out
 
 
-def materialize(module: nn.Module, device, skip: str | None = None) -> int:
-    """Gives every parameter and buffer of `module` uninitialized storage on `device`, except those under the
-    submodule `skip` (which stays on meta); returns the bytes allocated."""
-    total = 0
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    return any(name == s or name.startswith(s + ".") for s in skip)
+
+
+def _own_tensors(module: nn.Module, skip: tuple[str, ...]):
+    """(submodule, "parameter"|"buffer", name, tensor) of every tensor of `module` outside the submodules `skip`."""
     for name, sub in module.named_modules():
-        if skip is not None and (name == skip or name.startswith(skip + ".")):
+        if _skipped(name, skip):
             continue
-        for pname, p in list(sub._parameters.items()):
+        for pname, p in sub._parameters.items():
             if p is not None:
-                sub._parameters[pname] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
-                total += p.numel() * p.element_size()
-        for bname, b in list(sub._buffers.items()):
+                yield sub, "parameter", pname, p
+        for bname, b in sub._buffers.items():
             if b is not None:
-                sub._buffers[bname] = torch.empty_like(b, device=device)
-                total += b.numel() * b.element_size()
+                yield sub, "buffer", bname, b
+
+
+def nbytes(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of the parameters and buffers of `module` outside the submodules `skip` (works on the meta device)."""
+    return sum(t.numel() * t.element_size() for *_, t in _own_tensors(module, skip))
+
+
+def materialize(module: nn.Module, device, skip: tuple[str, ...] = ()) -> int:
+    """Gives every parameter and buffer of `module` uninitialized storage on `device`, except those under the
+    submodules `skip` (which stay on meta); returns the bytes allocated."""
+    total = 0
+    for sub, kind, name, t in list(_own_tensors(module, skip)):
+        if kind == "parameter":
+            sub._parameters[name] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=False)
+        else:
+            sub._buffers[name] = torch.empty_like(t, device=device)
+        total += t.numel() * t.element_size()
     return total
 
 
@@ -110,10 +127,11 @@ def _persistent(module: nn.Module):
 
 @torch.no_grad()
 def load_into(module: nn.Module, prefix: str, host: dict[str, torch.Tensor], *, model_type: str | None,
-              model_path: str, fp8_block=(128, 128), skip: str | None = None) -> None:
+              model_path: str, fp8_block=(128, 128)) -> None:
     """Copies the checkpoint tensors `host` (checkpoint names, all starting with `prefix` once renamed to
     transformers' in-memory names) into `module`, materialized by `materialize`; float8 weights are dequantized
-    with their `*_scale_inv` on the module's device. Every parameter and buffer outside `skip` must be filled."""
+    with their `*_scale_inv` on the module's device. Every materialized parameter and buffer must be filled;
+    tensors whose destination is still on the meta device (skipped by `materialize`) are passed over."""
     filled: dict[str, int] = {}
     for ck_name, t in host.items():
         if ck_name.endswith(_SCALE_INV) and is_fp8_dtype(host.get(ck_name[: -len(_SCALE_INV)], t).dtype):
@@ -126,7 +144,7 @@ def load_into(module: nn.Module, prefix: str, host: dict[str, torch.Tensor], *, 
                                   f"{type(module).__name__} {prefix.rstrip('.')}: the checkpoint does not belong to "
                                   "this config.json, or its naming is not one torchforge knows") from None
         if dest.device.type == "meta":
-            continue  # under `skip`
+            continue  # skipped by materialize
         if tuple(dest.shape) != tuple(t.shape):
             raise CheckpointError(f"checkpoint tensor {ck_name!r} of {model_path} has shape {list(t.shape)}, but "
                                   f"{prefix}{name} needs {list(dest.shape)}: config.json and the weights disagree")

@@ -9,6 +9,14 @@ run on every batch, and sent back to the meta device before the next layer is ma
 stay on the host between layers and are spilled to `offload_dir` beyond `host_budget_bytes`
 (`torchforge.calibration.activations`).
 
+Each decoder layer runs in two stages by default (`split_layers`): first its attention half (every tensor but the
+MLP block's) on all batches, then its MLP half (every tensor but the attention's), each stage loaded, run and
+freed before the next. The layer's own forward runs both times, with the other half replaced by a stub that
+returns zeros, so `h + attn(norm(h))` and then `h + mlp(norm(h))` are computed exactly as in one pass (adding
+a zero is exact); the hidden states between the two stages go through the host like those between layers.
+The device then never holds a whole layer: its peak is the larger half plus that half's working set (MLA
+attention on 1024-token sequences alone needs ~350 MB at DeepSeek-V3 width), below one layer's weights.
+
 Statistics are those of `collect_router_stats` (same hooks and probability code, `router_stats.router_sums`):
 hit_map[L, E] sums the router's sigmoid probabilities (never turned into a softmax) or, for softmax routers,
 their softmax; top-k counts and routed weight come from the router's own picks. Dense layers (DeepSeek's
@@ -71,17 +79,21 @@ class LayerwiseStreamer:
     architectures the registry (router_stats.ROUTERS) does not know; host_budget_bytes: hidden states held in
     host memory beyond which batches go to `offload_dir` (a temporary folder when None); attn_implementation:
     forwarded to transformers ('sdpa' by default); moe_chunk_tokens: exact mode runs each MoE block on at most
-    this many tokens at a time (None: whole batches).
+    this many tokens at a time (None: whole batches); split_layers: run the attention and MLP halves of each
+    decoder layer as separate stages (default: on for the registered architectures, whose decoder layers are
+    all `h + self_attn(norm(h))` then `h + mlp(norm(h))`; pass True for another architecture of that form).
 
     After a run: `stats` (RouterStats), `peak_gpu_bytes` (torch.cuda.max_memory_allocated above what was
     allocated when the run started, None off CUDA; cuBLAS allocates its workspace, 32 MiB on Hopper, through
     the caching allocator on the first matmul of a process, so run one matmul first to keep it out),
-    `largest_layer_bytes`, `peak_host_activation_bytes`, `max_chunk_bytes`, `spills`, `layer_seconds`.
+    `largest_layer_bytes` (the weights of the largest layer the mode reads, both halves), `largest_stage_bytes`
+    (the most weight bytes on the device at once), `peak_host_activation_bytes`, `max_chunk_bytes`, `spills`, `layer_seconds`.
     """
 
     def __init__(self, model_path, offload_dir=None, *, device=None, dtype: torch.dtype = torch.bfloat16,
                  router_attr: str | None = None, prob: str | None = None, host_budget_bytes: int | None = None,
-                 attn_implementation: str | None = None, moe_chunk_tokens: int | None = 256):
+                 attn_implementation: str | None = None, moe_chunk_tokens: int | None = 256,
+                 split_layers: bool | None = None):
         self.model_path = os.fspath(model_path)
         self.offload_dir = offload_dir
         self.host_budget_bytes = host_budget_bytes
@@ -107,9 +119,11 @@ class LayerwiseStreamer:
             raise ValueError(f"LayerwiseStreamer: no decoder layer of {self.model_path} has a module "
                              f"'{self.router_attr}'; pass router_attr= the router's path inside a decoder layer")
         self.num_experts = self._router(self.decoder_layers[self.moe_layers[0]]).weight.shape[0]
+        self.split_layers = self._resolve_split(split_layers)
         self.stats: RouterStats | None = None
         self.peak_gpu_bytes: int | None = None
         self.largest_layer_bytes = 0
+        self.largest_stage_bytes = 0
         self.peak_host_activation_bytes = 0
         self.max_chunk_bytes = 0
         self.spills = 0
@@ -154,36 +168,48 @@ class LayerwiseStreamer:
         except AttributeError:
             return None
 
+    def _mlp_path(self) -> str:
+        return self.router_attr.split(".")[0]
+
+    def _resolve_split(self, split_layers):
+        halves = ("." in self.router_attr and all(
+            isinstance(getattr(layer, "self_attn", None), nn.Module)
+            and isinstance(getattr(layer, self._mlp_path(), None), nn.Module) for layer in self.decoder_layers))
+        if split_layers and not halves:
+            raise ValueError(f"LayerwiseStreamer: split_layers=True needs decoder layers with a 'self_attn' module and "
+                             f"the router's block '{self._mlp_path()}' as children; pass split_layers=False")
+        return halves and (split_layers if split_layers is not None else self.model_type in ROUTERS)
+
     def _experts_path(self) -> str:
         return (self.router_attr.rpartition(".")[0] + ".experts").lstrip(".")
 
     # -------------------------------------------------------------------------------------------- loading
 
-    def _names(self, prefix: str, skip: str | None = None) -> list[str]:
+    def _names(self, prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
         from torchforge.export.naming import from_checkpoint_name
 
         out = []
         for n in self.tensor_files:
             mem = from_checkpoint_name(n, self.model_type)
-            if mem.startswith(prefix) and not (skip and mem.startswith(prefix + skip + ".")):
+            if mem.startswith(prefix) and not any(mem.startswith(prefix + s + ".") for s in skip):
                 out.append(n)
         return out
 
-    def _read(self, idx: int, skip: str | None):
+    def _read(self, idx: int, skip: tuple[str, ...]):
         prefix = f"{self.layer_prefix}{idx}."
         names = self._names(prefix, skip)
         if not names:
             raise CheckpointError(f"{self.model_path} has no tensors for decoder layer {idx} "
                                   f"({prefix}*): the checkpoint is incomplete or not this config's")
-        if skip is None and all(n.startswith(prefix) for n in names):
+        if not skip and all(n.startswith(prefix) for n in names):
             names = [prefix]  # one prefix instead of thousands of names (iter_checkpoint matches every one)
         return layer_loader.read_host(self.model_path, names, pin=self.device.type == "cuda")
 
-    def _load(self, module: nn.Module, prefix: str, host: dict, skip: str | None = None) -> int:
+    def _load(self, module: nn.Module, prefix: str, host: dict, skip: tuple[str, ...] = ()) -> int:
         nbytes = layer_loader.materialize(module, self.device, skip)
         try:
             layer_loader.load_into(module, prefix, host, model_type=self.model_type, model_path=self.model_path,
-                                   fp8_block=self.fp8_block or (128, 128), skip=skip)
+                                   fp8_block=self.fp8_block or (128, 128))
         except BaseException:
             self._free(module)
             raise
@@ -194,28 +220,50 @@ class LayerwiseStreamer:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _stages(self, routed_experts: bool, split: bool) -> list[tuple[int, str | None, tuple[str, ...]]]:
+        """(layer, stage, submodules left on meta) in run order; stage None is the whole layer."""
+        experts = () if routed_experts else (self._experts_path(),)
+        self.largest_layer_bytes = max(layer_loader.nbytes(layer, experts) for layer in self.decoder_layers)
+        self.largest_stage_bytes = 0
+        out = []
+        for i in range(len(self.decoder_layers)):
+            if split:
+                out += [(i, "attn", (self._mlp_path(),)), (i, "mlp", ("self_attn",) + experts)]
+            else:
+                out.append((i, None, experts))
+        return out
+
+    def _stream(self, stages):
+        """Yields (layer_idx, stage, module on the device) for each stage: load, yield, free. The next stage's
+        tensors are read from disk while the caller works on the current one."""
+        self.layer_seconds = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchforge-prefetch") as pool:
+            future = pool.submit(self._read, stages[0][0], stages[0][2])
+            seconds = 0.0
+            for n, (i, stage, skip) in enumerate(stages):
+                host = future.result()
+                future = pool.submit(self._read, stages[n + 1][0], stages[n + 1][2]) if n + 1 < len(stages) else None
+                start = time.perf_counter()
+                layer = self.decoder_layers[i]
+                self.largest_stage_bytes = max(self.largest_stage_bytes,
+                                               self._load(layer, f"{self.layer_prefix}{i}.", host, skip))
+                del host
+                try:
+                    yield i, stage, layer
+                finally:
+                    self._free(layer)
+                    seconds += time.perf_counter() - start
+                    if n + 1 == len(stages) or stages[n + 1][0] != i:
+                        self.layer_seconds.append(seconds)
+                        seconds = 0.0
+
     def layers(self, *, routed_experts: bool = True):
         """Yields (layer_idx, decoder layer on the device) for every layer: load, yield, free (seed 000 1.2.2).
         The next layer's tensors are read from disk while the caller works on the current one; the caller must
         not keep references to a layer after the next iteration starts. routed_experts=False leaves the
         routed experts of MoE layers on the meta device (unread), as the "approx" mode needs."""
-        skip = None if routed_experts else self._experts_path()
-        n = len(self.decoder_layers)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchforge-prefetch") as pool:
-            future = pool.submit(self._read, 0, skip)
-            for i in range(n):
-                host = future.result()
-                future = pool.submit(self._read, i + 1, skip) if i + 1 < n else None
-                start = time.perf_counter()
-                layer = self.decoder_layers[i]
-                self.largest_layer_bytes = max(self.largest_layer_bytes,
-                                               self._load(layer, f"{self.layer_prefix}{i}.", host, skip))
-                del host
-                try:
-                    yield i, layer
-                finally:
-                    self._free(layer)
-                    self.layer_seconds.append(time.perf_counter() - start)
+        for i, _, layer in self._stream(self._stages(routed_experts, split=False)):
+            yield i, layer
 
     stream_layers = layers  # the seed's name
 
@@ -304,8 +352,8 @@ class LayerwiseStreamer:
         try:
             self._embed(batches, store)
             rotary = self._rotary()
-            for i, layer in self.layers(routed_experts=mode == "exact"):
-                sums = self._run_layer(i, layer, len(batches), store, rotary, mode)
+            for i, stage, layer in self._stream(self._stages(mode == "exact", self.split_layers)):
+                sums = self._run_layer(i, stage, layer, len(batches), store, rotary, mode)
                 if sums is not None:
                     add_sums(stats, row[i], sums)
         finally:
@@ -318,12 +366,27 @@ class LayerwiseStreamer:
         self.stats = stats
         return stats
 
-    def _run_layer(self, i: int, layer: nn.Module, num_batches: int, store: ActivationStore, rotary, mode: str):
-        """Runs every batch through decoder layer `i`, replacing its hidden states in `store`; returns the layer's
-        router sums (on the device), None for a dense layer."""
-        router = self._router(layer)
+    @staticmethod
+    def _zero_attention(*args, **kwargs):
+        """Stands in for self_attn in the MLP stage: the layer adds zero to the residual stream."""
+        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return torch.zeros_like(h), None
+
+    def _run_layer(self, i: int, stage: str | None, layer: nn.Module, num_batches: int, store: ActivationStore,
+                   rotary, mode: str):
+        """Runs every batch through stage `stage` of decoder layer `i` (None: the whole layer), replacing its
+        hidden states in `store`; returns the layer's router sums (on the device), None for a dense layer or
+        the attention stage."""
+        router = None if stage == "attn" else self._router(layer)
         acc: list = [None]
-        handle, moe = None, None
+        handle, patched = None, []
+        if stage == "attn":
+            mlp = layer.get_submodule(self._mlp_path())
+            mlp.forward = torch.zeros_like  # instance attribute: shadows the class's forward
+            patched.append(mlp)
+        elif stage == "mlp":
+            layer.self_attn.forward = self._zero_attention
+            patched.append(layer.self_attn)
         if router is not None:
             def hook(mod, inputs, output):
                 s = router_sums(mod, inputs[0], output, self.prob)
@@ -336,23 +399,27 @@ class LayerwiseStreamer:
                     raise ValueError(f"LayerwiseStreamer: approx mode needs the router inside an MoE block "
                                      f"(router_attr like 'mlp.gate'), got {self.router_attr!r}")
                 moe = layer.get_submodule(parent)
-                moe.forward = self._approx_forward(moe, router)  # instance attribute: shadows the class's forward
+                moe.forward = self._approx_forward(moe, router)
+                patched.append(moe)
             elif parent and self.moe_chunk_tokens is not None:
                 moe = layer.get_submodule(parent)
                 moe.forward = self._token_chunked_forward(moe, self.moe_chunk_tokens)
+                patched.append(moe)
+        tag = f"{i}_mid" if stage == "attn" else i + 1  # spill files: input of layer i's MLP half, of layer i + 1
         try:
             for b in range(num_batches):
                 h = store.get(b).to(self.device, non_blocking=True)
                 pos = torch.arange(h.shape[1], device=self.device).unsqueeze(0)
-                out = layer(h, attention_mask=self._mask(i, h, pos), position_ids=pos,
-                            position_embeddings=rotary(h, pos), use_cache=False)
+                attn = stage != "mlp"  # the MLP stage's stub attention needs no mask nor rotary embedding
+                out = layer(h, attention_mask=self._mask(i, h, pos) if attn else None, position_ids=pos,
+                            position_embeddings=rotary(h, pos) if attn else None, use_cache=False)
                 out = out[0] if isinstance(out, tuple) else out
-                store.put(b, out.to("cpu"), layer=i + 1)
+                store.put(b, out.to("cpu"), layer=tag)
         finally:
             if handle is not None:
                 handle.remove()
-            if moe is not None:
-                del moe.forward
+            for m in patched:
+                del m.forward
         return acc[0]
 
     @staticmethod
