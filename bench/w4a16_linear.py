@@ -182,7 +182,7 @@ def main() -> int:
             t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w))
             t_op = bench_graph_ms(op)
             t_eager = bench_ms(op)
-            t_tiled = bench_graph_ms(lambda: launch_w4a16_linear(x, qw, sc, qz, G))
+            t_tiled = bench_graph_ms(lambda: launch_w4a16_linear(x, qw, sc, qz, G)) if M <= 256 else float("nan")
             t_split = bench_graph_ms(lambda: launch_w4a16_splitk(x, qw, sc, qz, G)) if M <= 16 else float("nan")
             t_gemv = bench_graph_ms(lambda: launch_w4a16_gemv(x, qw, sc, qz, G)) if M == 1 else float("nan")
             # the MoE decode GEMV with one expert: its 8-accumulator inner loop compiles to ~4 instructions per
@@ -195,6 +195,7 @@ def main() -> int:
             t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
             rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_gemv8, t_mma, t_tiled, t_split, t_deq, t_tg,
                          t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}"])
+            print("row:", " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
         if args.sweep:
             for M in (1, 16):
                 x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
