@@ -2,11 +2,12 @@
 
     python bench/w4a16_linear.py [--m 1,16,64,256,1024,4096] [--sweep]
 Times are medians of CUDA-graph replays (GPU time, no host launch gaps) except the `eager` column.
-Columns: bf16 F.linear; torchforge's dispatched op (GEMV for M = 1, the tensor-core kernel up to 128 rows,
+Columns: bf16 F.linear; torchforge's dispatched op (the CUDA GEMV of csrc/ for M = 1 where built, else Triton's, the tensor-core kernel up to 128 rows,
 dequant + cuBLAS beyond); each path forced (the split-K and tiled kernels are the fp32 paths now); tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
 bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros).
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
-`--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py); `--mma-sweep 16,64,...` only the tensor-core
+`--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py); `--cuda-gemv-sweep` only the extension's batch-1
+GEMV (csrc/awq_gemv.cu), which the op dispatches at M = 1 when it is built; `--mma-sweep 16,64,...` only the tensor-core
 kernel's (awq_mma_triton.py) at those M.
 """
 from __future__ import annotations
@@ -51,6 +52,36 @@ def quantized_case(shape: str):
     w = torch.randn(OC, IC, device="cuda", dtype=torch.bfloat16) * 0.02
     qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
     return OC, IC, w, qw, sc, qz, qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
+
+
+def cuda_gemv_sweep(shapes: str) -> list:
+    """The extension's batch-1 GEMV (csrc/awq_gemv.cu) over (splits, rows), against the Triton GEMV, tinygemm and
+    bf16 in the same run."""
+    from torchforge.ops.awq_gemv_cuda import cuda_gemv_config, launch_awq_gemv_cuda
+    from torchforge.ops.awq_gemv_triton import launch_w4a16_gemv
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+
+    out = []
+    for shape in shapes.split(","):
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+        x = torch.randn(1, IC, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), awq_dequantize_ref(qw, sc, qz, G).float())
+        t_triton = bench_graph_ms(lambda: launch_w4a16_gemv(x, qw, sc, qz, G))
+        t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w))
+        tg = tinygemm_fn(w, x)
+        t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
+        default = cuda_gemv_config(IC, OC, G)
+        for rows in (16, 32, 64):
+            for splits in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 28):
+                if splits > IC // rows:
+                    continue
+                f = lambda: launch_awq_gemv_cuda(x, qw, sc, qz, G, splits=splits, rows=rows)  # noqa: E731
+                rel = ((f().float() - ref).norm() / ref.norm()).item()
+                t = bench_graph_ms(f, rep_ms=30)
+                out.append([shape, rows, splits, "*" if (splits, rows) == default else "", t, wbytes / t / 1e6,
+                            t_triton, t_tg, t_bf16, t_bf16 / t, f"{rel:.1e}"])
+    out.sort(key=lambda r: (r[0], r[4]))
+    return out
 
 
 def gemv_sweep(shapes: str) -> list:
@@ -148,10 +179,20 @@ def main() -> int:
     ap.add_argument("--shapes", default="18432x7168,7168x7168", help="OCxIC list")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--gemv-sweep", action="store_true", help="time the batch-1 GEMV kernel's configurations")
+    ap.add_argument("--cuda-gemv-sweep", action="store_true",
+                    help="time the extension's batch-1 GEMV (csrc/awq_gemv.cu) over its configurations, then stop")
     ap.add_argument("--mma-sweep", default="", help="M list: time the tensor-core kernel's configurations, then stop")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
+        return 0
+    if args.cuda_gemv_sweep:
+        crows = cuda_gemv_sweep(args.shapes)
+        print(f"device: {device_line()}")
+        print("\nCUDA batch-1 GEMV (csrc/awq_gemv.cu) sweep, CUDA graph, bf16; * = default; Triton GEMV, tinygemm and "
+              "bf16 in the same run:")
+        print(markdown_table(["W", "rows", "splits", "default", "ms", "int4 GB/s", "Triton GEMV ms", "tinygemm ms",
+                              "bf16 ms", "bf16/ms", "rel err"], crows))
         return 0
     if args.mma_sweep:
         mrows = mma_sweep(args.shapes, args.mma_sweep)

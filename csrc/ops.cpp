@@ -26,6 +26,12 @@ cudaError_t awq_quantize_launch(int dtype, int64_t group_size, bool symmetric, c
                                 int32_t* qweight, void* scales, int32_t* qzeros, int64_t E,
                                 int64_t OC, int64_t IC, cudaStream_t stream);
 
+// csrc/awq_gemv.cu
+cudaError_t awq_gemv_launch(int dtype, int rows, const void* x, const int32_t* qweight, const void* scales,
+                            const int32_t* qzeros, const void* bias, void* out, float* partial,
+                            unsigned int* tickets, int64_t N, int64_t K, int64_t group_size, int64_t splits,
+                            cudaStream_t stream);
+
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
 // message (std::ostream << long, instantiated in this library) segfaulted on the device image
@@ -98,16 +104,78 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_quantize_cuda(const at::Tenso
   return {qw, sc, qz};
 }
 
+namespace {
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+}  // namespace
+
+// Batch-1 W4A16 GEMV (csrc/awq_gemv.cu): x with K elements (fp16 / bf16, contiguous), AWQ
+// qweight [K, N/8], scales fp16 [K/G, N], qzeros [K/G, N/8], optional bias [N] in x's dtype;
+// returns out [N] in x's dtype. `rows` (16, 32, 64) k-rows per work item, `splits` K slices.
+at::Tensor awq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
+                         int64_t splits, int64_t rows) {
+  const std::string op = "awq_gemv_cuda: ";
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda(),
+              op + "x, qweight, scales and qzeros must be CUDA tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              op + "x must be bfloat16 or float16, got " + c10::toString(x.scalar_type()));
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt &&
+                  scales.scalar_type() == at::kHalf,
+              op + "qweight and qzeros must be int32 and scales float16");
+  TORCH_CHECK(qweight.dim() == 2 && scales.dim() == 2 && qzeros.dim() == 2,
+              op + "qweight, scales and qzeros must be 2-D");
+  const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
+  TORCH_CHECK(x.numel() == K, op + "x has " + i2s(x.numel()) + " elements, qweight has K = " + i2s(K) + " rows");
+  TORCH_CHECK(group_size > 0 && K % group_size == 0 && scales.size(0) == K / group_size &&
+                  scales.size(1) == N && qzeros.size(0) == K / group_size && qzeros.size(1) == N / 8,
+              op + "scales must be [K/G, N] = [" + i2s(K / group_size) + ", " + i2s(N) + "] and qzeros [K/G, N/8], got " +
+                  shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
+  TORCH_CHECK(N % 32 == 0, op + "N = " + i2s(N) + " must be a multiple of 32 (16-byte rows of 4 words)");
+  TORCH_CHECK(rows == 16 || rows == 32 || rows == 64, op + "rows must be 16, 32 or 64, got " + i2s(rows));
+  TORCH_CHECK(group_size % rows == 0, op + "rows = " + i2s(rows) + " must divide group_size = " + i2s(group_size));
+  TORCH_CHECK(splits >= 1 && splits <= K / rows, op + "splits must be in [1, K / rows = " + i2s(K / rows) + "], got " + i2s(splits));
+  TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 30), op + "K and N must be < 2^30");
+  TORCH_CHECK(x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() && qzeros.is_contiguous(),
+              op + "x, qweight, scales and qzeros must be contiguous");
+  TORCH_CHECK(aligned16(qweight) && aligned16(scales) && aligned16(qzeros),
+              op + "qweight, scales and qzeros must be 16-byte aligned");
+  const void* bias_ptr = nullptr;
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.is_cuda() && b.scalar_type() == x.scalar_type() && b.numel() == N,
+                op + "bias must be a CUDA tensor of N = " + i2s(N) + " elements in x's dtype");
+    bias_ptr = b.data_ptr();
+  }
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  at::Tensor out = at::empty({N}, x.options());
+  const int64_t tiles = (N / 8 + 31) / 32;
+  at::Tensor tickets = at::zeros({tiles}, x.options().dtype(at::kInt));
+  at::Tensor partial = at::empty({splits > 1 ? splits * N : 1}, x.options().dtype(at::kFloat));
+  const cudaError_t err = awq_gemv_launch(
+      x.scalar_type() == at::kBFloat16 ? 0 : 1, static_cast<int>(rows), x.data_ptr(), qweight.data_ptr<int32_t>(),
+      scales.data_ptr(), qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
+      reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), N, K, group_size, splits,
+      c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace torchforge
 
 TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def(
       "awq_quantize_cuda(Tensor weight, int group_size, bool symmetric) -> (Tensor, Tensor, "
       "Tensor)");
+  m.def(
+      "awq_gemv_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
+      "int splits, int rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {
   m.impl("awq_quantize_cuda", &torchforge::awq_quantize_cuda);
+  m.impl("awq_gemv_cuda", &torchforge::awq_gemv_cuda);
 }
 
 // An empty Python module, so that `import torchforge._C` loads the shared library (and with it

@@ -9,8 +9,10 @@ def has_cuda_ext() -> bool:
 
         if not torch.cuda.is_available():
             return False
-        from torchforge import _C  # noqa: F401  (registers torchforge_C:: ops via TORCH_LIBRARY)
-
-        return True
+        from torchforge import _C  # noqa: F401  (registers torchforge:: ops via TORCH_LIBRARY_FRAGMENT)
     except Exception:
         return False
+    from torchforge.ops.awq_gemv_cuda import register_fake
+
+    register_fake()  # the C++ ops that torch.compile traces through need a shape function
+    return True

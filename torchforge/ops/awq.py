@@ -35,6 +35,7 @@ from torchforge.ops.awq_reference import (
     w4a16_linear_ref,
 )
 from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
+from torchforge.ops.awq_gemv_cuda import cuda_gemv_ok, launch_awq_gemv_cuda
 from torchforge.ops.awq_gemv_triton import launch_w4a16_gemv
 from torchforge.ops.awq_mma_triton import launch_w4a16_mma
 from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
@@ -320,6 +321,8 @@ def _w4a16_linear(
         # the kernels index these as dense row-major arrays
         qweight, scales, qzeros = qweight.contiguous(), scales.contiguous(), qzeros.contiguous()
         bias = bias.contiguous() if bias is not None else None
+        if m == 1 and cuda_gemv_ok(x, qweight, scales, qzeros, group_size, bias):
+            return launch_awq_gemv_cuda(x, qweight, scales, qzeros, group_size, bias)  # csrc/awq_gemv.cu
         if m == 1 and group_size % 16 == 0:
             # batch-1 decode: the FMA GEMV (no tensor cores) reads the int4 weight ~1.7x faster than split-K
             return launch_w4a16_gemv(x, qweight, scales, qzeros, group_size, bias)

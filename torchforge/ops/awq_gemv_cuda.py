@@ -1,0 +1,77 @@
+"""Batch-1 W4A16 GEMV of the compiled extension (csrc/awq_gemv.cu, op `torchforge::awq_gemv_cuda`).
+
+The Triton GEMV (awq_gemv_triton.py) tops out near 1.6 TB/s of int4 bytes on an H100; this CUDA kernel streams
+the weight with 16-byte non-caching loads, 8 loads in flight per thread, and adds the K slices in the same launch
+(the last block of a column tile to finish sums them), so there is no second kernel. `w4a16_linear` dispatches
+one fp16 / bf16 row to it when the extension is built and the shapes fit (`cuda_gemv_ok`); the reference and the
+Triton GEMV remain the fallbacks. The op's fake (for torch.compile) is registered here when the extension loads.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["cuda_gemv_config", "cuda_gemv_ok", "launch_awq_gemv_cuda", "register_fake"]
+
+_SMS_H100 = 132
+
+
+def cuda_gemv_config(k: int, n: int, group_size: int) -> tuple[int, int]:
+    """(splits, rows). UNTUNED until the sweep (`python bench/w4a16_linear.py --cuda-gemv-sweep`) has run:
+    items of 32 k-rows, and enough K slices that the grid holds two 256-thread blocks per SM (the register cap),
+    without giving a block fewer items than its 32 k-lanes."""
+    rows = min(32, group_size)
+    tiles = -(-n // 256)
+    items = k // rows
+    splits = max(1, min(items // 32, -(-2 * _SMS_H100 // tiles)))
+    return splits, rows
+
+
+def cuda_gemv_ok(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+                 bias: Optional[Tensor]) -> bool:
+    """Whether the CUDA GEMV takes this call: one fp16 / bf16 row, N a multiple of 32, groups of 16 or more
+    k-rows, 16-byte aligned weight tensors, and a bias (if any) in x's dtype."""
+    from torchforge.ops._ext import has_cuda_ext
+
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and has_cuda_ext()
+            and qweight.shape[1] % 4 == 0 and group_size % 16 == 0
+            # allocations are 16-byte aligned; views into them only where their offset is (the storage offset,
+            # unlike data_ptr(), exists under torch.compile's fake tensors too)
+            and all(t.storage_offset() * t.element_size() % 16 == 0 for t in (qweight, scales, qzeros))
+            and (bias is None or bias.dtype == x.dtype))
+
+
+def launch_awq_gemv_cuda(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+                         bias: Optional[Tensor] = None, *, splits: Optional[int] = None,
+                         rows: Optional[int] = None) -> Tensor:
+    """`x [..., K]` holding one row `@ dequant(W).T (+ bias)`, in x.dtype; weight tensors contiguous."""
+    k, np_ = qweight.shape
+    n = np_ * 8
+    if x.numel() != k:
+        raise ValueError(f"launch_awq_gemv_cuda: x has {x.numel() // k} rows; this kernel takes exactly one")
+    s, r = cuda_gemv_config(k, n, group_size)
+    out = torch.ops.torchforge.awq_gemv_cuda(x.reshape(k).contiguous(), qweight, scales, qzeros, group_size, bias,
+                                             splits or s, rows or r)
+    return out.reshape(*x.shape[:-1], n)
+
+
+_registered = False
+
+
+def register_fake() -> None:
+    """Shape function of torchforge::awq_gemv_cuda (defined in C++ without one), once the extension is loaded."""
+    global _registered
+    if _registered:
+        return
+
+    @torch.library.register_fake("torchforge::awq_gemv_cuda")
+    def _(x, qweight, scales, qzeros, group_size, bias, splits, rows):
+        torch._check(x.numel() == qweight.shape[0],
+                     lambda: f"awq_gemv_cuda: x has {x.numel()} elements, qweight has K = {qweight.shape[0]} rows")
+        torch._check(x.dtype in (torch.float16, torch.bfloat16),
+                     lambda: f"awq_gemv_cuda: x must be float16 or bfloat16, got {x.dtype}")
+        return x.new_empty((qweight.shape[1] * 8,))
+
+    _registered = True
