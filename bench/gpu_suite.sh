@@ -3,7 +3,7 @@
 # tests, run the benchmarks and the demo. Logs go under $OUT (the device tool brings them back).
 #   device run:  bash bench/gpu_suite.sh        (carry .whl: wheels missing on the device, e.g. expecttest)
 #   decode only: SUITE=bench BENCHES=decode bash bench/gpu_suite.sh   (DECODE_ARGS: e.g. "--batches 1")
-#   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernel's tests)
+#   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernels' tests)
 set -uo pipefail
 OUT=${OUT:-/tmp/torchforge-out}
 mkdir -p "$OUT"
@@ -38,12 +38,13 @@ case " $SUITE " in *" bench "*)
   done ;;
 esac
 case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
-# compute-sanitizer (memcheck, racecheck) on the csrc kernel's tests; PyTorch's caching allocator is turned off so
+# compute-sanitizer (memcheck, racecheck) on the csrc kernels' tests (quantize, batch-1 GEMV); PyTorch's caching allocator is turned off so
 # that out-of-bounds accesses inside a cached block are caught too.
 case " $SUITE " in *" sanitize "*)
   for tool in memcheck racecheck; do
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/ops/test_awq_quantize_cuda.py -m "not slow" -k "${SANITIZE_K:-296x384 or 2x264x320 or ties or tiny or huge}"
+      tests/ops/test_awq_quantize_cuda.py tests/ops/test_awq_gemv_cuda.py -m "not slow" \
+      -k "${SANITIZE_K:-296x384 or 2x264x320 or ties or tiny or huge or matches or errors}"
   done ;;
 esac

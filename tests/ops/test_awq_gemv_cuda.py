@@ -47,8 +47,10 @@ def test_default_config_and_opcheck():
 
     qw, s, z = _case(7168, 1024, 128)
     x = torch.randn(7168, device="cuda", dtype=torch.bfloat16)
+    assert cuda_gemv_config(7168, 18432, 128) == (7, 32)  # the sweep's best: one 32-row item per k-lane
+    assert cuda_gemv_config(7168, 7168, 128) == (14, 16)  # 32 rows would give 196 blocks, 16 rows give 392
     splits, rows = cuda_gemv_config(7168, 1024, 128)
-    assert splits > 1 and rows == 32
+    assert (splits, rows) == (14, 16)
     out = launch_awq_gemv_cuda(x, qw, s, z, 128)
     expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
     assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
