@@ -74,29 +74,37 @@ def test_errors_name_the_problem():
         op(x, qw2, s2, z2, 128, None, 1, 32)
 
 
-def test_w4a16_linear_dispatches_one_row_here(monkeypatch):
+def _big_case(k=7168, n=7168, G=128):
+    """A matrix large enough for the dispatch (two blocks per SM), quantized on the GPU."""
+    torch.manual_seed(1)
+    return awq_quantize(torch.randn(n, k, device="cuda") * 3, G)
+
+
+def test_w4a16_linear_dispatches_one_large_row_here(monkeypatch):
     import torchforge
     import torchforge.ops.awq as awq
 
-    qw, s, z = _case(1024, 512, 128)
+    qw, s, z = _big_case()
     calls = []
     real = awq.launch_awq_gemv_cuda
     monkeypatch.setattr(awq, "launch_awq_gemv_cuda", lambda *a: calls.append(1) or real(*a))
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
     out = torchforge.ops.w4a16_linear(x, qw, s, z, 128)
     assert calls == [1]
     torch.testing.assert_close(out, real(x, qw, s, z, 128))
     torchforge.ops.w4a16_linear(x.float(), qw, s, z, 128)  # fp32: the Triton GEMV
-    torchforge.ops.w4a16_linear(x, qw, s, z, 128, torch.zeros(512, device="cuda"))  # fp32 bias: Triton too
+    torchforge.ops.w4a16_linear(x, qw, s, z, 128, torch.zeros(7168, device="cuda"))  # fp32 bias: Triton too
+    small = _case(1024, 512, 128)  # 2 column tiles x 4 slices: too few blocks, the Triton GEMV
+    torchforge.ops.w4a16_linear(x[:, :1024], *small, 128)
     assert calls == [1]
 
 
 def test_compile_and_cuda_graph():
     import torchforge
 
-    qw, s, z = _case(2048, 1024, 128)
-    x = torch.randn(1, 2048, device="cuda", dtype=torch.float16)
-    b = torch.randn(1024, device="cuda", dtype=torch.float16)
+    qw, s, z = _big_case()
+    x = torch.randn(1, 7168, device="cuda", dtype=torch.float16)
+    b = torch.randn(7168, device="cuda", dtype=torch.float16)
     eager = torchforge.ops.w4a16_linear(x, qw, s, z, 128, b)
     compiled = torch.compile(lambda x: torchforge.ops.w4a16_linear(x, qw, s, z, 128, b), fullgraph=True)
     torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)

@@ -35,11 +35,17 @@ def cuda_gemv_config(k: int, n: int, group_size: int) -> tuple[int, int]:
 def cuda_gemv_ok(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                  bias: Optional[Tensor]) -> bool:
     """Whether the CUDA GEMV takes this call: one fp16 / bf16 row, N a multiple of 32, groups of 16 or more
-    k-rows, 16-byte aligned weight tensors, and a bias (if any) in x's dtype."""
+    k-rows, 16-byte aligned weight tensors, a bias (if any) in x's dtype, and a matrix large enough for two
+    blocks per SM. Smaller ones (MLA's projections at hidden 4096: 48-128 blocks) stay on the Triton GEMV: with
+    fewer blocks than SMs this kernel lost end to end (decode at batch 1, 289 against 310 tok/s for bf16)."""
     from torchforge.ops._ext import has_cuda_ext
 
+    k, np_ = qweight.shape
+    if group_size % 16 or np_ % 4:
+        return False
+    splits, _ = cuda_gemv_config(k, np_ * 8, group_size)
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and has_cuda_ext()
-            and qweight.shape[1] % 4 == 0 and group_size % 16 == 0
+            and -(-np_ // 32) * splits >= 2 * _SMS_H100
             # allocations are 16-byte aligned; views into them only where their offset is (the storage offset,
             # unlike data_ptr(), exists under torch.compile's fake tensors too)
             and all(t.storage_offset() * t.element_size() % 16 == 0 for t in (qweight, scales, qzeros))
