@@ -136,9 +136,10 @@ if HAS_TRITON:
 
 
 def moe_gemv_config(num_rows: int, k: int, n: int, group_size: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_W, BLOCK_K, SPLIT_K, num_warps, num_stages) of the grouped GEMV. UNTUNED until measured on a GPU
-    (`python bench/moe_w4a16.py --gemv-sweep`): a priori choices from the sm_90 SASS (registers, instructions per
-    weight), not from timings. One warp over 128 words (the K-sum of a group stays in registers), BLOCK_K 2 (156
+    """(BLOCK_W, BLOCK_K, SPLIT_K, num_warps, num_stages) of the grouped GEMV. Chosen a priori from the sm_90 SASS
+    (registers, instructions per weight), then checked by the H100 sweep (`python bench/moe_w4a16.py --gemv-sweep
+    --gemv-m 1,8,16,32`, BENCHMARKS.md): best or within 2% everywhere except 32 tokens' gate_up (1.35 against
+    1.16 ms). One warp over 128 words (the K-sum of a group stays in registers), BLOCK_K 2 (156
     registers: ~12 one-warp programs per SM), 5 pipeline stages (4 KB in flight per warp, as few warps fit);
     two groups per K slice (like the batch-1 GEMV), or one when that leaves fewer than 768 programs (~6 per SM
     of an H100: M = 1 down has 448)."""
