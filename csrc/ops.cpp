@@ -126,7 +126,8 @@ at::Tensor awq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const a
               op + "qweight, scales and qzeros must be 2-D");
   const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
   TORCH_CHECK(x.numel() == K, op + "x has " + i2s(x.numel()) + " elements, qweight has K = " + i2s(K) + " rows");
-  TORCH_CHECK(group_size > 0 && K % group_size == 0 && scales.size(0) == K / group_size &&
+  TORCH_CHECK(group_size > 0, op + "group_size must be positive, got " + i2s(group_size));  // before any K / G below
+  TORCH_CHECK(K % group_size == 0 && scales.size(0) == K / group_size &&
                   scales.size(1) == N && qzeros.size(0) == K / group_size && qzeros.size(1) == N / 8,
               op + "scales must be [K/G, N] = [" + i2s(K / group_size) + ", " + i2s(N) + "] and qzeros [K/G, N/8], got " +
                   shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
@@ -134,7 +135,10 @@ at::Tensor awq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const a
   TORCH_CHECK(rows == 16 || rows == 32 || rows == 64, op + "rows must be 16, 32 or 64, got " + i2s(rows));
   TORCH_CHECK(group_size % rows == 0, op + "rows = " + i2s(rows) + " must divide group_size = " + i2s(group_size));
   TORCH_CHECK(splits >= 1 && splits <= K / rows, op + "splits must be in [1, K / rows = " + i2s(K / rows) + "], got " + i2s(splits));
+  TORCH_CHECK(splits <= 65535, op + "splits must be at most 65535 (grid dimension y), got " + i2s(splits));
   TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 30), op + "K and N must be < 2^30");
+  TORCH_CHECK(qweight.device() == x.device() && scales.device() == x.device() && qzeros.device() == x.device(),
+              op + "x, qweight, scales and qzeros must be on one device");
   TORCH_CHECK(x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() && qzeros.is_contiguous(),
               op + "x, qweight, scales and qzeros must be contiguous");
   TORCH_CHECK(aligned16(qweight) && aligned16(scales) && aligned16(qzeros),
@@ -143,8 +147,8 @@ at::Tensor awq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const a
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.is_cuda() && b.scalar_type() == x.scalar_type() && b.numel() == N,
-                op + "bias must be a CUDA tensor of N = " + i2s(N) + " elements in x's dtype");
+    TORCH_CHECK(b.device() == x.device() && b.scalar_type() == x.scalar_type() && b.numel() == N,
+                op + "bias must be a tensor of N = " + i2s(N) + " elements in x's dtype on x's device");
     bias_ptr = b.data_ptr();
   }
   const c10::cuda::OptionalCUDAGuard guard(x.device());

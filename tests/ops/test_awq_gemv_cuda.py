@@ -69,6 +69,8 @@ def test_errors_name_the_problem():
         op(x.float(), qw, s, z, 128, None, 1, 32)
     with pytest.raises(RuntimeError, match="bias must be .* in x's dtype"):
         op(x, qw, s, z, 128, torch.zeros(64, device="cuda"), 1, 32)
+    with pytest.raises(RuntimeError, match="group_size must be positive, got 0"):
+        op(x, qw, s, z, 0, None, 1, 32)
     qw2, s2, z2 = _case(256, 40, 128)
     with pytest.raises(RuntimeError, match="N = 40 must be a multiple of 32"):
         op(x, qw2, s2, z2, 128, None, 1, 32)
@@ -96,7 +98,10 @@ def test_w4a16_linear_dispatches_one_large_row_here(monkeypatch):
     torchforge.ops.w4a16_linear(x, qw, s, z, 128, torch.zeros(7168, device="cuda"))  # fp32 bias: Triton too
     small = _case(1024, 512, 128)  # 2 column tiles x 4 slices: too few blocks, the Triton GEMV
     torchforge.ops.w4a16_linear(x[:, :1024], *small, 128)
+    # bf16 scales (a module cast with .to(torch.bfloat16)): the op reads fp16 ones, so the Triton GEMV
+    bf16_scales = torchforge.ops.w4a16_linear(x, qw, s.to(torch.bfloat16), z, 128)
     assert calls == [1]
+    torch.testing.assert_close(bf16_scales, out, rtol=2e-2, atol=2e-2)
 
 
 def test_compile_and_cuda_graph():

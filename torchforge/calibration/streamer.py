@@ -378,35 +378,34 @@ class LayerwiseStreamer:
         hidden states in `store`; returns the layer's router sums (on the device), None for a dense layer or
         the attention stage."""
         router = None if stage == "attn" else self._router(layer)
+        parent = self.router_attr.rpartition(".")[0]
+        if router is not None and mode == "approx" and not parent:
+            raise ValueError(f"LayerwiseStreamer: approx mode needs the router inside an MoE block "
+                             f"(router_attr like 'mlp.gate'), got {self.router_attr!r}")
         acc: list = [None]
         handle, patched = None, []
-        if stage == "attn":
-            mlp = layer.get_submodule(self._mlp_path())
-            mlp.forward = torch.zeros_like  # instance attribute: shadows the class's forward
-            patched.append(mlp)
-        elif stage == "mlp":
-            layer.self_attn.forward = self._zero_attention
-            patched.append(layer.self_attn)
-        if router is not None:
-            def hook(mod, inputs, output):
-                s = router_sums(mod, inputs[0], output, self.prob)
-                acc[0] = s if acc[0] is None else tuple(x + y for x, y in zip(acc[0], s))
-            handle = router.register_forward_hook(hook)
-            parent = self.router_attr.rpartition(".")[0]
-            if mode == "approx":
-                if not parent:
-                    handle.remove()
-                    raise ValueError(f"LayerwiseStreamer: approx mode needs the router inside an MoE block "
-                                     f"(router_attr like 'mlp.gate'), got {self.router_attr!r}")
-                moe = layer.get_submodule(parent)
-                moe.forward = self._approx_forward(moe, router)
-                patched.append(moe)
-            elif parent and self.moe_chunk_tokens is not None:
-                moe = layer.get_submodule(parent)
-                moe.forward = self._token_chunked_forward(moe, self.moe_chunk_tokens)
-                patched.append(moe)
         tag = f"{i}_mid" if stage == "attn" else i + 1  # spill files: input of layer i's MLP half, of layer i + 1
-        try:
+        try:  # every patch below is undone in `finally`: the skeleton is shared by all later runs
+            if stage == "attn":
+                mlp = layer.get_submodule(self._mlp_path())
+                mlp.forward = torch.zeros_like  # instance attribute: shadows the class's forward
+                patched.append(mlp)
+            elif stage == "mlp":
+                layer.self_attn.forward = self._zero_attention
+                patched.append(layer.self_attn)
+            if router is not None:
+                def hook(mod, inputs, output):
+                    s = router_sums(mod, inputs[0], output, self.prob)
+                    acc[0] = s if acc[0] is None else tuple(x + y for x, y in zip(acc[0], s))
+                handle = router.register_forward_hook(hook)
+                if mode == "approx":
+                    moe = layer.get_submodule(parent)
+                    moe.forward = self._approx_forward(moe, router)
+                    patched.append(moe)
+                elif parent and self.moe_chunk_tokens is not None:
+                    moe = layer.get_submodule(parent)
+                    moe.forward = self._token_chunked_forward(moe, self.moe_chunk_tokens)
+                    patched.append(moe)
             for b in range(num_batches):
                 h = store.get(b).to(self.device, non_blocking=True)
                 pos = torch.arange(h.shape[1], device=self.device).unsqueeze(0)

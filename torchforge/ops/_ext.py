@@ -14,5 +14,5 @@ def has_cuda_ext() -> bool:
         return False
     from torchforge.ops.awq_gemv_cuda import register_fake
 
-    register_fake()  # the C++ ops that torch.compile traces through need a shape function
+    register_fake()  # the C++ ops that torch.compile traces through need a shape function (skipped by old builds)
     return True

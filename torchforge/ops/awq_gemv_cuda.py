@@ -45,11 +45,14 @@ def cuda_gemv_ok(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, gro
         return False
     splits, _ = cuda_gemv_config(k, np_ * 8, group_size)
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and has_cuda_ext()
+            and hasattr(torch.ops.torchforge, "awq_gemv_cuda")  # an extension built before this op lacks it
+            and scales.dtype == torch.float16  # the op reads fp16 scales; bf16 / fp32 ones take the Triton GEMV
+            and all(t.is_contiguous() and t.device == x.device for t in (qweight, scales, qzeros))
             and -(-np_ // 32) * splits >= 2 * _SMS_H100
             # allocations are 16-byte aligned; views into them only where their offset is (the storage offset,
             # unlike data_ptr(), exists under torch.compile's fake tensors too)
             and all(t.storage_offset() * t.element_size() % 16 == 0 for t in (qweight, scales, qzeros))
-            and (bias is None or bias.dtype == x.dtype))
+            and (bias is None or (bias.dtype == x.dtype and bias.numel() == np_ * 8 and bias.device == x.device)))
 
 
 def launch_awq_gemv_cuda(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -72,7 +75,7 @@ _registered = False
 def register_fake() -> None:
     """Shape function of torchforge::awq_gemv_cuda (defined in C++ without one), once the extension is loaded."""
     global _registered
-    if _registered:
+    if _registered or not hasattr(torch.ops.torchforge, "awq_gemv_cuda"):
         return
 
     @torch.library.register_fake("torchforge::awq_gemv_cuda")
