@@ -101,7 +101,7 @@ def test_w4a16_linear_dispatches_one_large_row_here(monkeypatch):
     # bf16 scales (a module cast with .to(torch.bfloat16)): the op reads fp16 ones, so the Triton GEMV
     bf16_scales = torchforge.ops.w4a16_linear(x, qw, s.to(torch.bfloat16), z, 128)
     assert calls == [1]
-    torch.testing.assert_close(bf16_scales, out, rtol=2e-2, atol=2e-2)
+    assert ((bf16_scales.float() - out.float()).norm() / out.float().norm()) < 1e-2  # scales rounded to bf16
 
 
 def test_compile_and_cuda_graph():
