@@ -18,6 +18,8 @@ Variants (one model, quantized in place between the bf16 and the W4A16 runs):
   w4a16           `torchforge.quantize(model, "w4a16-rtn")` (group 128, symmetric; lm_head, embeddings, routers and
                   kv_b_proj stay bf16), eager
   w4a16-compile   the W4A16 model's decode step under torch.compile, as bf16-compile
+  w4a16-mma(-compile)  the same model after `torchforge.use_mma_layout(model)`: every ForgeAWQLinear that fits
+                  runs on the mma layout (tensor-core kernel of csrc/awq_mma.cu for 1..64 rows); experts unchanged
 
 Every variant generates from the same random 32-token prompts with a reused StaticCache (reset between calls), greedy,
 min_new_tokens = max_new_tokens = N (no EOS). Decode tokens/s = batch * (N - 1) / (t(N new tokens) - t(1 new token)):
@@ -42,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import markdown_table  # noqa: E402
 
-VARIANTS = ("bf16", "bf16-compile", "w4a16", "w4a16-compile")
+VARIANTS = ("bf16", "bf16-compile", "w4a16", "w4a16-compile", "w4a16-mma", "w4a16-mma-compile")
 T0 = time.time()
 
 
@@ -317,6 +319,10 @@ def main() -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             log(f"quantized (w4a16-rtn) in {time.perf_counter() - t0:.1f} s: {weight_gb(model):.3f} GB of weights")
+        if v.startswith("w4a16-mma") and not any(k.startswith("w4a16-mma") for k in weights):
+            reset_dynamo(model)
+            gen.drop_caches()
+            log(f"use_mma_layout: {torchforge.use_mma_layout(model)} linear layers switched")
         weights[v] = weight_gb(model)
         log(f"{v}: start")
         try:

@@ -8,7 +8,8 @@ bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + 
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
 `--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py); `--cuda-gemv-sweep` only the extension's batch-1
 GEMV (csrc/awq_gemv.cu), which the op dispatches at M = 1 when it is built; `--mma-sweep 16,64,...` only the tensor-core
-kernel's (awq_mma_triton.py) at those M.
+kernel's (awq_mma_triton.py) at those M; `--mma-cuda-sweep 1,4,16,...` only the extension's tensor-core kernel on the
+mma layout (csrc/awq_mma.cu).
 """
 from __future__ import annotations
 
@@ -81,6 +82,41 @@ def cuda_gemv_sweep(shapes: str) -> list:
                 out.append([shape, rows, splits, "*" if (splits, rows) == default else "", t, wbytes / t / 1e6,
                             t_triton, t_tg, t_bf16, t_bf16 / t, f"{rel:.1e}"])
     out.sort(key=lambda r: (r[0], r[4]))
+    return out
+
+
+def mma_cuda_sweep(shapes: str, ms: str) -> list:
+    """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices, against bf16,
+    tinygemm and the AWQ-layout op as dispatched (`w4a16_linear`), in the same run."""
+    import torchforge
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_splits
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+
+    out = []
+    for shape in shapes.split(","):
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+        mma = awq_to_mma_layout(qw)
+        wdq = awq_dequantize_ref(qw, sc, qz, G).float()
+        for M in map(int, ms.split(",")):
+            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ wdq.T
+            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
+            t_op = bench_graph_ms(lambda: torchforge.ops.w4a16_linear(x, qw, sc, qz, G), rep_ms=50)
+            tg = tinygemm_fn(w, x)
+            t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
+            default = mma_cuda_splits(M, IC, OC, G)
+            for splits in sorted({1, 2, 3, 4, 5, 7, default}):
+                for pipe in (False, True):
+                    if splits * 8 > IC // G:
+                        continue
+                    f = lambda: launch_awq_mma_cuda(x, mma, sc, qz, G, splits=splits, pipe=pipe)  # noqa: E731
+                    rel = ((f().float() - ref).norm() / ref.norm()).item()
+                    t = bench_graph_ms(f, rep_ms=30)
+                    out.append([shape, M, splits, int(pipe), "*" if splits == default else "", t, wbytes / t / 1e6,
+                                t_op, t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
+            print("done", shape, M, flush=True)
+    out.sort(key=lambda r: (r[0], r[1], r[5]))
     return out
 
 
@@ -181,6 +217,8 @@ def main() -> int:
     ap.add_argument("--gemv-sweep", action="store_true", help="time the batch-1 GEMV kernel's configurations")
     ap.add_argument("--cuda-gemv-sweep", action="store_true",
                     help="time the extension's batch-1 GEMV (csrc/awq_gemv.cu) over its configurations, then stop")
+    ap.add_argument("--mma-cuda-sweep", default="",
+                    help="M list: time the extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu), then stop")
     ap.add_argument("--mma-sweep", default="", help="M list: time the tensor-core kernel's configurations, then stop")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -193,6 +231,14 @@ def main() -> int:
               "bf16 in the same run:")
         print(markdown_table(["W", "rows", "splits", "default", "ms", "int4 GB/s", "Triton GEMV ms", "tinygemm ms",
                               "bf16 ms", "bf16/ms", "rel err"], crows))
+        return 0
+    if args.mma_cuda_sweep:
+        crows = mma_cuda_sweep(args.shapes, args.mma_cuda_sweep)
+        print(f"device: {device_line()}")
+        print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16; * = default splits; "
+              "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
+        print(markdown_table(["W", "M", "splits", "pipe", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
+                              "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.mma_sweep:
         mrows = mma_sweep(args.shapes, args.mma_sweep)

@@ -32,6 +32,12 @@ cudaError_t awq_gemv_launch(int dtype, int rows, const void* x, const int32_t* q
                             unsigned int* tickets, int64_t N, int64_t K, int64_t group_size, int64_t splits,
                             cudaStream_t stream);
 
+// csrc/awq_mma.cu
+cudaError_t awq_mma_launch(int dtype, const void* x, const int32_t* qweight, const void* scales,
+                           const int32_t* qzeros, const void* bias, void* out, float* partial,
+                           unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
+                           int64_t splits, bool pipe, cudaStream_t stream);
+
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
 // message (std::ostream << long, instantiated in this library) segfaulted on the device image
@@ -166,6 +172,64 @@ at::Tensor awq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const a
   return out;
 }
 
+// Tensor-core W4A16 for decode batches (csrc/awq_mma.cu): x [M, K] (fp16 / bf16, contiguous), AWQ codes in
+// MMA fragment order qweight int32 [N / 64, K * 8] (torchforge.ops.awq_mma_layout), scales fp16 [K/G, N] and
+// qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's dtype.
+at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
+                        int64_t splits, bool pipe) {
+  const std::string op = "awq_mma_cuda: ";
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda(),
+              op + "x, qweight, scales and qzeros must be CUDA tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              op + "x must be bfloat16 or float16, got " + c10::toString(x.scalar_type()));
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt &&
+                  scales.scalar_type() == at::kHalf,
+              op + "qweight and qzeros must be int32 and scales float16");
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2 && qzeros.dim() == 2,
+              op + "x, qweight, scales and qzeros must be 2-D");
+  TORCH_CHECK(group_size == 64 || group_size == 128, op + "group_size must be 64 or 128, got " + i2s(group_size));
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
+  TORCH_CHECK(K % group_size == 0 && qweight.size(1) == K * 8,
+              op + "qweight must be [N / 64, K * 8] with K = " + i2s(K) + " a multiple of group_size, got " +
+                  shape_str(qweight.sizes()));
+  TORCH_CHECK(scales.size(0) == K / group_size && scales.size(1) == N && qzeros.size(0) == K / group_size &&
+                  qzeros.size(1) == N / 8,
+              op + "scales must be [K/G, N] = [" + i2s(K / group_size) + ", " + i2s(N) + "] and qzeros [K/G, N/8], got " +
+                  shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
+  TORCH_CHECK(splits >= 1 && splits <= K / group_size && splits <= 65535,
+              op + "splits must be in [1, K / group_size = " + i2s(K / group_size) + "], got " + i2s(splits));
+  TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && M < (int64_t{1} << 30),
+              op + "K and M must be < 2^30 and N < 2^22");
+  TORCH_CHECK(qweight.device() == x.device() && scales.device() == x.device() && qzeros.device() == x.device(),
+              op + "x, qweight, scales and qzeros must be on one device");
+  TORCH_CHECK(x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() && qzeros.is_contiguous(),
+              op + "x, qweight, scales and qzeros must be contiguous");
+  TORCH_CHECK(aligned16(x) && aligned16(qweight), op + "x and qweight must be 16-byte aligned");
+  const void* bias_ptr = nullptr;
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.device() == x.device() && b.scalar_type() == x.scalar_type() && b.numel() == N,
+                op + "bias must be a tensor of N = " + i2s(N) + " elements in x's dtype on x's device");
+    bias_ptr = b.data_ptr();
+  }
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const int64_t tiles = (M + 15) / 16 * (N / 64);
+  at::Tensor tickets = at::zeros({splits > 1 ? tiles : 1}, x.options().dtype(at::kInt));
+  at::Tensor partial = at::empty({splits > 1 ? splits * M * N : 1}, x.options().dtype(at::kFloat));
+  const cudaError_t err = awq_mma_launch(
+      x.scalar_type() == at::kBFloat16 ? 0 : 1, x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
+      qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
+      reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, pipe,
+      c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace torchforge
 
 TORCH_LIBRARY_FRAGMENT(torchforge, m) {
@@ -175,11 +239,15 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def(
       "awq_gemv_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int rows) -> Tensor");
+  m.def(
+      "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
+      "int splits, bool pipe) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {
   m.impl("awq_quantize_cuda", &torchforge::awq_quantize_cuda);
   m.impl("awq_gemv_cuda", &torchforge::awq_gemv_cuda);
+  m.impl("awq_mma_cuda", &torchforge::awq_mma_cuda);
 }
 
 // An empty Python module, so that `import torchforge._C` loads the shared library (and with it

@@ -66,3 +66,31 @@ def test_symmetric_zero_points_are_eight():
     q = ForgeAWQLinear.from_linear(torch.nn.Linear(64, 16), group_size=32, symmetric=True)
     assert bool((q.qzeros == ops.awq_pack(torch.full((2, 16), 8, dtype=torch.uint8))).all())
     assert bool((q.qzeros == -2004318072).all())  # 0x88888888 as int32
+
+
+def test_mma_layout_runs_the_same_and_exports_awq():
+    """use_mma_layout: same outputs, AWQ layout in state_dict and on load, refused where the shape does not fit."""
+    import torchforge
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=True), torch.nn.Linear(128, 40))
+    model[0] = ForgeAWQLinear.from_linear(model[0], group_size=64, symmetric=False)
+    model[1] = ForgeAWQLinear.from_linear(model[1], group_size=64)
+    x = torch.randn(3, 256)
+    before, state = model(x), {k: v.clone() for k, v in model.state_dict().items()}
+    weight = model[0].dequantized_weight()
+    assert torchforge.use_mma_layout(model) == 1  # OC = 40 is not a multiple of 64: stays on the AWQ layout
+    assert (model[0].weight_layout, model[1].weight_layout) == ("mma", "awq")
+    assert model[0].qweight.shape == (2, 2048) and "weight_layout=mma" in repr(model[0])
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    assert torch.equal(model[0].dequantized_weight(), weight)
+    fresh = ForgeAWQLinear(256, 128, bias=True, group_size=64, symmetric=False, dtype=torch.float32)
+    assert fresh.use_mma_layout()
+    fresh.load_state_dict({k[2:]: v for k, v in state.items() if k.startswith("0.")})
+    assert torch.equal(fresh.qweight, model[0].qweight)
+    torch.testing.assert_close(fresh(x), model[0](x), rtol=0, atol=0)
+    meta = ForgeAWQLinear(256, 128, group_size=128, device="meta")
+    assert meta.use_mma_layout() and meta.qweight.shape == (2, 2048) and meta.qweight.is_meta
+    assert not ForgeAWQLinear(256, 128, group_size=32).use_mma_layout()  # the kernel folds groups of 64 or 128

@@ -74,7 +74,7 @@ def _unpacked_linear(mod: nn.Module):
         if mod.has_act_order():
             raise ValueError("act-order (a permuted g_idx) cannot be re-packed; export this model as vllm-gptq")
         return gptq_unpack(mod.qweight), mod.scales, gptq_unpack_zeros(mod.qzeros)
-    return awq_unpack(mod.qweight), mod.scales, awq_unpack(mod.qzeros)
+    return awq_unpack(mod.awq_qweight()), mod.scales, awq_unpack(mod.qzeros)
 
 
 def _pack_along_oc(zeros: torch.Tensor) -> torch.Tensor:

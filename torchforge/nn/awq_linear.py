@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.ops.awq_mma import awq_mma_linear
+from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
 
 
 class ForgeAWQLinear(nn.Module):
@@ -15,6 +17,10 @@ class ForgeAWQLinear(nn.Module):
       scales  fp16  [IC // G, OC]
       qzeros  int32 [IC // G, OC // 8]
     Built in two phases: construct (any device, including meta) then `pack_weight`, or `from_linear`.
+
+    `use_mma_layout()` (run phase, for CUDA decode) stores qweight's codes in MMA fragment order instead
+    (`torchforge.ops.awq_mma_layout`, int32 [OC // 64, IC * 8], same bytes), read by the tensor-core kernel of
+    csrc/awq_mma.cu. `state_dict()` still gives vLLM's AWQ layout, and `load_state_dict` takes it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
@@ -33,6 +39,9 @@ class ForgeAWQLinear(nn.Module):
         self.register_buffer("scales", torch.empty(ng, out_features, dtype=torch.float16, device=device))
         self.register_buffer("qzeros", torch.empty(ng, out_features // 8, dtype=torch.int32, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+        self.weight_layout = "awq"
+        self._register_state_dict_hook(_export_awq_layout)
+        self._register_load_state_dict_pre_hook(_import_awq_layout, with_module=True)
 
     @torch.no_grad()
     def pack_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "ForgeAWQLinear":
@@ -41,6 +50,7 @@ class ForgeAWQLinear(nn.Module):
                              f"[out_features, in_features] = [{self.out_features}, {self.in_features}]")
         qweight, scales, qzeros = ops.awq_quantize(weight, group_size=self.group_size, symmetric=self.symmetric)
         self.qweight, self.scales, self.qzeros = qweight, scales, qzeros
+        self.weight_layout = "awq"
         if bias is not None:
             if self.bias is None:
                 raise ValueError("ForgeAWQLinear.pack_weight: got a bias but the module was built with bias=False")
@@ -54,13 +64,55 @@ class ForgeAWQLinear(nn.Module):
                   symmetric=symmetric, device=w.device, dtype=w.dtype)
         return mod.pack_weight(w, linear.bias)
 
+    def awq_qweight(self) -> torch.Tensor:
+        """qweight in vLLM's AWQ layout [IC, OC // 8], whatever layout the module runs with."""
+        return mma_layout_to_awq(self.qweight) if self.weight_layout == "mma" else self.qweight
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [OC, IC] this layer computes with, in `dtype`."""
-        return ops.awq_dequantize(self.qweight, self.scales.to(dtype), self.qzeros, self.group_size)
+        return ops.awq_dequantize(self.awq_qweight(), self.scales.to(dtype), self.qzeros, self.group_size)
+
+    @torch.no_grad()
+    def use_mma_layout(self) -> bool:
+        """Switch qweight to the mma layout (exact, in place of the AWQ words); False, and nothing changed, where
+        the shape or group size does not fit it (OC and IC multiples of 64, groups of 64 or 128)."""
+        if self.weight_layout == "mma":
+            return True
+        if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
+            return False
+        self.qweight = awq_to_mma_layout(self.qweight)
+        self.weight_layout = "mma"
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_layout == "mma":
+            return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
         return ops.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}, symmetric={self.symmetric}")
+                f"group_size={self.group_size}, symmetric={self.symmetric}"
+                + (", weight_layout=mma" if self.weight_layout == "mma" else ""))
+
+
+def _export_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict hook: checkpoints always hold vLLM's AWQ layout."""
+    key = prefix + "qweight"
+    if module.weight_layout == "mma" and key in state_dict:
+        state_dict[key] = mma_layout_to_awq(state_dict[key])
+
+
+def _import_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: an AWQ-layout qweight [IC, OC // 8] is converted for a module on the mma layout."""
+    key = prefix + "qweight"
+    if module.weight_layout == "mma" and key in state_dict:
+        q = state_dict[key]
+        if tuple(q.shape) == (module.in_features, module.out_features // 8):
+            state_dict[key] = awq_to_mma_layout(q)
+
+
+def use_mma_layout(model: nn.Module) -> int:
+    """Switch every `ForgeAWQLinear` of `model` that fits to the mma layout (faster decode on CUDA: the tensor-core
+    kernel of csrc/awq_mma.cu for 1..64 rows, Triton dequantize + cuBLAS beyond); returns how many switched.
+    Exports are unchanged (vLLM's AWQ layout)."""
+    return sum(m.use_mma_layout() for m in model.modules() if isinstance(m, ForgeAWQLinear))

@@ -12,7 +12,10 @@ def has_cuda_ext() -> bool:
         from torchforge import _C  # noqa: F401  (registers torchforge:: ops via TORCH_LIBRARY_FRAGMENT)
     except Exception:
         return False
-    from torchforge.ops.awq_gemv_cuda import register_fake
+    from torchforge.ops.awq_gemv_cuda import register_fake as register_gemv_fake
+    from torchforge.ops.awq_mma_cuda import register_fake as register_mma_fake
 
-    register_fake()  # the C++ ops that torch.compile traces through need a shape function (skipped by old builds)
+    # the C++ ops that torch.compile traces through need a shape function (skipped by builds without the op)
+    register_gemv_fake()
+    register_mma_fake()
     return True

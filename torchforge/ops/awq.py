@@ -198,9 +198,9 @@ def _check_activation(op: str, x: Tensor, ic: int, qweight: Tensor) -> None:
 
 
 def _check_w4a16_args(
-    x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int, bias: Optional[Tensor]
+    x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int, bias: Optional[Tensor],
+    op: str = "w4a16_linear",
 ) -> Tuple[int, int]:
-    op = "w4a16_linear"
     ic, oc = _check_packed_weight(op, qweight, scales, qzeros, group_size, batched=False)
     _check_activation(op, x, ic, qweight)
     if bias is not None:

@@ -1,0 +1,315 @@
+// W4A16 for decode batches (1..16 rows per block, more rows through more blocks) on tensor cores,
+// from AWQ codes stored in MMA fragment order ("mma layout", built once at load time by
+// torchforge.ops.awq_mma_layout; scales and qzeros stay in vLLM's AWQ layout):
+//
+//   out[m, n] = sum_k x[m, k] * (q[k, n] - z[k / G, n]) * s[k / G, n]  (+ bias[n])
+//
+// Swap AB: out.T = W @ x.T with mma.sync.m16n8k16: the weight is the 16-row A operand (16 output
+// columns x 16 k), the activations the 8-column B operand (16 k x 8 rows of x), so one row of x
+// wastes no weight traffic and 16 rows cost two MMAs per weight fragment.
+// * Layout: int32 [N / 64, K * 8]. For a block of 64 output columns, a 64-k chunk c and a k-step
+//   s (16 k), lane L of a warp reads one uint4: its A fragment for each of the 4 column tiles T,
+//   so a warp reads 512 contiguous bytes per k-step. In a word, nibble p holds the code of column
+//   64 cb + 16 T + L / 4 + 8 (p & 1) at k = 64 c + 16 (L % 4) + 4 s + 2 ((p >> 1) & 1) + (p >> 2).
+//   MMA k-index 2t + e (e < 2) is mapped to k = 16t + 4s + e and 2t + 8 + e to 16t + 4s + 2 + e
+//   (the same for A and B, and a dot product does not care about the order of k): lane t then
+//   reads x[m, 16t .. 16t + 15] of each chunk as two 16-byte loads, and register r of its A
+//   fragment is nibbles (r, r + 4) of the word: one shift and one LOP3 per 2 weights,
+//   `(w >> 4r) & 0x000F000F | magic`, with no reordering at run time.
+// * magic: 128 in bf16 (0x4300), 1024 in fp16 (0x6400), where the ulp is 1, so OR-ing a code in
+//   gives c + q exactly. The MMA sums x (c + q) per group; an MMA with all-ones A gives sum x for
+//   each row of x in the same fragment positions; and once per group, in fp32:
+//   acc += s * (sum x (c + q) - (c + z) sum x). No per-weight subtract or multiply.
+// * Block = 8 warps on 64 output columns and 16 rows of x; the warps (and with splits > 1 the
+//   blocks along grid.z) take the quantization groups in turn, 8 x 16 B in flight per thread for a
+//   group of 128. Warps are summed through shared memory; K slices as in awq_gemv.cu: the last
+//   block of a tile to finish (atomic ticket, reset for the next launch) adds them in slice order.
+//
+// This file needs only the CUDA headers: the torch op is in ops.cpp.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace torchforge {
+namespace awq_mma_detail {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kCols = 64;      // output columns per block: 4 MMA tiles of 16
+constexpr int kRows = 16;      // rows of x per block: 2 MMA tiles of 8
+constexpr int kPad = kCols + 4;
+
+template <typename T>
+struct Traits;
+template <>
+struct Traits<__nv_bfloat16> {
+  static constexpr uint32_t kMagic2 = 0x43004300u;  // (128, 128)
+  static constexpr uint32_t kOnes2 = 0x3F803F80u;   // (1, 1)
+  static constexpr float kMagic = 128.0f;
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+  static __device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct Traits<__half> {
+  static constexpr uint32_t kMagic2 = 0x64006400u;  // (1024, 1024)
+  static constexpr uint32_t kOnes2 = 0x3C003C00u;
+  static constexpr float kMagic = 1024.0f;
+  static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
+  static __device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+// 16 bytes of the weight stream: read once, so kept out of L1.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// AWQ packs column 8w + j of a zero word at nibble (j / 2) + 4 (j % 2).
+__device__ __forceinline__ int awq_shift(int col) { return 4 * (((col & 7) >> 1) + 4 * (col & 1)); }
+
+template <typename T, int NT, int CPG, bool PIPE>
+__global__ void __launch_bounds__(kThreads, 2)
+    awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const __half* __restrict__ sc,
+                   const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
+                   float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
+                   int splits) {
+  using Tr = Traits<T>;
+  __shared__ float red[kWarps * kRows * kPad];
+  __shared__ bool is_last;
+  const int mc = blockIdx.x;  // fastest: blocks on the same columns run together and share the weight in L2
+  const int cb = blockIdx.y;
+  const int slice = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int chunks = K / 64;
+  const int groups = chunks / CPG;
+  const int workers = splits * kWarps;
+
+  const uint4* wbase = qw + static_cast<size_t>(cb) * chunks * 128 + lane;  // 4 k-steps x 32 lanes per chunk
+  const uint4* xrow[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int m = mc * kRows + 8 * j + g;  // the B fragment's column (row of x) of this lane
+    xok[j] = m < M;
+    xrow[j] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xok[j] ? m : 0) * K + 16 * t);
+  }
+
+  float acc[4][NT][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  uint4 w[CPG * 4];  // this group's words; with PIPE the next group's are requested before this one is used
+  int grp = slice * kWarps + warp;
+  if (PIPE && grp < groups) {
+#pragma unroll
+    for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(grp) * CPG * 4 + i) * 32);
+  }
+  for (; grp < groups; grp += workers) {
+    uint4 wn[CPG * 4];
+    if (PIPE) {
+      const int next = grp + workers < groups ? grp + workers : grp;  // the last group re-reads itself (L2 hit)
+#pragma unroll
+      for (int i = 0; i < CPG * 4; ++i) wn[i] = ld_stream(wbase + (static_cast<size_t>(next) * CPG * 4 + i) * 32);
+    } else {
+#pragma unroll
+      for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(grp) * CPG * 4 + i) * 32);
+    }
+    float part[4][NT][4];
+    float xs[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        xs[j][e] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[i][j][e] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < CPG; ++c) {
+      const int chunk = grp * CPG + c;
+      uint4 xv[NT][2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if (xok[j]) {
+          xv[j][0] = __ldg(xrow[j] + chunk * 8);
+          xv[j][1] = __ldg(xrow[j] + chunk * 8 + 1);
+        } else {
+          xv[j][0] = xv[j][1] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t b0[NT], b1[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          b0[j] = word(xv[j][s / 2], 2 * (s % 2));
+          b1[j] = word(xv[j][s / 2], 2 * (s % 2) + 1);
+          Tr::mma(xs[j], Tr::kOnes2, Tr::kOnes2, Tr::kOnes2, Tr::kOnes2, b0[j], b1[j]);
+        }
+        const uint4 ws = w[c * 4 + s];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t wv = word(ws, i);
+          const uint32_t a0 = (wv & 0x000F000Fu) | Tr::kMagic2;
+          const uint32_t a1 = ((wv >> 4) & 0x000F000Fu) | Tr::kMagic2;
+          const uint32_t a2 = ((wv >> 8) & 0x000F000Fu) | Tr::kMagic2;
+          const uint32_t a3 = ((wv >> 12) & 0x000F000Fu) | Tr::kMagic2;
+#pragma unroll
+          for (int j = 0; j < NT; ++j) Tr::mma(part[i][j], a0, a1, a2, a3, b0[j], b1[j]);
+        }
+      }
+    }
+    // once per group: acc += s * (part - (magic + z) * sum x); C rows g (e < 2) and g + 8 (e >= 2)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int col0 = cb * kCols + 16 * i + g;
+      const float s0 = __half2float(sc[static_cast<size_t>(grp) * N + col0]);
+      const float s1 = __half2float(sc[static_cast<size_t>(grp) * N + col0 + 8]);
+      const uint32_t* zrow = qz + static_cast<size_t>(grp) * (N / 8) + col0 / 8;
+      const float zc0 = Tr::kMagic + static_cast<float>((zrow[0] >> awq_shift(col0)) & 0xFu);
+      const float zc1 = Tr::kMagic + static_cast<float>((zrow[1] >> awq_shift(col0)) & 0xFu);  // col0 + 8
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[i][j][0] = fmaf(s0, part[i][j][0] - zc0 * xs[j][0], acc[i][j][0]);
+        acc[i][j][1] = fmaf(s0, part[i][j][1] - zc0 * xs[j][1], acc[i][j][1]);
+        acc[i][j][2] = fmaf(s1, part[i][j][2] - zc1 * xs[j][2], acc[i][j][2]);
+        acc[i][j][3] = fmaf(s1, part[i][j][3] - zc1 * xs[j][3], acc[i][j][3]);
+      }
+    }
+    if (PIPE) {
+#pragma unroll
+      for (int i = 0; i < CPG * 4; ++i) w[i] = wn[i];
+    }
+  }
+
+  // warps -> shared memory red[warp][row of x][column]; C element e: column 16 i + g + 8 (e / 2),
+  // row of x 8 j + 2 t + (e % 2)
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        red[(warp * kRows + 8 * j + 2 * t + (e & 1)) * kPad + 16 * i + g + 8 * (e >> 1)] = acc[i][j][e];
+  __syncthreads();
+
+  constexpr int kOut = NT * 8 * kCols;  // outputs of this block (rows x columns)
+  constexpr int kPer = kOut / kThreads;
+  float sum[kPer];
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    const int idx = threadIdx.x + r * kThreads;
+    const int row = idx / kCols, col = idx % kCols;
+    float v = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) v += red[(wi * kRows + row) * kPad + col];
+    sum[r] = v;
+  }
+  const int tile = cb * gridDim.x + mc;
+  if (splits == 1) {
+#pragma unroll
+    for (int r = 0; r < kPer; ++r) {
+      const int idx = threadIdx.x + r * kThreads;
+      const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
+      if (m < M) out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? sum[r] + Tr::to_f(bias[n]) : sum[r]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    const int idx = threadIdx.x + r * kThreads;
+    const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
+    if (m < M) partial[(static_cast<size_t>(slice) * M + m) * N + n] = sum[r];
+  }
+  __threadfence();  // this block's partials are visible before its ticket is taken
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&tickets[tile], 1u) == static_cast<unsigned>(splits - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    const int idx = threadIdx.x + r * kThreads;
+    const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
+    if (m < M) {
+      float total = 0.0f;
+      for (int sl = 0; sl < splits; ++sl)  // slice order: deterministic; L2 reads, not a stale L1
+        total += __ldcg(partial + (static_cast<size_t>(sl) * M + m) * N + n);
+      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? total + Tr::to_f(bias[n]) : total);
+    }
+  }
+  if (threadIdx.x == 0) tickets[tile] = 0u;
+}
+
+template <typename T, int NT, int CPG, bool PIPE>
+cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
+                   float* partial, unsigned int* tickets, int M, int N, int K, int splits, cudaStream_t stream) {
+  const dim3 grid((M + kRows - 1) / kRows, N / kCols, splits);
+  awq_mma_kernel<T, NT, CPG, PIPE><<<grid, kThreads, 0, stream>>>(
+      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const __half*>(sc),
+      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets,
+      M, N, K, splits);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_t(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
+                     float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits, bool pipe,
+                     cudaStream_t stream) {
+  const bool one_tile = M <= 8;  // one 8-row MMA tile of x is enough
+#define TF_MMA_LAUNCH(NT, CPG)                                                                                   \
+  (pipe ? launch<T, NT, CPG, true>(x, qw, sc, qz, bias, out, partial, tickets, M, N, K, splits, stream)       \
+        : launch<T, NT, CPG, false>(x, qw, sc, qz, bias, out, partial, tickets, M, N, K, splits, stream))
+  if (group_size == 64) return one_tile ? TF_MMA_LAUNCH(1, 1) : TF_MMA_LAUNCH(2, 1);
+  if (group_size == 128) return one_tile ? TF_MMA_LAUNCH(1, 2) : TF_MMA_LAUNCH(2, 2);
+#undef TF_MMA_LAUNCH
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace awq_mma_detail
+
+// dtype 0 = bf16, 1 = fp16 (x, bias, out). The caller (ops.cpp) has checked shapes, alignment,
+// N % 64 == 0, group_size in {64, 128}, K % group_size == 0, 1 <= splits <= K / group_size;
+// `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1).
+cudaError_t awq_mma_launch(int dtype, const void* x, const int32_t* qweight, const void* scales,
+                           const int32_t* qzeros, const void* bias, void* out, float* partial,
+                           unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
+                           int64_t splits, bool pipe, cudaStream_t stream) {
+  using namespace awq_mma_detail;
+  const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
+  const int g = static_cast<int>(group_size), s = static_cast<int>(splits);
+  if (dtype == 0) return launch_t<__nv_bfloat16>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, pipe, stream);
+  if (dtype == 1) return launch_t<__half>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, pipe, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace torchforge

@@ -1,0 +1,120 @@
+"""torch.ops.torchforge.awq_mma_cuda (csrc/awq_mma.cu), the tensor-core W4A16 kernel on the mma layout, against an
+independent dequantization; awq_mma_linear's dispatch, torch.compile and CUDA-graph capture."""
+import pytest
+import torch
+
+from tests.ops.awq_oracle import dequant_independent
+from torchforge.ops import awq_quantize, w4a16_linear
+from torchforge.ops._ext import has_cuda_ext
+from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extension (csrc/) and a GPU")]
+TOL = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+
+def _case(k, n, G, sym=True, seed=0):
+    torch.manual_seed(seed)
+    qw, s, z = [t.cuda() for t in awq_quantize(torch.randn(n, k) * 3, G, symmetric=sym)]
+    return qw, awq_to_mma_layout(qw), s, z
+
+
+def _check(out, x, qw, s, z, G, b=None):
+    expected = x.double() @ dequant_independent(qw, s, z, G).T.double()
+    if b is not None:
+        expected += b.double()
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    assert ((out.double() - expected).norm() / expected.norm()) < TOL[x.dtype]
+
+
+@pytest.mark.parametrize("k,n,G,m,splits,sym", [
+    (128, 64, 128, 1, 1, True),       # one block, one group: 7 of 8 warps idle
+    (384, 192, 64, 3, 2, False),      # 3 blocks of columns; 6 groups over 16 warps
+    (1024, 256, 128, 8, 1, True),     # one 8-row tile of x
+    (1024, 256, 128, 9, 1, False),    # two tiles, the second with one row
+    (2048, 512, 128, 16, 3, True),    # 16 groups over 24 warps (uneven)
+    (2048, 128, 64, 17, 4, False),    # two 16-row blocks of x, the second with one row
+    (7168, 512, 128, 33, 7, True),    # DeepSeek-V3 width, three row blocks
+    (1024, 320, 128, 64, 1, False),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("pipe", [False, True])
+def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, pipe):
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+
+    qw, mma, s, z = _case(k, n, G, sym, seed=k + n + m)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    out = launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, pipe=pipe)
+    _check(out, x, qw, s, z, G, b)
+    assert torch.equal(out, launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, pipe=pipe))  # fixed order
+    assert torch.equal(out, launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, pipe=not pipe))  # same sums
+    if splits > 1:  # the K slices change only the fp32 summation order
+        one = launch_awq_mma_cuda(x, mma, s, z, G, b, splits=1, pipe=pipe)
+        assert ((one.float() - out.float()).norm() / one.float().norm()) < 1e-2
+
+
+def test_rows_of_x_are_independent():
+    """Row i of a 40-row call equals the same row alone (no leakage between 8-row tiles or 16-row blocks)."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+
+    qw, mma, s, z = _case(1024, 256, 128, seed=2)
+    x = torch.randn(40, 1024, device="cuda", dtype=torch.bfloat16)
+    full = launch_awq_mma_cuda(x, mma, s, z, 128, splits=2)
+    for i in (0, 7, 8, 15, 16, 39):
+        one = launch_awq_mma_cuda(x[i:i + 1], mma, s, z, 128, splits=2)
+        torch.testing.assert_close(full[i:i + 1], one, rtol=0, atol=0)
+
+
+def test_opcheck_and_errors():
+    qw, mma, s, z = _case(256, 128, 128)
+    x = torch.randn(2, 256, device="cuda", dtype=torch.float16)
+    op = torch.ops.torchforge.awq_mma_cuda
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, False))
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, True))
+    with pytest.raises(RuntimeError, match="group_size must be 64 or 128, got 32"):
+        op(x, mma, s, z, 32, None, 1, False)
+    with pytest.raises(RuntimeError, match=r"splits must be in \[1, K / group_size = 2\]"):
+        op(x, mma, s, z, 128, None, 3, False)
+    with pytest.raises(RuntimeError, match="x must be bfloat16 or float16"):
+        op(x.float(), mma, s, z, 128, None, 1, False)
+    with pytest.raises(RuntimeError, match=r"qweight must be \[N / 64, K \* 8\]"):
+        op(x, qw, s, z, 128, None, 1, False)
+    with pytest.raises(RuntimeError, match="bias must be .* in x's dtype"):
+        op(x, mma, s, z, 128, torch.zeros(128, device="cuda"), 1, False)
+
+
+def test_awq_mma_linear_dispatch(monkeypatch):
+    import torchforge.ops.awq_mma as awq_mma
+    from torchforge.ops.awq_mma import awq_mma_linear
+
+    qw, mma, s, z = _case(1024, 512, 128, seed=4)
+    calls = []
+    real = awq_mma.launch_awq_mma_cuda
+    monkeypatch.setattr(awq_mma, "launch_awq_mma_cuda", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    out = awq_mma_linear(x, mma, s, z, 128)
+    assert calls == [1]
+    _check(out, x, qw, s, z, 128)
+    big = torch.randn(3, 40, 1024, device="cuda", dtype=torch.bfloat16)  # 120 rows: converted, w4a16_linear
+    torch.testing.assert_close(awq_mma_linear(big, mma, s, z, 128), w4a16_linear(big, qw, s, z, 128))
+    assert calls == [1]
+
+
+def test_compile_and_cuda_graph():
+    from torchforge.ops.awq_mma import awq_mma_linear
+
+    qw, mma, s, z = _case(2048, 1024, 128, seed=5)
+    x = torch.randn(5, 2048, device="cuda", dtype=torch.float16)
+    b = torch.randn(1024, device="cuda", dtype=torch.float16)
+    eager = awq_mma_linear(x, mma, s, z, 128, b)
+    compiled = torch.compile(lambda x: awq_mma_linear(x, mma, s, z, 128, b), fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = awq_mma_linear(x, mma, s, z, 128, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    graph.replay()
+    torch.testing.assert_close(captured, awq_mma_linear(x, mma, s, z, 128, b), rtol=0, atol=0)

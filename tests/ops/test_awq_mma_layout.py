@@ -1,0 +1,118 @@
+"""The mma layout (torchforge.ops.awq_mma_layout) and the awq_mma_linear op on CPU: exact round trips, the word
+contract of csrc/awq_mma.cu checked element by element, and an emulation of the kernel's MMA fragments."""
+import pytest
+import torch
+
+from torchforge.ops import awq_pack, awq_quantize, awq_unpack, w4a16_linear
+from torchforge.ops._triton import can_launch
+from torchforge.ops.awq_mma import awq_mma_linear
+from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_to_awq
+
+
+def _codes(ic, oc, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 16, (ic, oc), generator=g, dtype=torch.uint8)  # [IC, OC] as awq_pack takes them
+
+
+@pytest.mark.parametrize("ic,oc", [(64, 64), (128, 192), (448, 128)])
+def test_round_trip_is_exact(ic, oc):
+    qw = awq_pack(_codes(ic, oc, seed=ic + oc))
+    mma = awq_to_mma_layout(qw)
+    assert mma.dtype == torch.int32 and mma.shape == (oc // 64, ic * 8)
+    assert torch.equal(mma_layout_to_awq(mma), qw)
+    words = torch.randint(-2**31, 2**31, (oc // 64, ic * 8), dtype=torch.int64).to(torch.int32)  # sign bits too
+    assert torch.equal(awq_to_mma_layout(mma_layout_to_awq(words)), words)
+
+
+def test_word_contract_of_the_kernel():
+    """Nibble p of the word (block cb, chunk c, step s, lane 4g + t, tile T) is the code of column
+    64 cb + 16 T + g + 8 (p & 1) at row 64 c + 16 t + 4 s + 2 ((p >> 1) & 1) + (p >> 2), as csrc/awq_mma.cu reads it."""
+    ic, oc = 192, 128
+    codes = _codes(ic, oc, seed=3)
+    mma = awq_to_mma_layout(awq_pack(codes))
+    g = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        cb, c, s, lane, tile, p = (int(torch.randint(0, n, (1,), generator=g)) for n in (oc // 64, ic // 64, 4, 32, 4, 8))
+        word = int(mma[cb, ((c * 4 + s) * 32 + lane) * 4 + tile]) & 0xFFFFFFFF
+        col = 64 * cb + 16 * tile + lane // 4 + 8 * (p & 1)
+        row = 64 * c + 16 * (lane % 4) + 4 * s + 2 * ((p >> 1) & 1) + (p >> 2)
+        assert (word >> (4 * p)) & 0xF == int(codes[row, col])
+
+
+def _emulate_kernel_dot(mma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum_k x[m, k] q[k, n] the way the kernel computes it: A fragments decoded from the words as registers
+    (r: nibbles r, r + 4), B fragments from x with the kernel's k mapping, per PTX's m16n8k16 fragment layout."""
+    oc, ic = mma.shape[0] * 64, mma.shape[1] // 8
+    words = mma.reshape(oc // 64, ic // 64, 4, 32, 4).to(torch.int64) & 0xFFFFFFFF  # [cb, c, s, lane, T]
+    nib = torch.stack([(words >> (4 * p)) & 0xF for p in range(8)], -1)             # [..., p]
+    lane = torch.arange(32)
+    gq, tq = lane // 4, lane % 4
+    A = torch.zeros(oc // 64, ic // 64, 4, 4, 16, 16, dtype=torch.int64)          # [cb, c, s, T, row, kk]
+    for r, (row_off, kk_off) in enumerate([(0, 0), (8, 0), (0, 8), (8, 8)]):     # register r of the fragment
+        for half in range(2):                                                     # low / high 16 bits
+            A[:, :, :, :, gq + row_off, 2 * tq + kk_off + half] = nib[:, :, :, :, :, r + 4 * half].permute(0, 1, 2, 4, 3)
+    m = x.shape[0]
+    total = torch.zeros(m, oc, dtype=torch.float64)
+    for c in range(ic // 64):
+        for s in range(4):
+            kk = torch.arange(16)
+            t, hi, second = (kk % 8) // 2, kk % 2, kk // 8
+            rows = 64 * c + 16 * t + 4 * s + 2 * second + hi          # the kernel's k for MMA k-index kk
+            B = x[:, rows].double().T                                 # [kk, m]
+            C = torch.einsum("btrk,km->btrm", A[:, c, s].double(), B)  # [cb, T, 16 rows, m]
+            total += C.permute(3, 0, 1, 2).reshape(m, oc)
+    return total
+
+
+def test_fragment_emulation_matches_the_plain_dot():
+    ic, oc = 128, 128
+    codes = _codes(ic, oc, seed=5)
+    x = torch.randn(5, ic, dtype=torch.float64)
+    got = _emulate_kernel_dot(awq_to_mma_layout(awq_pack(codes)), x)
+    torch.testing.assert_close(got, x @ codes.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_on_cpu_equals_the_awq_op(dtype):
+    torch.manual_seed(0)
+    qw, s, z = awq_quantize(torch.randn(128, 256), 64, symmetric=False)
+    x = torch.randn(2, 3, 256).to(dtype)
+    b = torch.randn(128).to(dtype)
+    out = awq_mma_linear(x, awq_to_mma_layout(qw), s, z, 64, b)
+    assert out.shape == (2, 3, 128)
+    assert torch.equal(out, w4a16_linear(x, qw, s, z, 64, b))
+    torch.library.opcheck(torch.ops.torchforge.awq_mma_linear, (x, awq_to_mma_layout(qw), s, z, 64, b))
+
+
+def test_errors_name_the_tensor():
+    qw, s, z = awq_quantize(torch.randn(96, 128), 64)
+    with pytest.raises(ValueError, match="OC and IC to be multiples of 64.*OC=96"):
+        awq_to_mma_layout(qw)
+    with pytest.raises(ValueError, match="qweight must be a 2-D int32"):
+        awq_to_mma_layout(qw.float())
+    qw, s, z = awq_quantize(torch.randn(128, 128), 64)
+    mma = awq_to_mma_layout(qw)
+    with pytest.raises(ValueError, match=r"qweight_mma \(2, 1024\) is not \[OC / 64, IC \* 8\] for x with IC = 64"):
+        awq_mma_linear(torch.randn(1, 64), mma, s, z, 64)
+    with pytest.raises(ValueError, match="awq_mma_linear: scales has shape"):
+        awq_mma_linear(torch.randn(1, 128), mma, s[:1], z, 64)
+    assert torch.equal(awq_unpack(mma_layout_to_awq(mma)), awq_unpack(qw))
+
+
+@pytest.mark.skipif(not can_launch(torch.empty(0)), reason="needs triton (CUDA, or the interpreter on CPU)")
+@pytest.mark.parametrize("G", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dequantize_kernel_equals_the_awq_one(G, dtype):
+    """The Triton dequantization of the mma layout (awq_mma_linear's large-M path) writes every element the AWQ
+    kernel writes, bit for bit, and within one rounding of the fp32 reference."""
+    from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
+    from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+
+    torch.manual_seed(G)
+    qw, s, z = awq_quantize(torch.randn(128, 256), G, symmetric=False)
+    out = launch_awq_mma_dequantize_t(awq_to_mma_layout(qw), s, z, G, dtype)
+    assert out.shape == (256, 128) and out.dtype == dtype
+    assert torch.equal(out, launch_awq_dequantize_t(qw, s, z, G, dtype))
+    ref = awq_dequantize_ref(qw, s.float(), z, G).t()
+    torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=0)

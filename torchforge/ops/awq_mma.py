@@ -1,0 +1,69 @@
+"""`awq_mma_linear`: W4A16 linear with the weight in the mma layout (`torchforge.ops.awq_mma_layout`).
+
+Dispatch: CUDA tensors with the compiled extension and 1..64 rows of x (decode) run the tensor-core kernel of
+csrc/awq_mma.cu. Other CUDA calls (prefill, fp32, no extension) dequantize the mma layout once with Triton and call
+cuBLAS. CPU tensors convert the weight back to vLLM's AWQ layout (exact) and run the reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from torchforge.ops._triton import HAS_TRITON, use_triton
+from torchforge.ops.awq import _check_w4a16_args
+from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_ok
+from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
+from torchforge.ops.awq_mma_layout import awq_mma_linear_ref
+
+if HAS_TRITON:
+    from torch.library import triton_op as _define_kernel_op
+else:  # importing torchforge must work without triton
+    _define_kernel_op = custom_op
+
+__all__ = ["awq_mma_linear"]
+
+
+def _check_mma_args(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+                    bias: Optional[Tensor]) -> None:
+    torch._check_type(qweight_mma.dtype == torch.int32 and qweight_mma.dim() == 2,
+                 lambda: f"awq_mma_linear: qweight_mma must be a 2-D int32 tensor [OC / 64, IC * 8], got "
+                         f"{qweight_mma.dtype} {tuple(qweight_mma.shape)}")
+    torch._check_value(x.dim() >= 1 and qweight_mma.shape[1] == x.shape[-1] * 8,
+                 lambda: f"awq_mma_linear: qweight_mma {tuple(qweight_mma.shape)} is not [OC / 64, IC * 8] for x with "
+                         f"IC = {x.shape[-1] if x.dim() else None} features")
+    torch._check_value(x.shape[-1] % 64 == 0, lambda: f"awq_mma_linear: IC = {x.shape[-1]} must be a multiple of 64")
+    # the rest (dtypes, devices, scales / qzeros / bias shapes, group size) as for the AWQ layout, on a view of
+    # the same words with the AWQ shape [IC, OC / 8]
+    awq_view = qweight_mma.reshape(x.shape[-1], qweight_mma.shape[0] * 8)
+    _check_w4a16_args(x, awq_view, scales, qzeros, group_size, bias, op="awq_mma_linear")
+
+
+@_define_kernel_op("torchforge::awq_mma_linear", mutates_args=())
+def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+                    bias: Optional[Tensor]) -> Tensor:
+    _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
+    if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
+        return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias)
+    if use_triton(x) and group_size % 64 == 0:
+        w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype)
+        out = torch.matmul(x, w_t)
+        return (out + bias).to(x.dtype) if bias is not None else out  # an fp32 bias must not promote
+    return awq_mma_linear_ref(x, qweight_mma, scales, qzeros, group_size, bias)
+
+
+@_awq_mma_linear.register_fake
+def _(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+      bias: Optional[Tensor]) -> Tensor:
+    _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
+    return x.new_empty((*x.shape[:-1], qweight_mma.shape[0] * 64))
+
+
+def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int = 128,
+                   bias: Optional[Tensor] = None) -> Tensor:
+    """``x [..., IC] @ dequant(W).T (+ bias) -> [..., OC]`` in ``x.dtype``, W's codes in the mma layout
+    ``[OC / 64, IC * 8]`` and ``scales`` / ``qzeros`` in AWQ layout. Same numbers as `w4a16_linear` on the AWQ
+    tensors within the kernels' tolerance (the CUDA kernel applies scale and zero point in fp32 per group)."""
+    return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias)
