@@ -2,9 +2,11 @@
 
     python bench/w4a16_linear.py [--m 1,16,64,256,1024,4096] [--sweep]
 Times are medians of CUDA-graph replays (GPU time, no host launch gaps) except the `eager` column.
-Columns: bf16 F.linear; torchforge's dispatched op (the CUDA GEMV of csrc/ for M = 1 where built, else Triton's, the tensor-core kernel up to 128 rows,
+Columns: bf16 F.linear; torchforge's dispatched op (AWQ layout) (the CUDA GEMV of csrc/ for M = 1 where built, else Triton's, the tensor-core kernel up to 128 rows,
 dequant + cuBLAS beyond); each path forced (the split-K and tiled kernels are the fp32 paths now); tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
-bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros).
+bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros); then `mma layout`:
+`awq_mma_linear` on the same weight in the mma layout (what a ForgeAWQLinear runs after `use_mma_layout()`: the
+CUDA tensor-core kernel up to 64 rows, Triton dequantize + cuBLAS beyond) with its ratios.
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
 `--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py); `--cuda-gemv-sweep` only the extension's batch-1
 GEMV (csrc/awq_gemv.cu), which the op dispatches at M = 1 when it is built; `--mma-sweep 16,64,...` only the tensor-core
@@ -89,7 +91,7 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
     """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices, against bf16,
     tinygemm and the AWQ-layout op as dispatched (`w4a16_linear`), in the same run."""
     import torchforge
-    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_splits
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_config
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.awq_reference import awq_dequantize_ref
 
@@ -105,16 +107,16 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
             t_op = bench_graph_ms(lambda: torchforge.ops.w4a16_linear(x, qw, sc, qz, G), rep_ms=50)
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
-            default = mma_cuda_splits(M, IC, OC, G)
-            for splits in sorted({1, 2, 3, 4, 5, 7, default}):
-                for pipe in (False, True):
-                    if splits * 8 > IC // G:
+            default = mma_cuda_config(M, IC, OC, G)
+            for splits in sorted({1, 2, 3, 4, 6, 8, default[0]}):
+                for chunks in (1, 2):
+                    if G % (64 * chunks) or splits * 8 > IC // (64 * chunks):
                         continue
-                    f = lambda: launch_awq_mma_cuda(x, mma, sc, qz, G, splits=splits, pipe=pipe)  # noqa: E731
+                    f = lambda: launch_awq_mma_cuda(x, mma, sc, qz, G, splits=splits, item_chunks=chunks)  # noqa: E731
                     rel = ((f().float() - ref).norm() / ref.norm()).item()
                     t = bench_graph_ms(f, rep_ms=30)
-                    out.append([shape, M, splits, int(pipe), "*" if splits == default else "", t, wbytes / t / 1e6,
-                                t_op, t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
+                    out.append([shape, M, splits, chunks, "*" if (splits, chunks) == default else "", t,
+                                wbytes / t / 1e6, t_op, t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
     out.sort(key=lambda r: (r[0], r[1], r[5]))
     return out
@@ -237,7 +239,7 @@ def main() -> int:
         print(f"device: {device_line()}")
         print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16; * = default splits; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
-        print(markdown_table(["W", "M", "splits", "pipe", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
+        print(markdown_table(["W", "M", "splits", "item chunks", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.mma_sweep:
@@ -255,11 +257,14 @@ def main() -> int:
     from torchforge.ops.awq_moe_gemv_triton import launch_awq_moe_gemv
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
     from torchforge.ops.awq_triton import launch_w4a16_linear
+    from torchforge.ops.awq_mma import awq_mma_linear
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
 
     torch.manual_seed(0)
     rows, sweep_rows = [], []
     for shape in args.shapes.split(","):
         OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+        mma = awq_to_mma_layout(qw)
         zero_id = torch.zeros(1, dtype=torch.int64, device="cuda")
         for M in map(int, args.m.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
@@ -280,8 +285,12 @@ def main() -> int:
             t_deq = bench_graph_ms(lambda: x @ launch_awq_dequantize_t(qw, sc, qz, G, x.dtype))
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
+            mma_op = lambda: awq_mma_linear(x, mma, sc, qz, G)  # noqa: E731
+            rel_mma = ((mma_op().float() - ref).norm() / ref.norm()).item()
+            t_lay = bench_graph_ms(mma_op)
             rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_gemv8, t_mma, t_tiled, t_split, t_deq, t_tg,
-                         t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}"])
+                         t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}", t_lay, t_bf16 / t_lay,
+                         t_tg / t_lay, wbytes / t_lay / 1e6, f"{rel_mma:.1e}"])
             print("row:", " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
         if args.sweep:
             for M in (1, 16):
@@ -308,7 +317,8 @@ def main() -> int:
         print(markdown_table(["W", "M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "ms", "int4 GB/s"], sweep_rows))
     print("\nw4a16_linear vs bf16 (ms, CUDA-graph medians unless eager):")
     print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "GEMV", "MoE GEMV, E=1", "tensor-core", "tiled", "split-K", "dequant+cuBLAS",
-                          "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err"], rows))
+                          "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err", "mma layout",
+                          "bf16/mma", "tinygemm/mma", "mma int4 GB/s", "mma rel err"], rows))
     return 0
 
 

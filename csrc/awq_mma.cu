@@ -21,9 +21,11 @@
 //   each row of x in the same fragment positions; and once per group, in fp32:
 //   acc += s * (sum x (c + q) - (c + z) sum x). No per-weight subtract or multiply.
 // * Block = 8 warps on 64 output columns and 16 rows of x; the warps (and with splits > 1 the
-//   blocks along grid.z) take the quantization groups in turn, 8 x 16 B in flight per thread for a
-//   group of 128. Warps are summed through shared memory; K slices as in awq_gemv.cu: the last
-//   block of a tile to finish (atomic ticket, reset for the next launch) adds them in slice order.
+//   blocks along grid.z) take work items of 1 or 2 chunks (64 or 128 k, inside one quantization
+//   group) in turn: 4 or 8 x 16 B in flight per thread. Warps are summed through shared memory;
+//   K slices as in awq_gemv.cu: the last block of a tile to finish (atomic ticket, reset for the
+//   next launch) adds them in slice order. Tried and dropped: requesting the next item's words
+//   before computing on this one (register double buffer): 3-15% slower on the H100.
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <cuda_bf16.h>
@@ -90,12 +92,12 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // AWQ packs column 8w + j of a zero word at nibble (j / 2) + 4 (j % 2).
 __device__ __forceinline__ int awq_shift(int col) { return 4 * (((col & 7) >> 1) + 4 * (col & 1)); }
 
-template <typename T, int NT, int CPG, bool PIPE>
+template <typename T, int NT, int CPG>
 __global__ void __launch_bounds__(kThreads, 2)
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const __half* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                    float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                   int splits) {
+                   int chunks_per_group, int splits) {
   using Tr = Traits<T>;
   __shared__ float red[kWarps * kRows * kPad];
   __shared__ bool is_last;
@@ -105,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int chunks = K / 64;
-  const int groups = chunks / CPG;
+  const int items = chunks / CPG;
   const int workers = splits * kWarps;
 
   const uint4* wbase = qw + static_cast<size_t>(cb) * chunks * 128 + lane;  // 4 k-steps x 32 lanes per chunk
@@ -126,22 +128,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-  uint4 w[CPG * 4];  // this group's words; with PIPE the next group's are requested before this one is used
-  int grp = slice * kWarps + warp;
-  if (PIPE && grp < groups) {
+  for (int grp = slice * kWarps + warp; grp < items; grp += workers) {
+    uint4 w[CPG * 4];
 #pragma unroll
     for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(grp) * CPG * 4 + i) * 32);
-  }
-  for (; grp < groups; grp += workers) {
-    uint4 wn[CPG * 4];
-    if (PIPE) {
-      const int next = grp + workers < groups ? grp + workers : grp;  // the last group re-reads itself (L2 hit)
-#pragma unroll
-      for (int i = 0; i < CPG * 4; ++i) wn[i] = ld_stream(wbase + (static_cast<size_t>(next) * CPG * 4 + i) * 32);
-    } else {
-#pragma unroll
-      for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(grp) * CPG * 4 + i) * 32);
-    }
     float part[4][NT][4];
     float xs[NT][4];
 #pragma unroll
@@ -188,13 +178,15 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
       }
     }
-    // once per group: acc += s * (part - (magic + z) * sum x); C rows g (e < 2) and g + 8 (e >= 2)
+    // once per item: acc += s * (part - (magic + z) * sum x) with its group's s and z; C rows g (e < 2) and
+    // g + 8 (e >= 2)
+    const int group = grp * CPG / chunks_per_group;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int col0 = cb * kCols + 16 * i + g;
-      const float s0 = __half2float(sc[static_cast<size_t>(grp) * N + col0]);
-      const float s1 = __half2float(sc[static_cast<size_t>(grp) * N + col0 + 8]);
-      const uint32_t* zrow = qz + static_cast<size_t>(grp) * (N / 8) + col0 / 8;
+      const float s0 = __half2float(sc[static_cast<size_t>(group) * N + col0]);
+      const float s1 = __half2float(sc[static_cast<size_t>(group) * N + col0 + 8]);
+      const uint32_t* zrow = qz + static_cast<size_t>(group) * (N / 8) + col0 / 8;
       const float zc0 = Tr::kMagic + static_cast<float>((zrow[0] >> awq_shift(col0)) & 0xFu);
       const float zc1 = Tr::kMagic + static_cast<float>((zrow[1] >> awq_shift(col0)) & 0xFu);  // col0 + 8
 #pragma unroll
@@ -204,10 +196,6 @@ __global__ void __launch_bounds__(kThreads, 2)
         acc[i][j][2] = fmaf(s1, part[i][j][2] - zc1 * xs[j][2], acc[i][j][2]);
         acc[i][j][3] = fmaf(s1, part[i][j][3] - zc1 * xs[j][3], acc[i][j][3]);
       }
-    }
-    if (PIPE) {
-#pragma unroll
-      for (int i = 0; i < CPG * 4; ++i) w[i] = wn[i];
     }
   }
 
@@ -270,27 +258,27 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 
-template <typename T, int NT, int CPG, bool PIPE>
+template <typename T, int NT, int CPG>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
-                   float* partial, unsigned int* tickets, int M, int N, int K, int splits, cudaStream_t stream) {
+                   float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
+                   cudaStream_t stream) {
   const dim3 grid((M + kRows - 1) / kRows, N / kCols, splits);
-  awq_mma_kernel<T, NT, CPG, PIPE><<<grid, kThreads, 0, stream>>>(
+  awq_mma_kernel<T, NT, CPG><<<grid, kThreads, 0, stream>>>(
       static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const __half*>(sc),
       reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets,
-      M, N, K, splits);
+      M, N, K, group_size / 64, splits);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_t(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
-                     float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits, bool pipe,
-                     cudaStream_t stream) {
+                     float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
+                     int item_chunks, cudaStream_t stream) {
   const bool one_tile = M <= 8;  // one 8-row MMA tile of x is enough
-#define TF_MMA_LAUNCH(NT, CPG)                                                                                   \
-  (pipe ? launch<T, NT, CPG, true>(x, qw, sc, qz, bias, out, partial, tickets, M, N, K, splits, stream)       \
-        : launch<T, NT, CPG, false>(x, qw, sc, qz, bias, out, partial, tickets, M, N, K, splits, stream))
-  if (group_size == 64) return one_tile ? TF_MMA_LAUNCH(1, 1) : TF_MMA_LAUNCH(2, 1);
-  if (group_size == 128) return one_tile ? TF_MMA_LAUNCH(1, 2) : TF_MMA_LAUNCH(2, 2);
+#define TF_MMA_LAUNCH(NT, CPG) \
+  launch<T, NT, CPG>(x, qw, sc, qz, bias, out, partial, tickets, M, N, K, group_size, splits, stream)
+  if (item_chunks == 1) return one_tile ? TF_MMA_LAUNCH(1, 1) : TF_MMA_LAUNCH(2, 1);
+  if (item_chunks == 2) return one_tile ? TF_MMA_LAUNCH(1, 2) : TF_MMA_LAUNCH(2, 2);
 #undef TF_MMA_LAUNCH
   return cudaErrorInvalidValue;
 }
@@ -298,17 +286,18 @@ cudaError_t launch_t(const void* x, const int32_t* qw, const void* sc, const int
 }  // namespace awq_mma_detail
 
 // dtype 0 = bf16, 1 = fp16 (x, bias, out). The caller (ops.cpp) has checked shapes, alignment,
-// N % 64 == 0, group_size in {64, 128}, K % group_size == 0, 1 <= splits <= K / group_size;
+// N % 64 == 0, group_size a multiple of 64 * item_chunks (1 or 2), K % group_size == 0,
+// 1 <= splits <= K / (64 * item_chunks);
 // `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1).
 cudaError_t awq_mma_launch(int dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                           int64_t splits, bool pipe, cudaStream_t stream) {
+                           int64_t splits, int64_t item_chunks, cudaStream_t stream) {
   using namespace awq_mma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
-  const int g = static_cast<int>(group_size), s = static_cast<int>(splits);
-  if (dtype == 0) return launch_t<__nv_bfloat16>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, pipe, stream);
-  if (dtype == 1) return launch_t<__half>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, pipe, stream);
+  const int g = static_cast<int>(group_size), s = static_cast<int>(splits), ic = static_cast<int>(item_chunks);
+  if (dtype == 0) return launch_t<__nv_bfloat16>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, ic, stream);
+  if (dtype == 1) return launch_t<__half>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, ic, stream);
   return cudaErrorInvalidValue;
 }
 

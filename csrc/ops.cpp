@@ -36,7 +36,7 @@ cudaError_t awq_gemv_launch(int dtype, int rows, const void* x, const int32_t* q
 cudaError_t awq_mma_launch(int dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                           int64_t splits, bool pipe, cudaStream_t stream);
+                           int64_t splits, int64_t item_chunks, cudaStream_t stream);
 
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
@@ -177,7 +177,7 @@ at::Tensor awq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const a
 // qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's dtype.
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
-                        int64_t splits, bool pipe) {
+                        int64_t splits, int64_t item_chunks) {
   const std::string op = "awq_mma_cuda: ";
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda(),
               op + "x, qweight, scales and qzeros must be CUDA tensors");
@@ -188,7 +188,10 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
               op + "qweight and qzeros must be int32 and scales float16");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2 && qzeros.dim() == 2,
               op + "x, qweight, scales and qzeros must be 2-D");
-  TORCH_CHECK(group_size == 64 || group_size == 128, op + "group_size must be 64 or 128, got " + i2s(group_size));
+  TORCH_CHECK(item_chunks == 1 || item_chunks == 2, op + "item_chunks must be 1 or 2, got " + i2s(item_chunks));
+  TORCH_CHECK(group_size > 0 && group_size % (64 * item_chunks) == 0,
+              op + "group_size must be a multiple of 64 * item_chunks = " + i2s(64 * item_chunks) + ", got " +
+                  i2s(group_size));
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   TORCH_CHECK(K % group_size == 0 && qweight.size(1) == K * 8,
               op + "qweight must be [N / 64, K * 8] with K = " + i2s(K) + " a multiple of group_size, got " +
@@ -197,8 +200,9 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
                   qzeros.size(1) == N / 8,
               op + "scales must be [K/G, N] = [" + i2s(K / group_size) + ", " + i2s(N) + "] and qzeros [K/G, N/8], got " +
                   shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
-  TORCH_CHECK(splits >= 1 && splits <= K / group_size && splits <= 65535,
-              op + "splits must be in [1, K / group_size = " + i2s(K / group_size) + "], got " + i2s(splits));
+  const int64_t items = K / (64 * item_chunks);
+  TORCH_CHECK(splits >= 1 && splits <= items && splits <= 65535,
+              op + "splits must be in [1, K / (64 * item_chunks) = " + i2s(items) + "], got " + i2s(splits));
   TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && M < (int64_t{1} << 30),
               op + "K and M must be < 2^30 and N < 2^22");
   TORCH_CHECK(qweight.device() == x.device() && scales.device() == x.device() && qzeros.device() == x.device(),
@@ -223,7 +227,7 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const cudaError_t err = awq_mma_launch(
       x.scalar_type() == at::kBFloat16 ? 0 : 1, x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
-      reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, pipe,
+      reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks,
       c10::cuda::getCurrentCUDAStream());
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -241,7 +245,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int rows) -> Tensor");
   m.def(
       "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, bool pipe) -> Tensor");
+      "int splits, int item_chunks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {

@@ -29,29 +29,31 @@ def _check(out, x, qw, s, z, G, b=None):
 
 @pytest.mark.parametrize("k,n,G,m,splits,sym", [
     (128, 64, 128, 1, 1, True),       # one block, one group: 7 of 8 warps idle
-    (384, 192, 64, 3, 2, False),      # 3 blocks of columns; 6 groups over 16 warps
+    (384, 192, 64, 3, 2, 1),      # 3 blocks of columns; 6 groups over 16 warps
     (1024, 256, 128, 8, 1, True),     # one 8-row tile of x
-    (1024, 256, 128, 9, 1, False),    # two tiles, the second with one row
+    (1024, 256, 128, 9, 1, 1),    # two tiles, the second with one row
     (2048, 512, 128, 16, 3, True),    # 16 groups over 24 warps (uneven)
-    (2048, 128, 64, 17, 4, False),    # two 16-row blocks of x, the second with one row
+    (2048, 128, 64, 17, 4, 1),    # two 16-row blocks of x, the second with one row
     (7168, 512, 128, 33, 7, True),    # DeepSeek-V3 width, three row blocks
-    (1024, 320, 128, 64, 1, False),
+    (1024, 320, 128, 64, 1, 1),
+    (1024, 128, 256, 2, 2, 1),    # groups of 256: 4 (or 2) items per group
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("pipe", [False, True])
-def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, pipe):
+@pytest.mark.parametrize("item_chunks", [1, 2])
+def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, item_chunks):
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
 
+    if G % (64 * item_chunks):
+        pytest.skip("an item of 128 k must lie inside one group")
     qw, mma, s, z = _case(k, n, G, sym, seed=k + n + m)
     x = torch.randn(m, k, device="cuda").to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if with_bias else None
-    out = launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, pipe=pipe)
+    out = launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, item_chunks=item_chunks)
     _check(out, x, qw, s, z, G, b)
-    assert torch.equal(out, launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, pipe=pipe))  # fixed order
-    assert torch.equal(out, launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, pipe=not pipe))  # same sums
+    assert torch.equal(out, launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, item_chunks=item_chunks))
     if splits > 1:  # the K slices change only the fp32 summation order
-        one = launch_awq_mma_cuda(x, mma, s, z, G, b, splits=1, pipe=pipe)
+        one = launch_awq_mma_cuda(x, mma, s, z, G, b, splits=1, item_chunks=item_chunks)
         assert ((one.float() - out.float()).norm() / one.float().norm()) < 1e-2
 
 
@@ -71,18 +73,20 @@ def test_opcheck_and_errors():
     qw, mma, s, z = _case(256, 128, 128)
     x = torch.randn(2, 256, device="cuda", dtype=torch.float16)
     op = torch.ops.torchforge.awq_mma_cuda
-    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, False))
-    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, True))
-    with pytest.raises(RuntimeError, match="group_size must be 64 or 128, got 32"):
-        op(x, mma, s, z, 32, None, 1, False)
-    with pytest.raises(RuntimeError, match=r"splits must be in \[1, K / group_size = 2\]"):
-        op(x, mma, s, z, 128, None, 3, False)
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1))
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 2))
+    with pytest.raises(RuntimeError, match="group_size must be a multiple of 64 \\* item_chunks = 128, got 64"):
+        op(x, mma, s, z, 64, None, 1, 2)
+    with pytest.raises(RuntimeError, match="item_chunks must be 1 or 2, got 4"):
+        op(x, mma, s, z, 128, None, 1, 4)
+    with pytest.raises(RuntimeError, match=r"splits must be in \[1, K / \(64 \* item_chunks\) = 2\]"):
+        op(x, mma, s, z, 128, None, 3, 2)
     with pytest.raises(RuntimeError, match="x must be bfloat16 or float16"):
-        op(x.float(), mma, s, z, 128, None, 1, False)
+        op(x.float(), mma, s, z, 128, None, 1, 1)
     with pytest.raises(RuntimeError, match=r"qweight must be \[N / 64, K \* 8\]"):
-        op(x, qw, s, z, 128, None, 1, False)
+        op(x, qw, s, z, 128, None, 1, 1)
     with pytest.raises(RuntimeError, match="bias must be .* in x's dtype"):
-        op(x, mma, s, z, 128, torch.zeros(128, device="cuda"), 1, False)
+        op(x, mma, s, z, 128, torch.zeros(128, device="cuda"), 1, 1)
 
 
 def test_awq_mma_linear_dispatch(monkeypatch):

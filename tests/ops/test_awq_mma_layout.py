@@ -116,3 +116,14 @@ def test_dequantize_kernel_equals_the_awq_one(G, dtype):
     assert torch.equal(out, launch_awq_dequantize_t(qw, s, z, G, dtype))
     ref = awq_dequantize_ref(qw, s.float(), z, G).t()
     torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=0)
+
+
+def test_cuda_config_follows_the_sweep():
+    """mma_cuda_config's choices on the swept shapes (pure function, no GPU needed)."""
+    from torchforge.ops.awq_mma_cuda import mma_cuda_config
+
+    assert mma_cuda_config(1, 7168, 18432, 128) == (1, 2)   # 288 tiles
+    assert mma_cuda_config(64, 7168, 7168, 128) == (1, 2)   # 4 row blocks x 112
+    assert mma_cuda_config(16, 4096, 1536, 128) == (4, 2)   # 24 tiles: 4 K slices
+    assert mma_cuda_config(1, 4096, 576, 64) == (4, 1)      # groups of 64: items of one chunk
+    assert mma_cuda_config(1, 128, 576, 128) == (1, 2)      # one item: one slice

@@ -11,23 +11,20 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_splits", "mma_cuda_ok", "launch_awq_mma_cuda", "register_fake"]
+__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_ok", "launch_awq_mma_cuda", "register_fake"]
 
-_SMS_H100 = 132
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2.
 MMA_CUDA_MAX_M = 64
-# Request the next group's weight words before computing on this one (double buffer in registers).
-MMA_CUDA_PIPE = False
-
-
-def mma_cuda_splits(m: int, k: int, n: int, group_size: int) -> int:
-    """K slices: enough blocks for two per SM, each warp keeping at least one quantization group."""
+def mma_cuda_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int]:
+    """(splits, item_chunks), from the H100 sweeps (`bench/w4a16_linear.py --mma-cuda-sweep`, 2026-11-22, DeepSeek-V3
+    and hidden-4096 shapes, M = 1..64, BENCHMARKS.md): items of 128 k wherever the groups allow (64-k items lost
+    up to 25% at 16 rows); no K slices once there are 96 or more tiles of 64 columns x 16 rows (a second slice
+    gained at most 3% at M = 1 and lost 15-20% at M = 64), else 4 (small matrices: 24-64 tiles ran 20-30% faster
+    with 4 slices than with 1, even where some warps get no item)."""
+    item_chunks = 2 if group_size % 128 == 0 else 1
+    items = k // (64 * item_chunks)
     tiles = -(-m // 16) * (n // 64)
-    groups = k // group_size
-    splits = 1
-    while tiles * splits < 2 * _SMS_H100 and (splits + 1) * 8 <= groups:
-        splits += 1
-    return splits
+    return (1 if tiles >= 96 else max(1, min(4, items))), item_chunks
 
 
 def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -36,7 +33,7 @@ def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, 
     from torchforge.ops._ext import has_cuda_ext
 
     m = x.numel() // x.shape[-1] if x.dim() else 0
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size in (64, 128)
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0
             and 1 <= m <= MMA_CUDA_MAX_M and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
             and scales.dtype == torch.float16
             and all(t.is_contiguous() and t.device == x.device for t in (qweight_mma, scales, qzeros))
@@ -46,16 +43,16 @@ def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, 
 
 def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                         bias: Optional[Tensor] = None, *, splits: Optional[int] = None,
-                        pipe: Optional[bool] = None) -> Tensor:
+                        item_chunks: Optional[int] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype, W in the mma layout `[N / 64, K * 8]`."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) != k or x2.storage_offset() * x2.element_size() % 16:
         x2 = x2.contiguous()
-    s = splits or mma_cuda_splits(x2.shape[0], k, n, group_size)
-    p = MMA_CUDA_PIPE if pipe is None else pipe
-    out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, s, p)
+    s, c = mma_cuda_config(x2.shape[0], k, n, group_size)
+    out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits or s,
+                                            item_chunks or c)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -69,7 +66,7 @@ def register_fake() -> None:
         return
 
     @torch.library.register_fake("torchforge::awq_mma_cuda")
-    def _(x, qweight, scales, qzeros, group_size, bias, splits, pipe):
+    def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks):
         torch._check(x.dim() == 2 and qweight.dim() == 2,
                      lambda: f"awq_mma_cuda: x and qweight must be 2-D, got {tuple(x.shape)} and {tuple(qweight.shape)}")
         torch._check(qweight.shape[1] == x.shape[1] * 8,

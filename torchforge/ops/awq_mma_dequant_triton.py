@@ -1,8 +1,9 @@
 """Triton dequantization of the mma layout (`torchforge.ops.awq_mma_layout`) to W^T [IC, OC] in the activation
 dtype, for `awq_mma_linear` at large M (dequantize once, then cuBLAS), as `awq_dequant_triton` does for AWQ.
 
-One program per 64-k chunk of a 64-column block: its 512 words are read once and every nibble goes to the
-(row, column) the layout gives it; the chunk lies inside one quantization group (groups of 64 or more rows).
+One program per 64-k chunk of a 64-column block (inside one quantization group: groups of 64 or more rows). It
+writes its [64, 64] tile of W^T row by row, each element gathering its nibble from the chunk's 2 KB of words: the
+first version scattered every nibble to its place and ran 3x slower than the AWQ kernel (0.5 ms on 18432x7168).
 """
 import torch
 from torch import Tensor
@@ -17,22 +18,23 @@ if HAS_TRITON:
     def _awq_mma_dequant_t_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP_SIZE: tl.constexpr):
         cb = tl.program_id(0)
         c = tl.program_id(1)
-        idx = tl.arange(0, 512)  # word ((s * 32 + lane) * 4 + T) of this chunk
-        words = tl.load(qw_ptr + cb.to(tl.int64) * (K * 8) + c * 512 + idx)
-        tile = idx % 4
-        lane = (idx // 4) % 32
-        step = idx // 128
-        p = tl.arange(0, 8)
+        # Output tile [64 rows of k, 64 columns], written row by row (coalesced). Each element gathers its word
+        # from the chunk's 2 KB (cache hits): row 16t + 4s + 2e + hi and column 16T + g + 8h are nibble
+        # 4hi + 2e + h of word ((s * 32 + 4g + t) * 4 + T).
+        kk = tl.arange(0, 64)[:, None]
+        cc = tl.arange(0, 64)[None, :]
+        word = ((((kk // 4) % 4) * 32 + 4 * (cc % 8) + kk // 16) * 4 + cc // 16)
+        nibble = 4 * (kk % 2) + 2 * ((kk // 2) % 2) + (cc // 8) % 2
+        words = tl.load(qw_ptr + cb.to(tl.int64) * (K * 8) + c * 512 + word)
         # `>>` is arithmetic on int32: the 0xF mask drops the sign extension of negative words.
-        q = (words[:, None] >> (4 * p)[None, :]) & 0xF
-        col = 64 * cb + 16 * tile[:, None] + lane[:, None] // 4 + 8 * (p[None, :] & 1)
-        row = 64 * c + 16 * (lane[:, None] % 4) + 4 * step[:, None] + 2 * ((p[None, :] >> 1) & 1) + (p[None, :] >> 2)
+        q = (words >> (4 * nibble)) & 0xF
+        col = 64 * cb + cc
         g = (64 * c) // GROUP_SIZE
         s = tl.load(s_ptr + g * N + col).to(tl.float32)
         zw = tl.load(z_ptr + g * (N // 8) + col // 8)
         z = (zw >> ((((col % 8) // 2) + 4 * (col % 2)) * 4)) & 0xF  # AWQ order of the zero words
         w = (q - z).to(tl.float32) * s
-        tl.store(out_ptr + row.to(tl.int64) * N + col, w.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + (64 * c + kk).to(tl.int64) * N + col, w.to(out_ptr.dtype.element_ty))
 
 
 def launch_awq_mma_dequantize_t(qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,

@@ -33,8 +33,9 @@ _FROM_MMA = (0, 5, 8, 3, 1, 4, 2, 7, 6)
 
 
 def mma_layout_fits(ic: int, oc: int, group_size: int) -> bool:
-    """Whether a layer can run on the mma layout: 64-multiples, and groups the CUDA kernel folds (64 or 128 rows)."""
-    return ic % 64 == 0 and oc % 64 == 0 and group_size in (64, 128)
+    """Whether a layer can run on the mma layout: 64-multiples, and groups of whole 64-row chunks (the CUDA kernel
+    applies scales and zero points per chunk)."""
+    return ic % 64 == 0 and oc % 64 == 0 and group_size % 64 == 0
 
 
 def check_mma_layout_shape(ic: int, oc: int, what: str) -> None:
