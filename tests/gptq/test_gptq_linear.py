@@ -198,3 +198,57 @@ def test_cuda_linear(dtype, m):
     x = torch.randn(m, 512).to(dtype)
     out = w4a16_gptq_linear(x.cuda(), qweight.cuda(), scales.cuda(), qzeros.cuda(), g_idx.cuda())
     torch.testing.assert_close(out.cpu(), _oracle(x, qweight, scales, qzeros, g_idx), **TOL[dtype])
+
+
+def _module(qweight, scales, qzeros, g_idx, ic, oc, group_size, bias=None):
+    mod = ForgeGPTQLinear(ic, oc, bias=bias is not None, group_size=group_size, dtype=torch.float32)
+    mod.qweight, mod.scales, mod.qzeros, mod.g_idx = qweight, scales, qzeros, g_idx
+    if bias is not None:
+        mod.bias = bias
+    return mod
+
+
+def test_mma_layout_same_numbers_and_gptq_exports():
+    """use_mma_layout: the layer computes the same, state_dict / gptq_tensors / load stay in the GPTQ layout, and
+    act-order or a stored zero of 16 (no 4-bit equivalent) keep the GPTQ path."""
+    qweight, scales, qzeros, g_idx, codes, zeros = random_gptq(256, 128, 64, seed=7)
+    bias = torch.randn(128)
+    from torchforge.export.gptq_export import _unpacked_linear
+
+    mod = _module(qweight, scales, qzeros, g_idx, 256, 128, 64, bias)
+    x = torch.randn(5, 256)
+    before, state, unpacked = mod(x), {k: v.clone() for k, v in mod.state_dict().items()}, _unpacked_linear(mod)
+    assert mod.use_mma_layout() and mod.weight_layout == "mma" and mod.qweight.shape == (2, 2048)
+    assert all(torch.equal(a, b) for a, b in zip(_unpacked_linear(mod), unpacked))  # what the exporters write
+    torch.testing.assert_close(mod(x), before, rtol=1e-6, atol=1e-6)  # AWQ and GPTQ references: same numbers
+    after = mod.state_dict()
+    assert all(torch.equal(after[k], state[k]) for k in state)
+    assert all(torch.equal(a, b) for a, b in zip(mod.gptq_tensors(), (qweight, qzeros)))
+    assert torch.equal(mod.dequantized_weight(), _module(qweight, scales, qzeros, g_idx, 256, 128, 64).dequantized_weight())
+    fresh = _module(qweight, scales, qzeros, g_idx, 256, 128, 64, bias)
+    assert fresh.use_mma_layout()
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.qweight, mod.qweight) and torch.equal(fresh.qzeros, mod.qzeros)
+    act = _module(*random_gptq(256, 128, 64, seed=8, act_order=True)[:4], 256, 128, 64)
+    assert not act.use_mma_layout() and act.weight_layout == "gptq"
+    zeros16 = qzeros.clone()
+    zeros16[0, 0] |= 0xF  # stored 15: true zero point 16
+    assert not _module(qweight, scales, zeros16, g_idx, 256, 128, 64).use_mma_layout()
+    assert not _module(qweight[:, :40], scales[:, :40], qzeros[:, :5], g_idx, 256, 40, 64).use_mma_layout()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_cuda_mma_layout(m):
+    """On the GPU the mma layout runs csrc/awq_mma.cu (1..64 rows) or Triton dequantize + cuBLAS: same outputs as
+    the GPTQ kernel within bf16 tolerance."""
+    from torchforge.ops._ext import has_cuda_ext
+
+    if not has_cuda_ext():
+        pytest.skip("needs the compiled extension")
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 512, 128, seed=m)
+    mod = _module(qweight, scales, qzeros, g_idx, 1024, 512, 128).cuda()
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    expected = mod(x)
+    assert mod.use_mma_layout()
+    torch.testing.assert_close(mod(x).float(), expected.float(), **TOL[torch.bfloat16])

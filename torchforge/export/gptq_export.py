@@ -73,7 +73,8 @@ def _unpacked_linear(mod: nn.Module):
     if isinstance(mod, ForgeGPTQLinear):
         if mod.has_act_order():
             raise ValueError("act-order (a permuted g_idx) cannot be re-packed; export this model as vllm-gptq")
-        return gptq_unpack(mod.qweight), mod.scales, gptq_unpack_zeros(mod.qzeros)
+        qweight, qzeros = mod.gptq_tensors()
+        return gptq_unpack(qweight), mod.scales, gptq_unpack_zeros(qzeros)
     return awq_unpack(mod.awq_qweight()), mod.scales, awq_unpack(mod.qzeros)
 
 
@@ -184,7 +185,8 @@ def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, t
                 state.pop(f"{name}.{k}", None)
             try:
                 if fmt == "vllm-gptq" and isinstance(mod, ForgeGPTQLinear):  # as stored, g_idx included
-                    tensors = {"qweight": mod.qweight, "qzeros": mod.qzeros, "scales": mod.scales, "g_idx": mod.g_idx}
+                    qweight, qzeros = mod.gptq_tensors()
+                    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": mod.scales, "g_idx": mod.g_idx}
                 else:
                     c, s, z = _unpacked_linear(mod)
                     tensors = _tensors(fmt, c, s, z, mod.symmetric)

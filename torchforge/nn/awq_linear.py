@@ -112,7 +112,9 @@ def _import_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, *a
 
 
 def use_mma_layout(model: nn.Module) -> int:
-    """Switch every `ForgeAWQLinear` of `model` that fits to the mma layout (faster decode on CUDA: the tensor-core
-    kernel of csrc/awq_mma.cu for 1..64 rows, Triton dequantize + cuBLAS beyond); returns how many switched.
-    Exports are unchanged (vLLM's AWQ layout)."""
-    return sum(m.use_mma_layout() for m in model.modules() if isinstance(m, ForgeAWQLinear))
+    """Switch every `ForgeAWQLinear` and `ForgeGPTQLinear` of `model` that fits to the mma layout (faster decode on
+    CUDA: the tensor-core kernel of csrc/awq_mma.cu for 1..64 rows, Triton dequantize + cuBLAS beyond); returns how
+    many switched. Exports are unchanged (each module's own checkpoint layout)."""
+    from torchforge.nn.gptq_linear import ForgeGPTQLinear
+
+    return sum(m.use_mma_layout() for m in model.modules() if isinstance(m, (ForgeAWQLinear, ForgeGPTQLinear)))

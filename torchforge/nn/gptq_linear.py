@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from torchforge.ops import gptq as gptq_ops
-from torchforge.ops.awq import awq_pack
+from torchforge.ops.awq import awq_pack, awq_unpack
+from torchforge.ops.awq_mma import awq_mma_linear
+from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
 
 
 class ForgeGPTQLinear(nn.Module):
@@ -21,6 +23,10 @@ class ForgeGPTQLinear(nn.Module):
     Build: construct (any device, meta included) then :meth:`pack_result` with a
     :class:`torchforge.gptq.GPTQResult`, or :meth:`from_linear` (GPTQ with a Hessian, or round-to-nearest on
     the GPTQ grid without one). Forward runs ``torchforge.ops.gptq.w4a16_gptq_linear``.
+
+    ``use_mma_layout()`` (run phase, CUDA decode; no act-order) re-packs the same numbers for the tensor-core
+    kernel of csrc/awq_mma.cu: qweight as AWQ codes in MMA fragment order [OC // 64, IC * 8] and qzeros as true
+    zero points in AWQ order. ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the GPTQ layout.
     """
 
     bits = 4
@@ -42,6 +48,9 @@ class ForgeGPTQLinear(nn.Module):
         self.register_buffer("scales", torch.empty(ng, out_features, dtype=torch.float16, device=device))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+        self.weight_layout = "gptq"
+        self._register_state_dict_hook(_export_gptq_layout)
+        self._register_load_state_dict_pre_hook(_import_gptq_layout, with_module=True)
 
     @torch.no_grad()
     def pack_result(self, result, bias: Optional[torch.Tensor] = None) -> "ForgeGPTQLinear":
@@ -57,6 +66,7 @@ class ForgeGPTQLinear(nn.Module):
         self.qzeros = gptq_ops.gptq_pack_zeros(result.zeros.T.contiguous())
         self.scales = result.scales.T.to(torch.float16).contiguous()
         self.g_idx = gptq_ops.trivial_g_idx(self.in_features, self.group_size, device=self.qweight.device)
+        self.weight_layout = "gptq"
         if bias is not None:
             if self.bias is None:
                 raise ValueError("ForgeGPTQLinear.pack_result: got a bias but the module was built with bias=False")
@@ -83,9 +93,16 @@ class ForgeGPTQLinear(nn.Module):
             res = solve(w, hessian.to(w.device), group_size=group_size, symmetric=symmetric, **solve_kw)
         return mod.pack_result(res, linear.bias)
 
+    def gptq_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qweight, qzeros) in the GPTQ layout, whatever layout the module runs with."""
+        if self.weight_layout == "mma":
+            return _mma_to_gptq(self.qweight, self.qzeros)
+        return self.qweight, self.qzeros
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [OC, IC] this layer computes with, in `dtype`."""
-        return gptq_ops.gptq_dequantize(self.qweight, self.scales.to(dtype), self.qzeros, self.g_idx)
+        qweight, qzeros = self.gptq_tensors()
+        return gptq_ops.gptq_dequantize(qweight, self.scales.to(dtype), qzeros, self.g_idx)
 
     def has_act_order(self) -> bool:
         """True when g_idx is not ``k // group_size`` (checkpoints of other tools)."""
@@ -94,6 +111,8 @@ class ForgeGPTQLinear(nn.Module):
     @torch.no_grad()
     def awq_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qweight, scales, qzeros) in vLLM's AWQ layout, exactly the same weight (no act-order only)."""
+        if self.weight_layout == "mma":
+            return mma_layout_to_awq(self.qweight), self.scales, self.qzeros
         if self.has_act_order():
             raise ValueError("ForgeGPTQLinear: act-order (a permuted g_idx) has no AWQ-layout equivalent")
         codes = gptq_ops.gptq_unpack(self.qweight)  # [IC, OC]
@@ -102,9 +121,52 @@ class ForgeGPTQLinear(nn.Module):
             raise ValueError("ForgeGPTQLinear: a stored zero point of 16 has no 4-bit AWQ equivalent")
         return awq_pack(codes), self.scales, awq_pack(zeros)
 
+    @torch.no_grad()
+    def use_mma_layout(self) -> bool:
+        """Switch to the mma layout (exact); False, and nothing changed, for act-order, a stored zero point of 16
+        (GPTQ v1 can hold it, 4 bits cannot) or a shape that does not fit (OC, IC, group size multiples of 64)."""
+        if self.weight_layout == "mma":
+            return True
+        if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
+            return False
+        if self.qweight.is_meta:
+            raise ValueError("ForgeGPTQLinear.use_mma_layout: the buffers are on the meta device; load them first "
+                             "(the zero points are checked)")
+        if self.has_act_order() or int(gptq_ops.gptq_unpack_zeros(self.qzeros).max()) > 15:
+            return False
+        qweight, _, qzeros = self.awq_tensors()
+        self.qweight, self.qzeros = awq_to_mma_layout(qweight), qzeros
+        self.weight_layout = "mma"
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_layout == "mma":
+            return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
         return gptq_ops.w4a16_gptq_linear(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}, symmetric={self.symmetric}")
+                f"group_size={self.group_size}, symmetric={self.symmetric}"
+                + (", weight_layout=mma" if self.weight_layout == "mma" else ""))
+
+
+def _mma_to_gptq(qweight_mma: torch.Tensor, qzeros_awq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = awq_unpack(mma_layout_to_awq(qweight_mma))  # [IC, OC]
+    return gptq_ops.gptq_pack(codes), gptq_ops.gptq_pack_zeros(awq_unpack(qzeros_awq))
+
+
+def _export_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict hook: checkpoints always hold the GPTQ layout."""
+    if module.weight_layout == "mma" and prefix + "qweight" in state_dict and prefix + "qzeros" in state_dict:
+        state_dict[prefix + "qweight"], state_dict[prefix + "qzeros"] = _mma_to_gptq(
+            state_dict[prefix + "qweight"], state_dict[prefix + "qzeros"])
+
+
+def _import_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: GPTQ-layout qweight [IC // 8, OC] and qzeros, for a module on the mma layout."""
+    kq, kz = prefix + "qweight", prefix + "qzeros"
+    if module.weight_layout == "mma" and kq in state_dict and kz in state_dict:
+        if tuple(state_dict[kq].shape) == (module.in_features // 8, module.out_features):
+            codes = gptq_ops.gptq_unpack(state_dict[kq])
+            state_dict[kq] = awq_to_mma_layout(awq_pack(codes))
+            state_dict[kz] = awq_pack(gptq_ops.gptq_unpack_zeros(state_dict[kz]))
