@@ -6,7 +6,8 @@ Columns: bf16 F.linear; torchforge's dispatched op (AWQ layout) (the CUDA GEMV o
 dequant + cuBLAS beyond); each path forced (the split-K and tiled kernels are the fp32 paths now); tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
 bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros); then `mma layout`:
 `awq_mma_linear` on the same weight in the mma layout (what a ForgeAWQLinear runs after `use_mma_layout()`: the
-CUDA tensor-core kernel up to 64 rows, Triton dequantize + cuBLAS beyond) with its ratios.
+CUDA tensor-core kernel up to 64 rows, Triton dequantize + cuBLAS beyond) with its ratios; and the GPTQ layout's own
+Triton kernel (`w4a16_gptq_linear`, what a ForgeGPTQLinear runs before `use_mma_layout()`) on the same numbers.
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
 `--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py); `--cuda-gemv-sweep` only the extension's batch-1
 GEMV (csrc/awq_gemv.cu), which the op dispatches at M = 1 when it is built; `--mma-sweep 16,64,...` only the tensor-core
@@ -257,14 +258,20 @@ def main() -> int:
     from torchforge.ops.awq_moe_gemv_triton import launch_awq_moe_gemv
     from torchforge.ops.awq_splitk_triton import launch_w4a16_splitk
     from torchforge.ops.awq_triton import launch_w4a16_linear
+    from torchforge.ops import awq_unpack
     from torchforge.ops.awq_mma import awq_mma_linear
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.gptq import gptq_pack, gptq_pack_zeros, trivial_g_idx, w4a16_gptq_linear
 
     torch.manual_seed(0)
     rows, sweep_rows = [], []
     for shape in args.shapes.split(","):
         OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
         mma = awq_to_mma_layout(qw)
+        # the same numbers in the GPTQ layout (symmetric: true zero point 8, stored as 7 by GPTQ's v1 convention)
+        g_qw = gptq_pack(awq_unpack(qw))
+        g_qz = gptq_pack_zeros(awq_unpack(qz))
+        g_idx = trivial_g_idx(IC, G, device="cuda")
         zero_id = torch.zeros(1, dtype=torch.int64, device="cuda")
         for M in map(int, args.m.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
@@ -288,9 +295,10 @@ def main() -> int:
             mma_op = lambda: awq_mma_linear(x, mma, sc, qz, G)  # noqa: E731
             rel_mma = ((mma_op().float() - ref).norm() / ref.norm()).item()
             t_lay = bench_graph_ms(mma_op)
+            t_gptq = bench_graph_ms(lambda: w4a16_gptq_linear(x, g_qw, sc, g_qz, g_idx))
             rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_gemv8, t_mma, t_tiled, t_split, t_deq, t_tg,
                          t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}", t_lay, t_bf16 / t_lay,
-                         t_tg / t_lay, wbytes / t_lay / 1e6, f"{rel_mma:.1e}"])
+                         t_tg / t_lay, wbytes / t_lay / 1e6, f"{rel_mma:.1e}", t_gptq, t_bf16 / t_gptq])
             print("row:", " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
         if args.sweep:
             for M in (1, 16):
@@ -318,7 +326,8 @@ def main() -> int:
     print("\nw4a16_linear vs bf16 (ms, CUDA-graph medians unless eager):")
     print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "GEMV", "MoE GEMV, E=1", "tensor-core", "tiled", "split-K", "dequant+cuBLAS",
                           "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err", "mma layout",
-                          "bf16/mma", "tinygemm/mma", "mma int4 GB/s", "mma rel err"], rows))
+                          "bf16/mma", "tinygemm/mma", "mma int4 GB/s", "mma rel err", "GPTQ layout kernel",
+                          "bf16/GPTQ kernel"], rows))
     return 0
 
 

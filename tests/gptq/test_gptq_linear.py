@@ -249,6 +249,9 @@ def test_cuda_mma_layout(m):
     qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 512, 128, seed=m)
     mod = _module(qweight, scales, qzeros, g_idx, 1024, 512, 128).cuda()
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-    expected = mod(x)
+    expected = x.double() @ mod.dequantized_weight(torch.float64).T
     assert mod.use_mma_layout()
-    torch.testing.assert_close(mod(x).float(), expected.float(), **TOL[torch.bfloat16])
+    out = mod(x)
+    # relative to the fp64 product: elementwise bounds fail near zero, and the kernels round differently (the GPTQ
+    # kernel rounds each dequantized weight to bf16, the mma kernel applies scales in fp32)
+    assert out.dtype == torch.bfloat16 and ((out.double() - expected).norm() / expected.norm()) < 4e-3
