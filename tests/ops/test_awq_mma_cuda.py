@@ -29,14 +29,14 @@ def _check(out, x, qw, s, z, G, b=None):
 
 @pytest.mark.parametrize("k,n,G,m,splits,sym", [
     (128, 64, 128, 1, 1, True),       # one block, one group: 7 of 8 warps idle
-    (384, 192, 64, 3, 2, 1),      # 3 blocks of columns; 6 groups over 16 warps
+    (384, 192, 64, 3, 2, False),   # 3 blocks of columns; 6 groups over 16 warps
     (1024, 256, 128, 8, 1, True),     # one 8-row tile of x
-    (1024, 256, 128, 9, 1, 1),    # two tiles, the second with one row
+    (1024, 256, 128, 9, 1, False),    # two tiles, the second with one row
     (2048, 512, 128, 16, 3, True),    # 16 groups over 24 warps (uneven)
-    (2048, 128, 64, 17, 4, 1),    # two 16-row blocks of x, the second with one row
+    (2048, 128, 64, 17, 4, False),   # two 16-row blocks of x, the second with one row
     (7168, 512, 128, 33, 7, True),    # DeepSeek-V3 width, three row blocks
-    (1024, 320, 128, 64, 1, 1),
-    (1024, 128, 256, 2, 2, 1),    # groups of 256: 4 (or 2) items per group
+    (1024, 320, 128, 64, 1, False),
+    (1024, 128, 256, 2, 2, False),   # groups of 256: 4 (or 2) items per group
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
