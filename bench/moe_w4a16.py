@@ -8,6 +8,9 @@ Ours: ForgeAWQExperts (group 128) through awq_moe_gemm: the grouped GEMV (awq_mo
 routed rows are few relative to the experts (`use_moe_gemv`; the `path` column), else the expert-sorted
 Triton grouped GEMM. Times: eager medians (both sides launch from Python) and, where capture works,
 CUDA-graph medians. `floor` is the int4 bytes of the experts actually hit over the measured copy bandwidth.
+The `mma` columns: the same experts after `ForgeAWQExperts.use_mma_layout()` (grouped tensor-core kernel of
+csrc/awq_mma.cu + the same epilogue reduce kernels), timed after the AWQ rows in the same run, with HF bf16
+timed again beside them.
 
 `--gemv-sweep` runs alone (no HF model, random AWQ words, ~1-2 min): the grouped GEMV by itself (its split-K
 reduce included) on gate_up [E, 7168, 4096/8] and down [E, 2048, 7168/8] at M tokens x top-8 over BLOCK_W,
@@ -186,12 +189,32 @@ def main() -> int:
         rows.append([M, hit, path, t_hf, t_q, t_hf / t_q, g_hf, g_q, g_hf / g_q, floor_ms,
                      floor_ms / (g_q if g_q == g_q else t_q), f"{rel:.1e}"])
         torch.cuda.empty_cache()
+    # The same experts on the mma layout (ForgeAWQExperts.use_mma_layout: the grouped tensor-core kernel of
+    # csrc/awq_mma.cu), timed after the AWQ-layout rows in the same run.
+    assert q.use_mma_layout()
+    for row, M in zip(rows, map(int, args.m.split(","))):
+        torch.manual_seed(M)
+        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        scores = torch.rand(M, E, device="cuda")
+        w, ids = scores.topk(K, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).float()
+        with torch.no_grad():
+            out = q(x, ids, w)
+            deq_ref = hf_deq(x, ids, w)
+            g_hf = bench_graph_ms(lambda: hf(x, ids, w))
+            g_m = bench_graph_ms(lambda: q(x, ids, w))
+        rel = ((out.float() - deq_ref.float()).norm() / deq_ref.float().norm()).item()
+        floor_ms = ids.unique().numel() * per_expert_int4 / bw / 1e6
+        row += [g_hf, g_m, g_hf / g_m, floor_ms / g_m, f"{rel:.1e}"]
+        torch.cuda.empty_cache()
     if args.sweep:
         print("grouped GEMM tile sweep (CUDA graph ms; BLOCK_M from moe_block_m):")
         print(markdown_table(["M", "GEMM", "BLOCK_N", "BLOCK_K", "warps", "stages", "ms"], sweep(q, E, H, I, K)))
     print(f"device: {device_line()}; copy bandwidth {bw:.0f} GB/s (read+write); HF experts impl: {impl}")
     print(markdown_table(["M tokens", "experts hit", "path", "HF bf16 ms", "W4A16 ms", "speedup", "HF bf16 graph ms",
-                          "W4A16 graph ms", "graph speedup", "int4 floor ms", "% of floor", "rel err vs dequant"], rows))
+                          "W4A16 graph ms", "graph speedup", "int4 floor ms", "% of floor", "rel err vs dequant",
+                          "HF bf16 graph ms (2)", "mma layout graph ms", "mma speedup", "mma % of floor",
+                          "mma rel err"], rows))
     return 0
 
 

@@ -94,35 +94,15 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // AWQ packs column 8w + j of a zero word at nibble (j / 2) + 4 (j % 2).
 __device__ __forceinline__ int awq_shift(int col) { return 4 * (((col & 7) >> 1) + 4 * (col & 1)); }
 
+// sum_k x[row] * W[col] for this lane's C fragments (4 column tiles x NT tiles of 8 rows): the warp takes work
+// items first, first + workers, ... of `items` (CPG chunks of 64 k each, inside one quantization group).
+// wbase: this column block's words + lane; xrow / xok: this lane's B-fragment rows of x (+ 16 t).
 template <typename T, int NT, int CPG>
-__global__ void __launch_bounds__(kThreads, 2)
-    awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const __half* __restrict__ sc,
-                   const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
-                   float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                   int chunks_per_group, int splits) {
+__device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
+                                           const __half* __restrict__ sc, const uint32_t* __restrict__ qz,
+                                           const uint4* const (&xrow)[NT], const bool (&xok)[NT], int N, int cb,
+                                           int items, int first, int workers, int chunks_per_group, int g) {
   using Tr = Traits<T>;
-  __shared__ float red[kWarps * kRows * kPad];
-  __shared__ bool is_last;
-  const int mc = blockIdx.x;  // fastest: blocks on the same columns run together and share the weight in L2
-  const int cb = blockIdx.y;
-  const int slice = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int chunks = K / 64;
-  const int items = chunks / CPG;
-  const int workers = splits * kWarps;
-
-  const uint4* wbase = qw + static_cast<size_t>(cb) * chunks * 128 + lane;  // 4 k-steps x 32 lanes per chunk
-  const uint4* xrow[NT];
-  bool xok[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int m = mc * kRows + 8 * j + g;  // the B fragment's column (row of x) of this lane
-    xok[j] = m < M;
-    xrow[j] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xok[j] ? m : 0) * K + 16 * t);
-  }
-
-  float acc[4][NT][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -130,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-  for (int grp = slice * kWarps + warp; grp < items; grp += workers) {
+  for (int grp = first; grp < items; grp += workers) {
     uint4 w[CPG * 4];
 #pragma unroll
     for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(grp) * CPG * 4 + i) * 32);
@@ -200,9 +180,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
   }
+}
 
-  // warps -> shared memory red[warp][row of x][column]; C element e: column 16 i + g + 8 (e / 2),
-  // row of x 8 j + 2 t + (e % 2)
+// C fragments of the 8 warps -> shared memory red[warp][row of x][column]: element e is column 16 i + g + 8 (e / 2),
+// row 8 j + 2 t + (e % 2).
+template <int NT>
+__device__ __forceinline__ void stash(float* red, const float (&acc)[4][NT][4], int warp, int g, int t) {
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -210,6 +193,40 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         red[(warp * kRows + 8 * j + 2 * t + (e & 1)) * kPad + 16 * i + g + 8 * (e >> 1)] = acc[i][j][e];
+}
+
+template <typename T, int NT, int CPG>
+__global__ void __launch_bounds__(kThreads, 2)
+    awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const __half* __restrict__ sc,
+                   const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
+                   float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
+                   int chunks_per_group, int splits) {
+  using Tr = Traits<T>;
+  __shared__ float red[kWarps * kRows * kPad];
+  __shared__ bool is_last;
+  const int mc = blockIdx.x;  // fastest: blocks on the same columns run together and share the weight in L2
+  const int cb = blockIdx.y;
+  const int slice = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int chunks = K / 64;
+  const int items = chunks / CPG;
+  const int workers = splits * kWarps;
+
+  const uint4* wbase = qw + static_cast<size_t>(cb) * chunks * 128 + lane;  // 4 k-steps x 32 lanes per chunk
+  const uint4* xrow[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int m = mc * kRows + 8 * j + g;  // the B fragment's column (row of x) of this lane
+    xok[j] = m < M;
+    xrow[j] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xok[j] ? m : 0) * K + 16 * t);
+  }
+
+  float acc[4][NT][4];
+  accumulate<T, NT, CPG>(acc, wbase, sc, qz, xrow, xok, N, cb, items, slice * kWarps + warp, workers,
+                         chunks_per_group, g);
+  stash<NT>(red, acc, warp, g, t);
   __syncthreads();
 
   constexpr int kOut = NT * 8 * kCols;  // outputs of this block (rows x columns)
@@ -260,6 +277,58 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 
+// Grouped form for MoE experts: routed rows sorted by expert into blocks of NT * 8 (torchforge.ops.moe_align).
+// Block b holds routed rows sorted_rows[b * NT * 8 + i] (R where padding) of expert block_expert[b] (E past the
+// end: the block returns); routed row r reads x[r / x_row_div]. Each K slice writes its fp32 sums to
+// partial[slice, r, :]; the caller's reduce kernel adds the slices and applies the epilogue (SiLU * up, or the
+// router-weighted combine).
+template <typename T, int NT, int CPG>
+__global__ void __launch_bounds__(kThreads, 2)
+    awq_mma_moe_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const __half* __restrict__ sc,
+                       const uint32_t* __restrict__ qz, const int32_t* __restrict__ sorted_rows,
+                       const int32_t* __restrict__ block_expert, float* __restrict__ partial, int R, int N, int K,
+                       int E, int x_row_div, int chunks_per_group, int splits) {
+  __shared__ float red[kWarps * kRows * kPad];
+  const int b = blockIdx.x;
+  const int cb = blockIdx.y;
+  const int slice = blockIdx.z;
+  const int e = block_expert[b];
+  if (e < 0 || e >= E) return;  // past the last block of the last expert
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int chunks = K / 64;
+  const int items = chunks / CPG;
+  const size_t groups = static_cast<size_t>(K / (64 * chunks_per_group));
+  const uint4* wbase = qw + (static_cast<size_t>(e) * (N / kCols) + cb) * chunks * 128 + lane;
+  const __half* sce = sc + static_cast<size_t>(e) * groups * N;
+  const uint32_t* qze = qz + static_cast<size_t>(e) * groups * (N / 8);
+  const uint4* xrow[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int r = sorted_rows[b * NT * 8 + 8 * j + g];
+    xok[j] = r >= 0 && r < R;
+    xrow[j] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xok[j] ? r / x_row_div : 0) * K + 16 * t);
+  }
+  float acc[4][NT][4];
+  accumulate<T, NT, CPG>(acc, wbase, sce, qze, xrow, xok, N, cb, items, slice * kWarps + warp, splits * kWarps,
+                         chunks_per_group, g);
+  stash<NT>(red, acc, warp, g, t);
+  __syncthreads();
+  constexpr int kPer = NT * 8 * kCols / kThreads;
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) {
+    const int idx = threadIdx.x + q * kThreads;
+    const int row = idx / kCols, col = idx % kCols;
+    const int r = sorted_rows[b * NT * 8 + row];
+    if (r < 0 || r >= R) continue;
+    float v = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) v += red[(wi * kRows + row) * kPad + col];
+    partial[(static_cast<size_t>(slice) * R + r) * N + cb * kCols + col] = v;
+  }
+}
+
 template <typename T, int NT, int CPG>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
@@ -285,6 +354,36 @@ cudaError_t launch_t(const void* x, const int32_t* qw, const void* sc, const int
   return cudaErrorInvalidValue;
 }
 
+template <typename T, int NT>
+cudaError_t launch_moe_nt(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const int32_t* rows,
+                          const int32_t* block_expert, float* partial, int R, int N, int K, int E, int B,
+                          int x_row_div, int group_size, int splits, int item_chunks, cudaStream_t stream) {
+  const dim3 grid(B, N / kCols, splits);
+#define TF_MMA_MOE(CPG)                                                                                          \
+  awq_mma_moe_kernel<T, NT, CPG><<<grid, kThreads, 0, stream>>>(                                                 \
+      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const __half*>(sc),              \
+      reinterpret_cast<const uint32_t*>(qz), rows, block_expert, partial, R, N, K, E, x_row_div, group_size / 64, \
+      splits)
+  if (item_chunks == 1) TF_MMA_MOE(1);
+  else if (item_chunks == 2) TF_MMA_MOE(2);
+  else return cudaErrorInvalidValue;
+#undef TF_MMA_MOE
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_moe_t(int block_rows, const void* x, const int32_t* qw, const void* sc, const int32_t* qz,
+                         const int32_t* rows, const int32_t* block_expert, float* partial, int R, int N, int K, int E,
+                         int B, int x_row_div, int group_size, int splits, int item_chunks, cudaStream_t stream) {
+  if (block_rows == 8)
+    return launch_moe_nt<T, 1>(x, qw, sc, qz, rows, block_expert, partial, R, N, K, E, B, x_row_div, group_size,
+                               splits, item_chunks, stream);
+  if (block_rows == 16)
+    return launch_moe_nt<T, 2>(x, qw, sc, qz, rows, block_expert, partial, R, N, K, E, B, x_row_div, group_size,
+                               splits, item_chunks, stream);
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace awq_mma_detail
 
 // dtype 0 = bf16, 1 = fp16 (x, bias, out). The caller (ops.cpp) has checked shapes, alignment,
@@ -300,6 +399,27 @@ cudaError_t awq_mma_launch(int dtype, const void* x, const int32_t* qweight, con
   const int g = static_cast<int>(group_size), s = static_cast<int>(splits), ic = static_cast<int>(item_chunks);
   if (dtype == 0) return launch_t<__nv_bfloat16>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, ic, stream);
   if (dtype == 1) return launch_t<__half>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, ic, stream);
+  return cudaErrorInvalidValue;
+}
+
+// Grouped (MoE) launcher; dtype as above. The caller has checked shapes and alignment; block_rows (8 or 16) =
+// sorted_rows.numel() / B; partial holds splits * R * N floats.
+cudaError_t awq_mma_moe_launch(int dtype, int64_t block_rows, const void* x, const int32_t* qweight,
+                               const void* scales, const int32_t* qzeros, const int32_t* sorted_rows,
+                               const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
+                               int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
+                               int64_t item_chunks, cudaStream_t stream) {
+  using namespace awq_mma_detail;
+  const int br = static_cast<int>(block_rows), r = static_cast<int>(R), n = static_cast<int>(N);
+  const int k = static_cast<int>(K), e = static_cast<int>(E), b = static_cast<int>(B);
+  const int xd = static_cast<int>(x_row_div), g = static_cast<int>(group_size), s = static_cast<int>(splits);
+  const int ic = static_cast<int>(item_chunks);
+  if (dtype == 0)
+    return launch_moe_t<__nv_bfloat16>(br, x, qweight, scales, qzeros, sorted_rows, block_expert, partial, r, n, k, e,
+                                       b, xd, g, s, ic, stream);
+  if (dtype == 1)
+    return launch_moe_t<__half>(br, x, qweight, scales, qzeros, sorted_rows, block_expert, partial, r, n, k, e, b,
+                                xd, g, s, ic, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -38,6 +38,12 @@ cudaError_t awq_mma_launch(int dtype, const void* x, const int32_t* qweight, con
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                            int64_t splits, int64_t item_chunks, cudaStream_t stream);
 
+cudaError_t awq_mma_moe_launch(int dtype, int64_t block_rows, const void* x, const int32_t* qweight,
+                               const void* scales, const int32_t* qzeros, const int32_t* sorted_rows,
+                               const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
+                               int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
+                               int64_t item_chunks, cudaStream_t stream);
+
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
 // message (std::ostream << long, instantiated in this library) segfaulted on the device image
@@ -234,6 +240,68 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   return out;
 }
 
+// Grouped (MoE) form of awq_mma_cuda: x [X, K]; expert weights in the mma layout qweight [E, N / 64, K * 8],
+// scales fp16 [E, K/G, N], qzeros [E, K/G, N/8]; routed rows sorted by expert (torchforge.ops.moe_align with
+// blocks of 8 or 16: sorted_rows int32 [B * block], block_expert int32 [B]); routed row r < num_rows reads
+// x[r / x_row_div]. Returns the fp32 sums of each K slice, partial [splits, num_rows, N]; every routed row must
+// appear exactly once in sorted_rows (moe_align's contract), or its row of partial is left unwritten.
+at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            const at::Tensor& qzeros, const at::Tensor& sorted_rows, const at::Tensor& block_expert,
+                            int64_t num_rows, int64_t x_row_div, int64_t group_size, int64_t splits,
+                            int64_t item_chunks) {
+  const std::string op = "awq_mma_moe_cuda: ";
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda() && sorted_rows.is_cuda() &&
+                  block_expert.is_cuda(),
+              op + "all tensors must be CUDA tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              op + "x must be bfloat16 or float16, got " + c10::toString(x.scalar_type()));
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt && scales.scalar_type() == at::kHalf &&
+                  sorted_rows.scalar_type() == at::kInt && block_expert.scalar_type() == at::kInt,
+              op + "qweight, qzeros, sorted_rows and block_expert must be int32 and scales float16");
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3 && qzeros.dim() == 3 && sorted_rows.dim() == 1 &&
+                  block_expert.dim() == 1,
+              op + "expected x [X, K], qweight / scales / qzeros [E, ...], sorted_rows [B * block], block_expert [B]");
+  TORCH_CHECK(item_chunks == 1 || item_chunks == 2, op + "item_chunks must be 1 or 2, got " + i2s(item_chunks));
+  TORCH_CHECK(group_size > 0 && group_size % (64 * item_chunks) == 0,
+              op + "group_size must be a multiple of 64 * item_chunks = " + i2s(64 * item_chunks) + ", got " +
+                  i2s(group_size));
+  const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64, B = block_expert.size(0);
+  TORCH_CHECK(K % group_size == 0 && qweight.size(2) == K * 8,
+              op + "qweight must be [E, N / 64, K * 8] with K = " + i2s(K) + " a multiple of group_size, got " +
+                  shape_str(qweight.sizes()));
+  TORCH_CHECK(scales.size(0) == E && scales.size(1) == K / group_size && scales.size(2) == N && qzeros.size(0) == E &&
+                  qzeros.size(1) == K / group_size && qzeros.size(2) == N / 8,
+              op + "scales must be [E, K/G, N] = [" + i2s(E) + ", " + i2s(K / group_size) + ", " + i2s(N) +
+                  "] and qzeros [E, K/G, N/8], got " + shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
+  TORCH_CHECK(B >= 1 && B <= 2147483647 && sorted_rows.numel() % B == 0,
+              op + "sorted_rows must hold B * block rows for B = " + i2s(B) + " blocks");
+  const int64_t block_rows = sorted_rows.numel() / B;
+  TORCH_CHECK(block_rows == 8 || block_rows == 16, op + "blocks of 8 or 16 rows, got " + i2s(block_rows));
+  TORCH_CHECK(x_row_div >= 1 && num_rows >= 0 && x.size(0) * x_row_div >= num_rows,
+              op + "x has " + i2s(x.size(0)) + " rows; routed rows r < " + i2s(num_rows) + " read x[r / " +
+                  i2s(x_row_div) + "]");
+  const int64_t items = K / (64 * item_chunks);
+  TORCH_CHECK(splits >= 1 && splits <= items && splits <= 65535,
+              op + "splits must be in [1, K / (64 * item_chunks) = " + i2s(items) + "], got " + i2s(splits));
+  TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && num_rows < (int64_t{1} << 30) &&
+                  E < (int64_t{1} << 20),
+              op + "K, num_rows must be < 2^30, N < 2^22, E < 2^20");
+  for (const at::Tensor* t : {&x, &qweight, &scales, &qzeros, &sorted_rows, &block_expert})
+    TORCH_CHECK(t->device() == x.device() && t->is_contiguous(), op + "all tensors must be contiguous, on x's device");
+  TORCH_CHECK(aligned16(x) && aligned16(qweight), op + "x and qweight must be 16-byte aligned");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  at::Tensor partial = at::empty({splits, num_rows, N}, x.options().dtype(at::kFloat));
+  if (num_rows == 0) return partial;
+  const cudaError_t err = awq_mma_moe_launch(
+      x.scalar_type() == at::kBFloat16 ? 0 : 1, block_rows, x.data_ptr(), qweight.data_ptr<int32_t>(),
+      scales.data_ptr(), qzeros.data_ptr<int32_t>(), sorted_rows.data_ptr<int32_t>(),
+      block_expert.data_ptr<int32_t>(), partial.data_ptr<float>(), num_rows, N, K, E, B, x_row_div, group_size,
+      splits, item_chunks, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return partial;
+}
+
 }  // namespace torchforge
 
 TORCH_LIBRARY_FRAGMENT(torchforge, m) {
@@ -246,12 +314,16 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def(
       "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int item_chunks) -> Tensor");
+  m.def(
+      "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
+      "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {
   m.impl("awq_quantize_cuda", &torchforge::awq_quantize_cuda);
   m.impl("awq_gemv_cuda", &torchforge::awq_gemv_cuda);
   m.impl("awq_mma_cuda", &torchforge::awq_mma_cuda);
+  m.impl("awq_mma_moe_cuda", &torchforge::awq_mma_moe_cuda);
 }
 
 // An empty Python module, so that `import torchforge._C` loads the shared library (and with it

@@ -88,7 +88,7 @@ def test_errors_name_the_tensor():
     qw, s, z = awq_quantize(torch.randn(96, 128), 64)
     with pytest.raises(ValueError, match="OC and IC to be multiples of 64.*OC=96"):
         awq_to_mma_layout(qw)
-    with pytest.raises(ValueError, match="qweight must be a 2-D int32"):
+    with pytest.raises(ValueError, match="qweight must be an int32 AWQ tensor"):
         awq_to_mma_layout(qw.float())
     qw, s, z = awq_quantize(torch.randn(128, 128), 64)
     mma = awq_to_mma_layout(qw)

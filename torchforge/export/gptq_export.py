@@ -168,9 +168,10 @@ def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, t
     for name, mod in _w4_modules(model):
         if isinstance(mod, ForgeAWQExperts):
             i = mod.intermediate_size
+            gate_up_qweight, down_qweight = mod.awq_qweights()  # AWQ layout even when the module runs on mma
             for e in range(mod.num_experts):
                 z_gu, z_dn = awq_unpack(mod.gate_up_qzeros[e]), awq_unpack(mod.down_qzeros[e])
-                c_gu, c_dn = awq_unpack(mod.gate_up_qweight[e]), awq_unpack(mod.down_qweight[e])
+                c_gu, c_dn = awq_unpack(gate_up_qweight[e]), awq_unpack(down_qweight[e])
                 parts = {"gate_proj": (c_gu[:, :i], mod.gate_up_scales[e, :, :i], z_gu[:, :i]),
                          "up_proj": (c_gu[:, i:], mod.gate_up_scales[e, :, i:], z_gu[:, i:]),
                          "down_proj": (c_dn, mod.down_scales[e], z_dn)}

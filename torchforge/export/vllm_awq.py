@@ -30,16 +30,17 @@ def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
         if isinstance(mod, ForgeAWQExperts):
             expert_prefixes.append(name + ".")
             I8, I = mod.intermediate_size // 8, mod.intermediate_size
+            gate_up_qweight, down_qweight = mod.awq_qweights()  # AWQ layout even when the module runs on mma
             for e in range(mod.num_experts):
                 p = f"{name}.{e}"
                 # gate = output columns [0, I), up = [I, 2I): an exact split of the packed words (I % 8 == 0).
-                out[f"{p}.gate_proj.qweight"] = mod.gate_up_qweight[e, :, :I8]
-                out[f"{p}.up_proj.qweight"] = mod.gate_up_qweight[e, :, I8:]
+                out[f"{p}.gate_proj.qweight"] = gate_up_qweight[e, :, :I8]
+                out[f"{p}.up_proj.qweight"] = gate_up_qweight[e, :, I8:]
                 out[f"{p}.gate_proj.qzeros"] = mod.gate_up_qzeros[e, :, :I8]
                 out[f"{p}.up_proj.qzeros"] = mod.gate_up_qzeros[e, :, I8:]
                 out[f"{p}.gate_proj.scales"] = mod.gate_up_scales[e, :, :I]
                 out[f"{p}.up_proj.scales"] = mod.gate_up_scales[e, :, I:]
-                out[f"{p}.down_proj.qweight"] = mod.down_qweight[e]
+                out[f"{p}.down_proj.qweight"] = down_qweight[e]
                 out[f"{p}.down_proj.qzeros"] = mod.down_qzeros[e]
                 out[f"{p}.down_proj.scales"] = mod.down_scales[e]
         elif is_fused_experts(mod):  # unquantized HF experts: back to the per-expert names vLLM expects

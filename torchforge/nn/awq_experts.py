@@ -6,6 +6,8 @@ from torch import nn
 
 from torchforge import ops
 from torchforge.ops.awq_moe import awq_moe_gemm
+from torchforge.ops.awq_mma import awq_mma_moe_down_combine, awq_mma_moe_gate_up_silu
+from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
 from torchforge.ops.awq_moe_fused import awq_moe_down_combine, awq_moe_gate_up_silu
 
 
@@ -36,6 +38,10 @@ class ForgeAWQExperts(nn.Module):
     forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) matches HF's experts signature. Every
     routed (token, expert) pair is one row of a grouped W4A16 GEMM (`awq_moe_gemm`: expert-sorted blocks on
     CUDA): no Python loop over experts.
+
+    `use_mma_layout()` (run phase, CUDA) re-packs both `*_qweight` buffers into MMA fragment order
+    (`[E, OC // 64, IC * 8]`, torchforge.ops.awq_mma_layout) for the grouped tensor-core kernel of csrc/awq_mma.cu;
+    `state_dict()`, :meth:`awq_qweights` and the exporters still give vLLM's AWQ layout.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group_size: int = 128,
@@ -58,6 +64,9 @@ class ForgeAWQExperts(nn.Module):
         self.register_buffer("down_qweight", torch.empty(E, I, H // 8, **i32))
         self.register_buffer("down_scales", torch.empty(E, I // G, H, dtype=torch.float16, device=device))
         self.register_buffer("down_qzeros", torch.empty(E, I // G, H // 8, **i32))
+        self.weight_layout = "awq"
+        self._register_state_dict_hook(_export_awq_layout)
+        self._register_load_state_dict_pre_hook(_import_awq_layout, with_module=True)
 
     @torch.no_grad()
     def pack_weights(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> "ForgeAWQExperts":
@@ -69,6 +78,7 @@ class ForgeAWQExperts(nn.Module):
         q = lambda w: ops.awq_quantize(w, group_size=self.group_size, symmetric=self.symmetric)  # noqa: E731
         self.gate_up_qweight, self.gate_up_scales, self.gate_up_qzeros = q(gate_up_proj)
         self.down_qweight, self.down_scales, self.down_qzeros = q(down_proj)
+        self.weight_layout = "awq"
         return self
 
     @classmethod
@@ -85,14 +95,41 @@ class ForgeAWQExperts(nn.Module):
     def dequantized_weights(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) in HF's layout, computed in `dtype`."""
         G = self.group_size
-        return (ops.awq_dequantize(self.gate_up_qweight, self.gate_up_scales.to(dtype), self.gate_up_qzeros, G),
-                ops.awq_dequantize(self.down_qweight, self.down_scales.to(dtype), self.down_qzeros, G))
+        gate_up_q, down_q = self.awq_qweights()
+        return (ops.awq_dequantize(gate_up_q, self.gate_up_scales.to(dtype), self.gate_up_qzeros, G),
+                ops.awq_dequantize(down_q, self.down_scales.to(dtype), self.down_qzeros, G))
+
+    def awq_qweights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_qweight, down_qweight) in vLLM's AWQ layout, whatever layout the module runs with."""
+        if self.weight_layout == "mma":
+            return mma_layout_to_awq(self.gate_up_qweight), mma_layout_to_awq(self.down_qweight)
+        return self.gate_up_qweight, self.down_qweight
+
+    @torch.no_grad()
+    def use_mma_layout(self) -> bool:
+        """Switch both projections to the mma layout (exact); False, and nothing changed, where a shape or the group
+        size does not fit it (hidden and intermediate sizes and the group size multiples of 64)."""
+        if self.weight_layout == "mma":
+            return True
+        H, I, G = self.hidden_size, self.intermediate_size, self.group_size
+        if not (mma_layout_fits(H, 2 * I, G) and mma_layout_fits(I, H, G)):
+            return False
+        self.gate_up_qweight = awq_to_mma_layout(self.gate_up_qweight)
+        self.down_qweight = awq_to_mma_layout(self.down_qweight)
+        self.weight_layout = "mma"
+        return True
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, k = top_k_index.shape
         G = self.group_size
         flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick
-        if _is_silu(self.act_fn) and not (torch.is_grad_enabled() and top_k_weights.requires_grad):
+        fused = _is_silu(self.act_fn) and not (torch.is_grad_enabled() and top_k_weights.requires_grad)
+        if fused and self.weight_layout == "mma":
+            h = awq_mma_moe_gate_up_silu(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
+                                         self.gate_up_qzeros, G, k)
+            return awq_mma_moe_down_combine(h, flat_ids, top_k_weights, self.down_qweight, self.down_scales,
+                                            self.down_qzeros, G)
+        if fused:
             # the same computation as below as two ops, whose decode path fuses SiLU * up and the weighted sum
             # into the GEMVs' split-K reduce kernels (awq_moe_fused.py); they have no autograd formula, so
             # router weights that need a gradient take the PyTorch epilogue below
@@ -100,15 +137,37 @@ class ForgeAWQExperts(nn.Module):
                                      self.gate_up_qzeros, G, k)
             return awq_moe_down_combine(h, flat_ids, top_k_weights, self.down_qweight, self.down_scales,
                                         self.down_qzeros, G)
-        gate_up = awq_moe_gemm(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
-                                   self.gate_up_qzeros, G, k)
+        gate_up_q, down_q = self.awq_qweights()  # other activations / autograd: AWQ layout (a copy on mma)
+        gate_up = awq_moe_gemm(hidden_states, flat_ids, gate_up_q, self.gate_up_scales, self.gate_up_qzeros, G, k)
         gate, up = gate_up.chunk(2, dim=-1)
-        down = awq_moe_gemm(self.act_fn(gate) * up, flat_ids, self.down_qweight, self.down_scales,
-                                self.down_qzeros, G, 1)
+        down = awq_moe_gemm(self.act_fn(gate) * up, flat_ids, down_q, self.down_scales, self.down_qzeros, G, 1)
         # Weighted sum over the k picks in fp32 (router weights are fp32), then back to the activation dtype.
         out = (down.view(T, k, self.hidden_size).float() * top_k_weights.unsqueeze(-1).float()).sum(dim=1)
         return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, intermediate_size="
-                f"{self.intermediate_size}, group_size={self.group_size}, symmetric={self.symmetric}")
+                f"{self.intermediate_size}, group_size={self.group_size}, symmetric={self.symmetric}"
+                + (", weight_layout=mma" if self.weight_layout == "mma" else ""))
+
+
+_QWEIGHTS = ("gate_up_qweight", "down_qweight")
+
+
+def _export_awq_layout(module: ForgeAWQExperts, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict hook: checkpoints always hold vLLM's AWQ layout."""
+    if module.weight_layout == "mma":
+        for name in _QWEIGHTS:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = mma_layout_to_awq(state_dict[prefix + name])
+
+
+def _import_awq_layout(module: ForgeAWQExperts, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: AWQ-layout qweights ([E, IC, OC // 8]) for a module on the mma layout."""
+    if module.weight_layout != "mma":
+        return
+    E, H, I = module.num_experts, module.hidden_size, module.intermediate_size
+    for name, awq_shape in zip(_QWEIGHTS, ((E, H, 2 * I // 8), (E, I, H // 8))):
+        key = prefix + name
+        if key in state_dict and tuple(state_dict[key].shape) == awq_shape:
+            state_dict[key] = awq_to_mma_layout(state_dict[key])

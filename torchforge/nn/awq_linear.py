@@ -111,10 +111,13 @@ def _import_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, *a
             state_dict[key] = awq_to_mma_layout(q)
 
 
-def use_mma_layout(model: nn.Module) -> int:
-    """Switch every `ForgeAWQLinear` and `ForgeGPTQLinear` of `model` that fits to the mma layout (faster decode on
-    CUDA: the tensor-core kernel of csrc/awq_mma.cu for 1..64 rows, Triton dequantize + cuBLAS beyond); returns how
-    many switched. Exports are unchanged (each module's own checkpoint layout)."""
+def use_mma_layout(model: nn.Module, experts: bool = True) -> int:
+    """Switch every `ForgeAWQLinear` and `ForgeGPTQLinear` (and, with `experts`, `ForgeAWQExperts`) of `model` that
+    fits to the mma layout: faster decode on CUDA (the tensor-core kernels of csrc/awq_mma.cu; linear layers run
+    Triton dequantize + cuBLAS beyond 64 rows). Returns how many modules switched. Exports are unchanged (each
+    module's own checkpoint layout)."""
+    from torchforge.nn.awq_experts import ForgeAWQExperts
     from torchforge.nn.gptq_linear import ForgeGPTQLinear
 
-    return sum(m.use_mma_layout() for m in model.modules() if isinstance(m, (ForgeAWQLinear, ForgeGPTQLinear)))
+    kinds = (ForgeAWQLinear, ForgeGPTQLinear) + ((ForgeAWQExperts,) if experts else ())
+    return sum(m.use_mma_layout() for m in model.modules() if isinstance(m, kinds))

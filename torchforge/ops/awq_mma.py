@@ -14,16 +14,16 @@ from torch.library import custom_op
 
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq import _check_w4a16_args
-from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_ok
+from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_mma_moe_cuda, mma_cuda_ok, mma_moe_cuda_ok
 from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
-from torchforge.ops.awq_mma_layout import awq_mma_linear_ref
+from torchforge.ops.awq_mma_layout import awq_mma_linear_ref, mma_layout_to_awq
 
 if HAS_TRITON:
     from torch.library import triton_op as _define_kernel_op
 else:  # importing torchforge must work without triton
     _define_kernel_op = custom_op
 
-__all__ = ["awq_mma_linear"]
+__all__ = ["awq_mma_linear", "awq_mma_moe_gate_up_silu", "awq_mma_moe_down_combine"]
 
 
 def _check_mma_args(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -67,3 +67,82 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
     ``[OC / 64, IC * 8]`` and ``scales`` / ``qzeros`` in AWQ layout. Same numbers as `w4a16_linear` on the AWQ
     tensors within the kernels' tolerance (the CUDA kernel applies scale and zero point in fp32 per group)."""
     return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias)
+
+
+# ------------------------------------------------------------------------------------------ MoE experts
+# The two halves of ForgeAWQExperts' forward (torchforge.ops.awq_moe_fused) with the experts' codes in the mma layout
+# [E, OC / 64, IC * 8]. CUDA with the extension: the grouped kernel of csrc/awq_mma.cu writes fp32 sums per K slice
+# and the existing reduce kernels add them with the epilogue fused (SiLU * up; router-weighted combine). Elsewhere
+# the codes go back to the AWQ layout (exact; a copy of the experts per call: the CPU and no-extension path).
+def _moe_args(op: str, x: Tensor, expert_ids: Tensor, qweight_mma: Tensor) -> None:
+    torch._check_type(qweight_mma.dtype == torch.int32 and qweight_mma.dim() == 3,
+                      lambda: f"{op}: qweight_mma must be an int32 tensor [E, OC / 64, IC * 8], got {qweight_mma.dtype} "
+                              f"{tuple(qweight_mma.shape)}")
+    torch._check_value(x.dim() == 2 and qweight_mma.shape[2] == x.shape[1] * 8,
+                       lambda: f"{op}: qweight_mma {tuple(qweight_mma.shape)} is not [E, OC / 64, IC * 8] for x "
+                               f"{tuple(x.shape)} = [rows, IC]")
+
+
+def _awq_view(qweight_mma: Tensor) -> Tensor:
+    """The same words viewed with the AWQ shape [E, IC, OC / 8] (for the shape checks of the AWQ ops)."""
+    e, nb, k8 = qweight_mma.shape
+    return qweight_mma.reshape(e, k8 // 8, nb * 8)
+
+
+@_define_kernel_op("torchforge::awq_mma_moe_gate_up_silu", mutates_args=())
+def _awq_mma_moe_gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
+                              group_size: int, top_k: int) -> Tensor:
+    from torchforge.ops.awq_moe_fused import _check_gate_up, awq_moe_gate_up_silu
+    from torchforge.ops.moe_epilogue_triton import launch_silu_mul_reduce
+
+    _moe_args("awq_mma_moe_gate_up_silu", x, expert_ids, qweight_mma)
+    _check_gate_up(x, expert_ids, _awq_view(qweight_mma), scales, qzeros, group_size, top_k)
+    if mma_moe_cuda_ok(x, qweight_mma, scales, group_size):
+        part = launch_awq_mma_moe_cuda(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k)
+        return launch_silu_mul_reduce(part, x.dtype)
+    return awq_moe_gate_up_silu(x, expert_ids, mma_layout_to_awq(qweight_mma), scales, qzeros, group_size, top_k)
+
+
+@_awq_mma_moe_gate_up_silu.register_fake
+def _(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k):
+    from torchforge.ops.awq_moe_fused import _check_gate_up
+
+    _moe_args("awq_mma_moe_gate_up_silu", x, expert_ids, qweight_mma)
+    inter = _check_gate_up(x, expert_ids, _awq_view(qweight_mma), scales, qzeros, group_size, top_k)
+    return x.new_empty((expert_ids.shape[0], inter))
+
+
+@_define_kernel_op("torchforge::awq_mma_moe_down_combine", mutates_args=())
+def _awq_mma_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor,
+                              qzeros: Tensor, group_size: int) -> Tensor:
+    from torchforge.ops.awq_moe_fused import _check_combine, awq_moe_down_combine
+    from torchforge.ops.moe_epilogue_triton import launch_combine_reduce
+
+    _moe_args("awq_mma_moe_down_combine", h, expert_ids, qweight_mma)
+    _check_combine(h, expert_ids, weights, _awq_view(qweight_mma), scales, qzeros, group_size)
+    if mma_moe_cuda_ok(h, qweight_mma, scales, group_size):
+        part = launch_awq_mma_moe_cuda(h, expert_ids, qweight_mma, scales, qzeros, group_size, 1)
+        return launch_combine_reduce(part, weights, h.dtype)
+    return awq_moe_down_combine(h, expert_ids, weights, mma_layout_to_awq(qweight_mma), scales, qzeros, group_size)
+
+
+@_awq_mma_moe_down_combine.register_fake
+def _(h, expert_ids, weights, qweight_mma, scales, qzeros, group_size):
+    from torchforge.ops.awq_moe_fused import _check_combine
+
+    _moe_args("awq_mma_moe_down_combine", h, expert_ids, qweight_mma)
+    tokens, oc = _check_combine(h, expert_ids, weights, _awq_view(qweight_mma), scales, qzeros, group_size)
+    return h.new_empty((tokens, oc))
+
+
+def awq_mma_moe_gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
+                             group_size: int = 128, top_k: int = 1) -> Tensor:
+    """`awq_moe_gate_up_silu` with the experts' codes in the mma layout: ``SiLU(gate) * up`` ``[len(expert_ids), I]``."""
+    return torch.ops.torchforge.awq_mma_moe_gate_up_silu(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k)
+
+
+def awq_mma_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor,
+                             qzeros: Tensor, group_size: int = 128) -> Tensor:
+    """`awq_moe_down_combine` with the experts' codes in the mma layout: ``[T, OC]``."""
+    return torch.ops.torchforge.awq_mma_moe_down_combine(h, expert_ids, weights, qweight_mma, scales, qzeros,
+                                                         group_size)

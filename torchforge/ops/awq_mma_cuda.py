@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_ok", "launch_awq_mma_cuda", "register_fake"]
+__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_ok", "launch_awq_mma_cuda", "mma_moe_cuda_ok",
+           "launch_awq_mma_moe_cuda", "register_fake"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2.
 MMA_CUDA_MAX_M = 64
@@ -56,6 +57,36 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
     return out.reshape(*x.shape[:-1], n)
 
 
+def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: int) -> bool:
+    """Whether the grouped CUDA kernel takes this MoE call."""
+    from torchforge.ops._ext import has_cuda_ext
+
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0 and has_cuda_ext()
+            and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and scales.dtype == torch.float16
+            and qweight_mma.device == x.device and qweight_mma.storage_offset() * 4 % 16 == 0)
+
+
+def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
+                            group_size: int, x_row_div: int) -> Tensor:
+    """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
+    `[E, N / 64, K * 8]`. Rows are sorted by expert on the device (moe_align: blocks of 8 rows while there are no
+    more rows than experts, as in decode, else 16), so there is no host sync."""
+    from torchforge.ops.moe_align import moe_align
+
+    num_experts, nb, k8 = qweight_mma.shape
+    k, n, rows = k8 // 8, nb * 64, expert_ids.numel()
+    block = 8 if rows <= num_experts else 16
+    sorted_rows, block_expert = moe_align(expert_ids, num_experts, block)
+    # K slices by the dense kernel's rule, on the (upper bound of the) number of row blocks
+    item_chunks = 2 if group_size % 128 == 0 else 1
+    tiles = block_expert.numel() * (n // 64)
+    splits = 1 if tiles >= 96 else max(1, min(4, k // (64 * item_chunks)))
+    x2 = x.contiguous() if x.storage_offset() * x.element_size() % 16 or not x.is_contiguous() else x
+    return torch.ops.torchforge.awq_mma_moe_cuda(x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(),
+                                                 sorted_rows, block_expert, rows, x_row_div, group_size, splits,
+                                                 item_chunks)
+
+
 _registered = False
 
 
@@ -75,5 +106,14 @@ def register_fake() -> None:
         torch._check(x.dtype in (torch.float16, torch.bfloat16),
                      lambda: f"awq_mma_cuda: x must be float16 or bfloat16, got {x.dtype}")
         return x.new_empty((x.shape[0], qweight.shape[0] * 64))
+
+    if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
+        @torch.library.register_fake("torchforge::awq_mma_moe_cuda")
+        def _(x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, splits,
+              item_chunks):
+            torch._check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
+                         lambda: f"awq_mma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "
+                                 f"{tuple(qweight.shape)}")
+            return x.new_empty((splits, num_rows, qweight.shape[1] * 64), dtype=torch.float32)
 
     _registered = True

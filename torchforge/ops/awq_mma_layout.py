@@ -13,7 +13,7 @@ lane t then reads 16 consecutive elements of x per chunk, and fragment register 
 shift and one mask away. Scales and zero points keep their AWQ layout; the conversion is exact both ways, so
 checkpoints are written in vLLM's layout whatever a module runs with.
 
-Shape: int32 `[OC / 64, IC * 8]` (OC and IC multiples of 64).
+Shape: int32 `[OC / 64, IC * 8]` (OC and IC multiples of 64), `[E, OC / 64, IC * 8]` for stacked experts.
 """
 from __future__ import annotations
 
@@ -45,14 +45,18 @@ def check_mma_layout_shape(ic: int, oc: int, what: str) -> None:
 
 
 def awq_to_mma_layout(qweight: Tensor) -> Tensor:
-    """AWQ qweight int32 ``[IC, OC // 8]`` -> mma layout int32 ``[OC // 64, IC * 8]`` (exact, any device)."""
-    if qweight.dtype != torch.int32 or qweight.dim() != 2:
-        raise ValueError(f"awq_to_mma_layout: qweight must be a 2-D int32 AWQ tensor [IC, OC // 8], got "
+    """AWQ qweight int32 ``[..., IC, OC // 8]`` -> mma layout int32 ``[..., OC // 64, IC * 8]`` (exact, any device;
+    a leading dim holds experts)."""
+    if qweight.dtype != torch.int32 or qweight.dim() < 2:
+        raise ValueError(f"awq_to_mma_layout: qweight must be an int32 AWQ tensor [..., IC, OC // 8], got "
                          f"{qweight.dtype} {tuple(qweight.shape)}")
-    ic, oc = qweight.shape[0], qweight.shape[1] * 8
+    *lead, ic, ocp = qweight.shape
+    oc = ocp * 8
     check_mma_layout_shape(ic, oc, "awq_to_mma_layout")
-    codes = awq_unpack_ref(qweight).t()  # uint8 [OC, IC]
-    q = codes.reshape(oc // 64, 4, 2, 8, ic // 64, 4, 4, 2, 2).permute(*_TO_MMA).reshape(oc // 64, ic * 8, 8)
+    codes = awq_unpack_ref(qweight).transpose(-1, -2)  # uint8 [..., OC, IC]
+    nl = len(lead)
+    q = codes.reshape(*lead, oc // 64, 4, 2, 8, ic // 64, 4, 4, 2, 2)
+    q = q.permute(*range(nl), *(nl + d for d in _TO_MMA)).reshape(*lead, oc // 64, ic * 8, 8)
     words = torch.zeros(q.shape[:-1], dtype=torch.int64, device=qweight.device)
     for p in range(8):  # one nibble at a time: temporaries of one byte per weight, not eight
         words |= q[..., p].to(torch.int64) << (4 * p)
@@ -60,15 +64,18 @@ def awq_to_mma_layout(qweight: Tensor) -> Tensor:
 
 
 def mma_layout_to_awq(qweight_mma: Tensor) -> Tensor:
-    """Exact inverse of :func:`awq_to_mma_layout`: int32 ``[OC // 64, IC * 8]`` -> AWQ ``[IC, OC // 8]``."""
-    if qweight_mma.dtype != torch.int32 or qweight_mma.dim() != 2 or qweight_mma.shape[1] % 512:
-        raise ValueError(f"mma_layout_to_awq: expected an int32 [OC // 64, IC * 8] tensor with IC a multiple of 64, "
-                         f"got {qweight_mma.dtype} {tuple(qweight_mma.shape)}")
-    oc, ic = qweight_mma.shape[0] * 64, qweight_mma.shape[1] // 8
+    """Exact inverse of :func:`awq_to_mma_layout`: int32 ``[..., OC // 64, IC * 8]`` -> AWQ ``[..., IC, OC // 8]``."""
+    if qweight_mma.dtype != torch.int32 or qweight_mma.dim() < 2 or qweight_mma.shape[-1] % 512:
+        raise ValueError(f"mma_layout_to_awq: expected an int32 [..., OC // 64, IC * 8] tensor with IC a multiple of "
+                         f"64, got {qweight_mma.dtype} {tuple(qweight_mma.shape)}")
+    *lead, nb, k8 = qweight_mma.shape
+    oc, ic = nb * 64, k8 // 8
+    nl = len(lead)
     shifts = 4 * torch.arange(8, device=qweight_mma.device, dtype=torch.int32)
     nib = ((qweight_mma.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # arithmetic shift: the mask drops the sign
-    codes = nib.reshape(oc // 64, ic // 64, 4, 8, 4, 4, 2, 2, 2).permute(*_FROM_MMA).reshape(oc, ic)
-    return awq_pack_ref(codes.t(), check=False)  # nibbles: 4-bit by construction
+    nib = nib.reshape(*lead, oc // 64, ic // 64, 4, 8, 4, 4, 2, 2, 2)
+    codes = nib.permute(*range(nl), *(nl + d for d in _FROM_MMA)).reshape(*lead, oc, ic)
+    return awq_pack_ref(codes.transpose(-1, -2), check=False)  # nibbles: 4-bit by construction
 
 
 def awq_mma_linear_ref(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,

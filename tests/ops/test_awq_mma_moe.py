@@ -1,0 +1,151 @@
+"""MoE experts on the mma layout: awq_mma_moe_gate_up_silu / awq_mma_moe_down_combine against an fp64 oracle (CPU:
+the AWQ-layout path after an exact conversion; CUDA: the grouped kernel of csrc/awq_mma.cu, decode and prefill
+block sizes), ForgeAWQExperts.use_mma_layout (same outputs, AWQ state dict and export), compile and CUDA graphs."""
+import pytest
+import torch
+
+import torch.nn.functional as F
+
+from torchforge.ops import awq_quantize, awq_unpack
+from torchforge.ops._ext import has_cuda_ext
+from torchforge.ops.awq_mma import awq_mma_moe_down_combine, awq_mma_moe_gate_up_silu
+from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_to_awq
+
+H, I = 128, 64
+
+
+def _experts(E, G, device, seed=0):
+    torch.manual_seed(seed)
+    gu = awq_quantize(torch.randn(E, 2 * I, H) * 0.2, G, symmetric=False)
+    down = awq_quantize(torch.randn(E, H, I) * 0.2, G, symmetric=True)
+    return [t.to(device) for t in gu], [t.to(device) for t in down]
+
+
+def _oracle(x, ids, w, gu, down, k, G):
+    """fp64 from unpacked nibbles: h = SiLU(x Wg^T) * (x Wu^T), out[t] = sum_j w[t, j] h[t k + j] Wd^T."""
+    def deq(qw, s, z):
+        codes, zeros = awq_unpack(qw).double(), awq_unpack(z).double().repeat_interleave(G, -2)
+        return ((codes - zeros) * s.double().repeat_interleave(G, -2)).transpose(-1, -2)  # [E, OC, IC]
+
+    wgu, wd = deq(*gu)[ids], deq(*down)[ids]
+    xr = x.double().repeat_interleave(k, 0)
+    gate, up = (wgu @ xr.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    d = (wd @ h.unsqueeze(-1)).squeeze(-1)
+    return h, (d.view(x.shape[0], k, -1) * w.double().unsqueeze(-1)).sum(1)
+
+
+def _run(x, ids, w, gu, down, G, k):
+    h = awq_mma_moe_gate_up_silu(x, ids, awq_to_mma_layout(gu[0]), gu[1], gu[2], G, k)
+    return h, awq_mma_moe_down_combine(h, ids, w, awq_to_mma_layout(down[0]), down[1], down[2], G)
+
+
+def test_batched_layout_round_trip():
+    gu, down = _experts(3, 64, "cpu")
+    for qw in (gu[0], down[0]):
+        mma = awq_to_mma_layout(qw)
+        assert mma.shape == (3, qw.shape[2] // 8, qw.shape[1] * 8)
+        assert torch.equal(mma_layout_to_awq(mma), qw)
+        assert all(torch.equal(mma[e], awq_to_mma_layout(qw[e])) for e in range(3))
+
+
+@pytest.mark.parametrize("T,k", [(1, 4), (5, 2)])
+def test_cpu_ops_match_fp64_oracle_and_opcheck(T, k):
+    E, G = 6, 64
+    gu, down = _experts(E, G, "cpu", seed=T)
+    g = torch.Generator().manual_seed(T)
+    ids, w = torch.randint(0, E, (T * k,), generator=g), torch.rand(T, k, generator=g)
+    x = torch.randn(T, H)
+    h, out = _run(x, ids, w, gu, down, G, k)
+    h_ref, out_ref = _oracle(x, ids, w, gu, down, k, G)
+    torch.testing.assert_close(h.double(), h_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double(), out_ref, rtol=1e-4, atol=1e-4)
+    mma_gu, mma_dn = awq_to_mma_layout(gu[0]), awq_to_mma_layout(down[0])
+    torch.library.opcheck(torch.ops.torchforge.awq_mma_moe_gate_up_silu, (x, ids, mma_gu, gu[1], gu[2], G, k))
+    torch.library.opcheck(torch.ops.torchforge.awq_mma_moe_down_combine, (h, ids, w, mma_dn, down[1], down[2], G))
+
+
+def test_errors_name_the_tensor():
+    gu, down = _experts(2, 64, "cpu")
+    x, ids = torch.randn(1, H), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"awq_mma_moe_gate_up_silu: qweight_mma must be an int32 tensor \[E"):
+        awq_mma_moe_gate_up_silu(x, ids, awq_to_mma_layout(gu[0]).float(), gu[1], gu[2], 64, 2)
+    with pytest.raises(ValueError, match=r"qweight_mma \(2, 128, 16\) is not \[E, OC / 64, IC \* 8\] for x \(1, 128\)"):
+        awq_mma_moe_gate_up_silu(x, ids, gu[0], gu[1], gu[2], 64, 2)  # still the AWQ layout
+
+
+def test_module_use_mma_layout_same_outputs_and_awq_exports():
+    from torchforge.nn import ForgeAWQExperts
+
+    torch.manual_seed(0)
+    E, k, T = 4, 2, 3
+    mod = ForgeAWQExperts(E, H, I, group_size=64).pack_weights(torch.randn(E, 2 * I, H) * 0.1,
+                                                               torch.randn(E, H, I) * 0.1)
+    x = torch.randn(T, H)
+    idx, w = torch.randint(0, E, (T, k)), torch.rand(T, k)
+    with torch.no_grad():
+        before = mod(x, idx, w)
+    state = {n: t.clone() for n, t in mod.state_dict().items()}
+    deq = mod.dequantized_weights()
+    assert mod.use_mma_layout() and mod.gate_up_qweight.shape == (E, 2 * I // 64, H * 8)
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x, idx, w), before, rtol=0, atol=0)  # CPU: the same AWQ ops after conversion
+    after = mod.state_dict()
+    assert all(torch.equal(after[n], state[n]) for n in state)
+    assert all(torch.equal(a, b) for a, b in zip(mod.dequantized_weights(), deq))
+    fresh = ForgeAWQExperts(E, H, I, group_size=64)
+    assert fresh.use_mma_layout()
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.gate_up_qweight, mod.gate_up_qweight) and torch.equal(fresh.down_qweight, mod.down_qweight)
+    assert not ForgeAWQExperts(E, 96, 32, group_size=32).use_mma_layout()  # 96 and 32 are not multiples of 64
+
+
+cuda = pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extension (csrc/) and a GPU")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("T,k,E,G", [(1, 8, 16, 128), (3, 8, 16, 64), (40, 8, 16, 128), (7, 1, 4, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_grouped_kernel_matches_oracle(T, k, E, G, dtype):
+    """Decode (rows <= experts: blocks of 8) and prefill (blocks of 16, several rows per expert) shapes."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
+
+    gu, down = _experts(E, G, "cuda", seed=T * k)
+    g = torch.Generator().manual_seed(T)
+    ids, w = torch.randint(0, E, (T * k,), generator=g).cuda(), torch.rand(T, k, generator=g).cuda()
+    x = torch.randn(T, H, device="cuda").to(dtype)
+    h, out = _run(x, ids, w, gu, down, G, k)
+    h_ref, out_ref = _oracle(x, ids, w, gu, down, k, G)
+    assert ((h.double() - h_ref).norm() / h_ref.norm()) < 1e-2
+    assert ((out.double() - out_ref).norm() / out_ref.norm()) < 1e-2
+    part = launch_awq_mma_moe_cuda(x, ids, awq_to_mma_layout(gu[0]), gu[1], gu[2], G, k)
+    assert part.dtype == torch.float32 and part.shape[1:] == (T * k, 2 * I)
+    assert torch.isfinite(part).all()  # every routed row written
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_module_compile_and_graph():
+    from torchforge.nn import ForgeAWQExperts
+
+    torch.manual_seed(1)
+    E, k = 16, 8
+    mod = ForgeAWQExperts(E, H, I, group_size=128).pack_weights(torch.randn(E, 2 * I, H) * 0.1,
+                                                                torch.randn(E, H, I) * 0.1).cuda()
+    x = torch.randn(2, H, device="cuda", dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(2)]).cuda()
+    w = torch.rand(2, k, device="cuda")
+    with torch.no_grad():
+        before = mod(x, idx, w)
+        assert mod.use_mma_layout()
+        eager = mod(x, idx, w)
+        assert ((eager.float() - before.float()).norm() / before.float().norm()) < 1e-2
+        compiled = torch.compile(mod, fullgraph=True)
+        torch.testing.assert_close(compiled(x, idx, w), eager, rtol=0, atol=0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = mod(x, idx, w)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(captured, mod(x, idx, w), rtol=0, atol=0)
