@@ -231,6 +231,10 @@ def test_mma_layout_same_numbers_and_gptq_exports():
     assert torch.equal(fresh.qweight, mod.qweight) and torch.equal(fresh.qzeros, mod.qzeros)
     act = _module(*random_gptq(256, 128, 64, seed=8, act_order=True)[:4], 256, 128, 64)
     assert not act.use_mma_layout() and act.weight_layout == "gptq"
+    with pytest.raises(ValueError, match="holds neither act-order .* call use_mma_layout\\(\\) after loading"):
+        fresh.load_state_dict({**state, "g_idx": act.g_idx})  # an act-order checkpoint into an mma-layout module
+    meta = ForgeGPTQLinear(256, 128, group_size=64, device="meta")
+    assert not meta.use_mma_layout()  # the zero points cannot be checked on meta
     zeros16 = qzeros.clone()
     zeros16[0, 0] |= 0xF  # stored 15: true zero point 16
     assert not _module(qweight, scales, zeros16, g_idx, 256, 128, 64).use_mma_layout()
@@ -251,7 +255,15 @@ def test_cuda_mma_layout(m):
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     expected = x.double() @ mod.dequantized_weight(torch.float32).double().T
     assert mod.use_mma_layout()
-    out = mod(x)
+    import torchforge.ops.awq_mma as awq_mma
+
+    calls, real = [], awq_mma.launch_awq_mma_cuda
+    awq_mma.launch_awq_mma_cuda = lambda *a: calls.append(1) or real(*a)
+    try:
+        out = mod(x)
+    finally:
+        awq_mma.launch_awq_mma_cuda = real
+    assert calls == ([1] if m <= 64 else [])  # the CUDA kernel up to 64 rows, Triton dequantize + cuBLAS beyond
     # relative to the fp64 product: elementwise bounds fail near zero, and the kernels round differently (the GPTQ
     # kernel rounds each dequantized weight to bf16, the mma kernel applies scales in fp32)
     assert out.dtype == torch.bfloat16 and ((out.double() - expected).norm() / expected.norm()) < 4e-3

@@ -11,7 +11,7 @@ from torchforge.ops._ext import has_cuda_ext
 from torchforge.ops.awq_mma import awq_mma_moe_down_combine, awq_mma_moe_gate_up_silu
 from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_to_awq
 
-H, I = 128, 64
+H, I = 128, 128  # I is a multiple of every group size used here (64, 128)
 
 
 def _experts(E, G, device, seed=0):
@@ -40,13 +40,18 @@ def _run(x, ids, w, gu, down, G, k):
     return h, awq_mma_moe_down_combine(h, ids, w, awq_to_mma_layout(down[0]), down[1], down[2], G)
 
 
-def test_batched_layout_round_trip():
-    gu, down = _experts(3, 64, "cpu")
+@pytest.mark.parametrize("chunked", [False, True])
+def test_batched_layout_round_trip(chunked, monkeypatch):
+    import torchforge.ops.awq_mma_layout as layout
+
+    if chunked:  # experts converted a few at a time (bounded temporaries), as for 256 DeepSeek-V3 experts
+        monkeypatch.setattr(layout, "_CHUNK_WEIGHTS", 2 * H * I)
+    gu, down = _experts(5, 64, "cpu")
     for qw in (gu[0], down[0]):
         mma = awq_to_mma_layout(qw)
-        assert mma.shape == (3, qw.shape[2] // 8, qw.shape[1] * 8)
+        assert mma.shape == (5, qw.shape[2] // 8, qw.shape[1] * 8)
         assert torch.equal(mma_layout_to_awq(mma), qw)
-        assert all(torch.equal(mma[e], awq_to_mma_layout(qw[e])) for e in range(3))
+        assert all(torch.equal(mma[e], awq_to_mma_layout(qw[e])) for e in range(5))
 
 
 @pytest.mark.parametrize("T,k", [(1, 4), (5, 2)])
@@ -70,7 +75,7 @@ def test_errors_name_the_tensor():
     x, ids = torch.randn(1, H), torch.zeros(2, dtype=torch.long)
     with pytest.raises(TypeError, match=r"awq_mma_moe_gate_up_silu: qweight_mma must be an int32 tensor \[E"):
         awq_mma_moe_gate_up_silu(x, ids, awq_to_mma_layout(gu[0]).float(), gu[1], gu[2], 64, 2)
-    with pytest.raises(ValueError, match=r"qweight_mma \(2, 128, 16\) is not \[E, OC / 64, IC \* 8\] for x \(1, 128\)"):
+    with pytest.raises(ValueError, match=r"qweight_mma \(2, 128, 32\) is not \[E, OC / 64, IC \* 8\] for x \(1, 128\)"):
         awq_mma_moe_gate_up_silu(x, ids, gu[0], gu[1], gu[2], 64, 2)  # still the AWQ layout
 
 

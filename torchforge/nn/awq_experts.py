@@ -44,6 +44,8 @@ class ForgeAWQExperts(nn.Module):
     `state_dict()`, :meth:`awq_qweights` and the exporters still give vLLM's AWQ layout.
     """
 
+    weight_layout = "awq"  # class default: modules pickled before the mma layout existed
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group_size: int = 128,
                  symmetric: bool = True, act_fn="silu", device=None):
         super().__init__()

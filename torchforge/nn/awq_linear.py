@@ -10,6 +10,8 @@ from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mm
 
 
 class ForgeAWQLinear(nn.Module):
+    weight_layout = "awq"  # class default: modules pickled before the mma layout existed
+
     """y = x @ dequant(W).T + b with W stored as AWQ W4 buffers (plain tensors, no subclass).
 
     Buffers carry the exact names and layouts vLLM's AWQ loader reads, so the state dict exports as is:
@@ -75,7 +77,9 @@ class ForgeAWQLinear(nn.Module):
     @torch.no_grad()
     def use_mma_layout(self) -> bool:
         """Switch qweight to the mma layout (exact, in place of the AWQ words); False, and nothing changed, where
-        the shape or group size does not fit it (OC and IC multiples of 64, groups of 64 or 128)."""
+        the shape or group size does not fit it (OC, IC and the group size multiples of 64). The CUDA kernel reads
+        fp16 scales (AWQ's own dtype) and needs the compiled extension; without them (e.g. after
+        `model.to(torch.bfloat16)` cast the scales) every call dequantizes the weight and runs cuBLAS."""
         if self.weight_layout == "mma":
             return True
         if not mma_layout_fits(self.in_features, self.out_features, self.group_size):

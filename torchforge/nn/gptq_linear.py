@@ -30,6 +30,7 @@ class ForgeGPTQLinear(nn.Module):
     """
 
     bits = 4
+    weight_layout = "gptq"  # class default: modules pickled before the mma layout existed
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
                  symmetric: bool = True, device=None, dtype: torch.dtype = torch.bfloat16):
@@ -129,9 +130,8 @@ class ForgeGPTQLinear(nn.Module):
             return True
         if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
             return False
-        if self.qweight.is_meta:
-            raise ValueError("ForgeGPTQLinear.use_mma_layout: the buffers are on the meta device; load them first "
-                             "(the zero points are checked)")
+        if self.qweight.is_meta:  # the zero points cannot be checked: switch after loading
+            return False
         if self.has_act_order() or int(gptq_ops.gptq_unpack_zeros(self.qzeros).max()) > 15:
             return False
         qweight, _, qzeros = self.awq_tensors()
@@ -164,9 +164,17 @@ def _export_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, 
 
 def _import_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, *args) -> None:
     """load_state_dict pre-hook: GPTQ-layout qweight [IC // 8, OC] and qzeros, for a module on the mma layout."""
-    kq, kz = prefix + "qweight", prefix + "qzeros"
+    kq, kz, kg = prefix + "qweight", prefix + "qzeros", prefix + "g_idx"
     if module.weight_layout == "mma" and kq in state_dict and kz in state_dict:
         if tuple(state_dict[kq].shape) == (module.in_features // 8, module.out_features):
+            zeros = gptq_ops.gptq_unpack_zeros(state_dict[kz])
+            g_idx = state_dict.get(kg)
+            trivial = gptq_ops.trivial_g_idx(module.in_features, module.group_size)
+            if (g_idx is not None and not torch.equal(g_idx.cpu().to(torch.int32), trivial)) or int(zeros.max()) > 15:
+                raise ValueError(f"ForgeGPTQLinear.load_state_dict ({prefix or 'module'}): this module runs on the mma "
+                                 "layout, which holds neither act-order (a permuted g_idx) nor a stored zero point of "
+                                 "16; load into a module on the GPTQ layout (a fresh one) and call use_mma_layout() "
+                                 "after loading: it keeps the GPTQ kernel for such layers")
             codes = gptq_ops.gptq_unpack(state_dict[kq])
             state_dict[kq] = awq_to_mma_layout(awq_pack(codes))
-            state_dict[kz] = awq_pack(gptq_ops.gptq_unpack_zeros(state_dict[kz]))
+            state_dict[kz] = awq_pack(zeros)

@@ -33,7 +33,9 @@ def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, 
     """Whether the CUDA kernel takes this call (else the caller converts to AWQ and uses `w4a16_linear`)."""
     from torchforge.ops._ext import has_cuda_ext
 
-    m = x.numel() // x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or x.shape[-1] == 0 or qweight_mma.shape[0] == 0:
+        return False
+    m = x.numel() // x.shape[-1]
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0
             and 1 <= m <= MMA_CUDA_MAX_M and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
             and scales.dtype == torch.float16

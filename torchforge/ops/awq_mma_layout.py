@@ -44,6 +44,23 @@ def check_mma_layout_shape(ic: int, oc: int, what: str) -> None:
                          f"columns, 64-row chunks of k), got OC={oc}, IC={ic}; keep the AWQ layout for this layer")
 
 
+_CHUNK_WEIGHTS = 1 << 27  # matrices converted at a time along the leading dims: ~1 GB of temporaries
+
+
+def _by_chunks(fn, t: Tensor, out_shape: tuple, weights_per_matrix: int) -> Tensor:
+    """fn over the leading dims of t in chunks (load time, not a hot path): the temporaries stay bounded whatever
+    the number of experts (all 256 experts of a DeepSeek-V3 layer at once needed 28 GB)."""
+    lead = t.shape[:-2]
+    flat = t.reshape(-1, *t.shape[-2:])
+    step = max(1, _CHUNK_WEIGHTS // max(1, weights_per_matrix))
+    if flat.shape[0] <= step:
+        return fn(t)
+    out = torch.empty((flat.shape[0], *out_shape), dtype=torch.int32, device=t.device)
+    for i in range(0, flat.shape[0], step):
+        out[i:i + step] = fn(flat[i:i + step])
+    return out.reshape(*lead, *out_shape)
+
+
 def awq_to_mma_layout(qweight: Tensor) -> Tensor:
     """AWQ qweight int32 ``[..., IC, OC // 8]`` -> mma layout int32 ``[..., OC // 64, IC * 8]`` (exact, any device;
     a leading dim holds experts)."""
@@ -53,6 +70,8 @@ def awq_to_mma_layout(qweight: Tensor) -> Tensor:
     *lead, ic, ocp = qweight.shape
     oc = ocp * 8
     check_mma_layout_shape(ic, oc, "awq_to_mma_layout")
+    if lead and qweight.numel() * 8 > _CHUNK_WEIGHTS:
+        return _by_chunks(awq_to_mma_layout, qweight, (oc // 64, ic * 8), ic * oc)
     codes = awq_unpack_ref(qweight).transpose(-1, -2)  # uint8 [..., OC, IC]
     nl = len(lead)
     q = codes.reshape(*lead, oc // 64, 4, 2, 8, ic // 64, 4, 4, 2, 2)
@@ -70,6 +89,8 @@ def mma_layout_to_awq(qweight_mma: Tensor) -> Tensor:
                          f"64, got {qweight_mma.dtype} {tuple(qweight_mma.shape)}")
     *lead, nb, k8 = qweight_mma.shape
     oc, ic = nb * 64, k8 // 8
+    if lead and qweight_mma.numel() * 8 > _CHUNK_WEIGHTS:
+        return _by_chunks(mma_layout_to_awq, qweight_mma, (ic, oc // 8), ic * oc)
     nl = len(lead)
     shifts = 4 * torch.arange(8, device=qweight_mma.device, dtype=torch.int32)
     nib = ((qweight_mma.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # arithmetic shift: the mask drops the sign
