@@ -281,7 +281,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 // Block b holds routed rows sorted_rows[b * NT * 8 + i] (R where padding) of expert block_expert[b] (E past the
 // end: the block returns); routed row r reads x[r / x_row_div]. Each K slice writes its fp32 sums to
 // partial[slice, r, :]; the caller's reduce kernel adds the slices and applies the epilogue (SiLU * up, or the
-// router-weighted combine).
+// router-weighted combine). Direct mode (sorted_rows null, decode: no more routed rows than experts): block b
+// is routed row b alone, with expert block_expert[b] = expert_ids[b]; no sort, one 8-row MMA tile.
 template <typename T, int NT, int CPG>
 __global__ void __launch_bounds__(kThreads, 2)
     awq_mma_moe_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const __half* __restrict__ sc,
@@ -293,7 +294,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int cb = blockIdx.y;
   const int slice = blockIdx.z;
   const int e = block_expert[b];
-  if (e < 0 || e >= E) return;  // past the last block of the last expert
+  const bool direct = sorted_rows == nullptr;  // decode: block b is routed row b alone, block_expert its expert ids
+  if (e < 0 || e >= E) {
+    if (direct) {  // an expert id out of range: its row comes out NaN (no host sync to check the ids)
+      for (int i = threadIdx.x; i < kCols; i += kThreads)
+        partial[(static_cast<size_t>(slice) * R + b) * N + cb * kCols + i] = __int_as_float(0x7fc00000);
+    }
+    return;  // else: past the last block of the last expert
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int chunks = K / 64;
@@ -306,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   bool xok[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    const int r = sorted_rows[b * NT * 8 + 8 * j + g];
+    const int r = direct ? (8 * j + g == 0 ? b : R) : sorted_rows[b * NT * 8 + 8 * j + g];
     xok[j] = r >= 0 && r < R;
     xrow[j] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xok[j] ? r / x_row_div : 0) * K + 16 * t);
   }
@@ -320,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int q = 0; q < kPer; ++q) {
     const int idx = threadIdx.x + q * kThreads;
     const int row = idx / kCols, col = idx % kCols;
-    const int r = sorted_rows[b * NT * 8 + row];
+    const int r = direct ? (row == 0 ? b : R) : sorted_rows[b * NT * 8 + row];
     if (r < 0 || r >= R) continue;
     float v = 0.0f;
 #pragma unroll

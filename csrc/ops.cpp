@@ -242,7 +242,9 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
 
 // Grouped (MoE) form of awq_mma_cuda: x [X, K]; expert weights in the mma layout qweight [E, N / 64, K * 8],
 // scales fp16 [E, K/G, N], qzeros [E, K/G, N/8]; routed rows sorted by expert (torchforge.ops.moe_align with
-// blocks of 8 or 16: sorted_rows int32 [B * block], block_expert int32 [B]); routed row r < num_rows reads
+// blocks of 8 or 16: sorted_rows int32 [B * block], block_expert int32 [B]; or, direct, sorted_rows empty and
+// block_expert the expert id of each routed row, one row per block, ids out of range giving NaN rows); routed row
+// r < num_rows reads
 // x[r / x_row_div]. Returns the fp32 sums of each K slice, partial [splits, num_rows, N]; every routed row must
 // appear exactly once in sorted_rows (moe_align's contract), or its row of partial is left unwritten.
 at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -273,9 +275,14 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
                   qzeros.size(1) == K / group_size && qzeros.size(2) == N / 8,
               op + "scales must be [E, K/G, N] = [" + i2s(E) + ", " + i2s(K / group_size) + ", " + i2s(N) +
                   "] and qzeros [E, K/G, N/8], got " + shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
-  TORCH_CHECK(B >= 1 && B <= 2147483647 && sorted_rows.numel() % B == 0,
+  // direct mode: sorted_rows empty, block_expert = the expert id of each routed row (one row per block)
+  const bool direct = sorted_rows.numel() == 0;
+  TORCH_CHECK(!direct || B == num_rows,
+              op + "with an empty sorted_rows, block_expert must hold the expert of each of the " + i2s(num_rows) +
+                  " routed rows, got " + i2s(B));
+  TORCH_CHECK(B <= 2147483647 && (direct || (B >= 1 && sorted_rows.numel() % B == 0)),
               op + "sorted_rows must hold B * block rows for B = " + i2s(B) + " blocks");
-  const int64_t block_rows = sorted_rows.numel() / B;
+  const int64_t block_rows = direct ? 8 : sorted_rows.numel() / B;
   TORCH_CHECK(block_rows == 8 || block_rows == 16, op + "blocks of 8 or 16 rows, got " + i2s(block_rows));
   TORCH_CHECK(x_row_div >= 1 && num_rows >= 0 && x.size(0) * x_row_div >= num_rows,
               op + "x has " + i2s(x.size(0)) + " rows; routed rows r < " + i2s(num_rows) + " read x[r / " +
@@ -294,7 +301,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   if (num_rows == 0) return partial;
   const cudaError_t err = awq_mma_moe_launch(
       x.scalar_type() == at::kBFloat16 ? 0 : 1, block_rows, x.data_ptr(), qweight.data_ptr<int32_t>(),
-      scales.data_ptr(), qzeros.data_ptr<int32_t>(), sorted_rows.data_ptr<int32_t>(),
+      scales.data_ptr(), qzeros.data_ptr<int32_t>(), direct ? nullptr : sorted_rows.data_ptr<int32_t>(),
       block_expert.data_ptr<int32_t>(), partial.data_ptr<float>(), num_rows, N, K, E, B, x_row_div, group_size,
       splits, item_chunks, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_CHECK(err);

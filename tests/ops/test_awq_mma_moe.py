@@ -110,10 +110,11 @@ cuda = pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extensi
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("T,k,E,G", [(1, 8, 16, 128), (3, 8, 16, 64), (40, 8, 16, 128), (7, 1, 4, 128)])
+@pytest.mark.parametrize("T,k,E,G", [(1, 8, 16, 128), (2, 4, 16, 64), (3, 8, 16, 64), (40, 8, 16, 128), (7, 1, 4, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_grouped_kernel_matches_oracle(T, k, E, G, dtype):
-    """Decode (rows <= experts: blocks of 8) and prefill (blocks of 16, several rows per expert) shapes."""
+    """Decode (rows <= experts: one row per block, no sort) and prefill (sorted blocks of 16, several rows per
+    expert) shapes."""
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
 
     gu, down = _experts(E, G, "cuda", seed=T * k)
@@ -154,3 +155,16 @@ def test_cuda_module_compile_and_graph():
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(captured, mod(x, idx, w), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_direct_mode_out_of_range_expert_gives_nan_rows():
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
+
+    gu, _ = _experts(4, 128, "cuda")
+    ids = torch.tensor([0, 7, 3, -1], device="cuda")  # 7 and -1 are not experts
+    part = launch_awq_mma_moe_cuda(torch.randn(4, H, device="cuda", dtype=torch.bfloat16), ids,
+                                   awq_to_mma_layout(gu[0]), gu[1], gu[2], 128, 1)
+    rows_nan = part.isnan().all(-1).any(0)
+    assert rows_nan.tolist() == [False, True, False, True] and torch.isfinite(part[:, [0, 2]]).all()

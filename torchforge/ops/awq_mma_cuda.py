@@ -71,14 +71,17 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
 def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
                             group_size: int, x_row_div: int) -> Tensor:
     """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
-    `[E, N / 64, K * 8]`. Rows are sorted by expert on the device (moe_align: blocks of 8 rows while there are no
-    more rows than experts, as in decode, else 16), so there is no host sync."""
+    `[E, N / 64, K * 8]`. While there are no more routed rows than experts (decode) each row is a block of its own;
+    beyond, rows are sorted by expert on the device into blocks of 16 (moe_align). No host sync either way."""
     from torchforge.ops.moe_align import moe_align
 
     num_experts, nb, k8 = qweight_mma.shape
     k, n, rows = k8 // 8, nb * 64, expert_ids.numel()
-    block = 8 if rows <= num_experts else 16
-    sorted_rows, block_expert = moe_align(expert_ids, num_experts, block)
+    if rows <= num_experts:  # decode: one routed row per block, no sort kernels in the step
+        sorted_rows = torch.empty(0, dtype=torch.int32, device=x.device)
+        block_expert = expert_ids.reshape(-1).to(torch.int32)
+    else:
+        sorted_rows, block_expert = moe_align(expert_ids, num_experts, 16)
     # K slices by the dense kernel's rule, on the (upper bound of the) number of row blocks
     item_chunks = 2 if group_size % 128 == 0 else 1
     tiles = block_expert.numel() * (n // 64)
