@@ -25,8 +25,12 @@
 
 #include <cstdint>
 
+#include "ptx_loads.cuh"
+
 namespace torchforge {
 namespace awq_gemv_detail {
+
+using ptx::ld_stream;
 
 constexpr int kThreads = 256;
 constexpr int kColThreads = 8;                      // threads over one k-row of the tile
@@ -48,15 +52,6 @@ template <>
 __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// 16 bytes of the weight stream: read once, so kept out of L1.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
 
 // q * 2^pos of nibble P of w, exactly (see the file comment).
 template <int P>

@@ -34,10 +34,14 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+
+#include "ptx_loads.cuh"
 #include <type_traits>
 
 namespace torchforge {
 namespace awq_mma_detail {
+
+using ptx::ld_stream;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -77,15 +81,6 @@ struct Traits<__half> {
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 };
-
-// 16 bytes of the weight stream: read once, so kept out of L1.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

@@ -4,9 +4,8 @@ block sizes), ForgeAWQExperts.use_mma_layout (same outputs, AWQ state dict and e
 import pytest
 import torch
 
-import torch.nn.functional as F
-
-from torchforge.ops import awq_quantize, awq_unpack
+from tests.ops.test_awq_moe_fused import _oracle as moe_oracle
+from torchforge.ops import awq_quantize
 from torchforge.ops._ext import has_cuda_ext
 from torchforge.ops.awq_mma import awq_mma_moe_down_combine, awq_mma_moe_gate_up_silu
 from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_to_awq
@@ -22,17 +21,7 @@ def _experts(E, G, device, seed=0):
 
 
 def _oracle(x, ids, w, gu, down, k, G):
-    """fp64 from unpacked nibbles: h = SiLU(x Wg^T) * (x Wu^T), out[t] = sum_j w[t, j] h[t k + j] Wd^T."""
-    def deq(qw, s, z):
-        codes, zeros = awq_unpack(qw).double(), awq_unpack(z).double().repeat_interleave(G, -2)
-        return ((codes - zeros) * s.double().repeat_interleave(G, -2)).transpose(-1, -2)  # [E, OC, IC]
-
-    wgu, wd = deq(*gu)[ids], deq(*down)[ids]
-    xr = x.double().repeat_interleave(k, 0)
-    gate, up = (wgu @ xr.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-    h = F.silu(gate) * up
-    d = (wd @ h.unsqueeze(-1)).squeeze(-1)
-    return h, (d.view(x.shape[0], k, -1) * w.double().unsqueeze(-1)).sum(1)
+    return moe_oracle(x, ids, w, gu, down, k, group_size=G)  # on x's device, as the kernel under test
 
 
 def _run(x, ids, w, gu, down, G, k):

@@ -40,12 +40,12 @@ def _routing(T, k, seed):
     return ids, w
 
 
-def _oracle(x, ids, w, gu, down, k):
+def _oracle(x, ids, w, gu, down, k, group_size=G):
     """fp64 from unpacked nibbles (awq_unpack, not the reference dequantizer): h = SiLU(x Wg^T) * (x Wu^T),
     out[t] = sum_j w[t, j] h[t k + j] Wd^T."""
     def deq(qw, s, z):
-        codes, zeros = awq_unpack(qw).double(), awq_unpack(z).double().repeat_interleave(G, -2)
-        return ((codes - zeros) * s.double().repeat_interleave(G, -2)).transpose(-1, -2)  # [E, OC, IC]
+        codes, zeros = awq_unpack(qw).double(), awq_unpack(z).double().repeat_interleave(group_size, -2)
+        return ((codes - zeros) * s.double().repeat_interleave(group_size, -2)).transpose(-1, -2)  # [E, OC, IC]
 
     wgu, wd = deq(*gu)[ids], deq(*down)[ids]
     xr = x.double().repeat_interleave(k, 0)
