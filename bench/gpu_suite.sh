@@ -38,13 +38,18 @@ case " $SUITE " in *" bench "*)
   done ;;
 esac
 case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
-# compute-sanitizer (memcheck, racecheck) on the csrc kernels' tests (quantize, batch-1 GEMV, mma-layout decode); PyTorch's caching allocator is turned off so
+# compute-sanitizer (memcheck, racecheck) on the csrc kernels' tests (quantize, batch-1 GEMV, mma layout dense and grouped); PyTorch's caching allocator is turned off so
 # that out-of-bounds accesses inside a cached block are caught too.
 case " $SUITE " in *" sanitize "*)
   for tool in memcheck racecheck; do
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/ops/test_awq_quantize_cuda.py tests/ops/test_awq_gemv_cuda.py tests/ops/test_awq_mma_cuda.py -m "not slow" \
+      tests/ops/test_awq_quantize_cuda.py tests/ops/test_awq_gemv_cuda.py -m "not slow" \
       -k "${SANITIZE_K:-296x384 or 2x264x320 or ties or tiny or huge or matches or errors}"
+    # the mma-layout kernels (dense and grouped): one parametrization in four of the dense matrix cases
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_mma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/ops/test_awq_mma_cuda.py tests/ops/test_awq_mma_moe.py -m "not slow" \
+      -k "${SANITIZE_MMA_K:-1-True-dtype1 or 2-False-dtype0 or independent or opcheck or grouped or direct}"
   done ;;
 esac
