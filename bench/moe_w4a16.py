@@ -162,11 +162,15 @@ def main() -> int:
     per_expert_int4 = (H * 2 * I + I * H) // 2 + (H // 128 * 2 * I + I // 128 * H) * (2 + 0.5)
     bw = copy_bandwidth_gbs(1 << 30)
     rows = []
-    for M in map(int, args.m.split(",")):
+
+    def routed_batch(M, H, E, K):
+        """M random bf16 tokens with top-K routing over E experts (weights renormalised, fp32)."""
         x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-        scores = torch.rand(M, E, device="cuda")
-        w, ids = scores.topk(K, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).float()
+        w, ids = torch.rand(M, E, device="cuda").topk(K, dim=-1)
+        return x, ids, (w / w.sum(-1, keepdim=True)).float()
+
+    for M in map(int, args.m.split(",")):
+        x, ids, w = routed_batch(M, H, E, K)
         with torch.no_grad():
             out = q(x, ids, w)
             deq_ref = hf_deq(x, ids, w)
@@ -194,10 +198,7 @@ def main() -> int:
     assert q.use_mma_layout()
     for row, M in zip(rows, map(int, args.m.split(","))):
         torch.manual_seed(M)
-        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-        scores = torch.rand(M, E, device="cuda")
-        w, ids = scores.topk(K, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).float()
+        x, ids, w = routed_batch(M, H, E, K)
         with torch.no_grad():
             out = q(x, ids, w)
             deq_ref = hf_deq(x, ids, w)
