@@ -50,6 +50,6 @@ case " $SUITE " in *" sanitize "*)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_mma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_mma_cuda.py tests/ops/test_awq_mma_moe.py -m "not slow" \
-      -k "${SANITIZE_MMA_K:-1-True-dtype1 or 2-False-dtype0 or independent or opcheck or grouped or direct}"
+      -k "${SANITIZE_MMA_K:-1-True-dtype1 or 2-False-dtype0 or independent or opcheck or grouped or direct or bf16_scales}"
   done ;;
 esac

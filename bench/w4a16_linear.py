@@ -89,8 +89,9 @@ def cuda_gemv_sweep(shapes: str) -> list:
 
 
 def mma_cuda_sweep(shapes: str, ms: str) -> list:
-    """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices, against bf16,
-    tinygemm and the AWQ-layout op as dispatched (`w4a16_linear`), in the same run."""
+    """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices (item chunks as
+    configured), with fp16 scales and with bf16 ones (as after `model.to(torch.bfloat16)`), against bf16, tinygemm
+    and the AWQ-layout op as dispatched (`w4a16_linear`), in the same run."""
     import torchforge
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_config
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
@@ -109,15 +110,17 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
             default = mma_cuda_config(M, IC, OC, G)
-            for splits in sorted({1, 2, 3, 4, 6, 8, default[0]}):
-                for chunks in (1, 2):
-                    if G % (64 * chunks) or splits * 8 > IC // (64 * chunks):
-                        continue
-                    f = lambda: launch_awq_mma_cuda(x, mma, sc, qz, G, splits=splits, item_chunks=chunks)  # noqa: E731
-                    rel = ((f().float() - ref).norm() / ref.norm()).item()
-                    t = bench_graph_ms(f, rep_ms=30)
-                    out.append([shape, M, splits, chunks, "*" if (splits, chunks) == default else "", t,
-                                wbytes / t / 1e6, t_op, t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
+            chunks = default[1]
+            configs = [(s, sc) for s in sorted({1, 2, 3, 4, 6, 8, default[0]})] + [(default[0], sc.bfloat16())]
+            for splits, scales in configs:
+                if splits > IC // (64 * chunks):
+                    continue
+                f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=chunks)  # noqa: E731
+                rel = ((f().float() - ref).norm() / ref.norm()).item()
+                t = bench_graph_ms(f, rep_ms=30)
+                out.append([shape, M, str(scales.dtype).removeprefix("torch."), splits,
+                            "*" if splits == default[0] else "", t, wbytes / t / 1e6, t_op, t_tg, t_bf16,
+                            t_bf16 / t, t_tg / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
     out.sort(key=lambda r: (r[0], r[1], r[5]))
     return out
@@ -238,9 +241,9 @@ def main() -> int:
     if args.mma_cuda_sweep:
         crows = mma_cuda_sweep(args.shapes, args.mma_cuda_sweep)
         print(f"device: {device_line()}")
-        print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16; * = default splits; "
+        print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
-        print(markdown_table(["W", "M", "splits", "item chunks", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
+        print(markdown_table(["W", "M", "scales", "splits", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.mma_sweep:

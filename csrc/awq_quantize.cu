@@ -44,6 +44,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include "ptx_loads.cuh"
 
 #ifndef AWQ_MIN_BLOCKS
 #define AWQ_MIN_BLOCKS 2  // __launch_bounds__ min blocks per SM (register cap 65536/(256*this))
@@ -168,17 +169,10 @@ __device__ __forceinline__ int swz(int ic) {
   return ((ic >> 3) * kRowBlocksPerWarp) & 31;
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr, bool valid) {
-  // src-size 0 -> nothing is read and the 16 bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+using ptx::cp_async16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+
 __device__ __forceinline__ float rcp_approx(float x) {  // max error 1 ulp (PTX ISA)
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));

@@ -32,13 +32,13 @@ cudaError_t awq_gemv_launch(int dtype, int rows, const void* x, const int32_t* q
                             unsigned int* tickets, int64_t N, int64_t K, int64_t group_size, int64_t splits,
                             cudaStream_t stream);
 
-// csrc/awq_mma.cu
-cudaError_t awq_mma_launch(int dtype, const void* x, const int32_t* qweight, const void* scales,
+// csrc/awq_mma.cu, awq_mma_moe.cu
+cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                            int64_t splits, int64_t item_chunks, cudaStream_t stream);
 
-cudaError_t awq_mma_moe_launch(int dtype, int64_t block_rows, const void* x, const int32_t* qweight,
+cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* sorted_rows,
                                const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
                                int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
@@ -178,20 +178,28 @@ at::Tensor awq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const a
   return out;
 }
 
-// Tensor-core W4A16 for decode batches (csrc/awq_mma.cu): x [M, K] (fp16 / bf16, contiguous), AWQ codes in
-// MMA fragment order qweight int32 [N / 64, K * 8] (torchforge.ops.awq_mma_layout), scales fp16 [K/G, N] and
-// qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's dtype.
-at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
-                        int64_t splits, int64_t item_chunks) {
-  const std::string op = "awq_mma_cuda: ";
-  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda(),
-              op + "x, qweight, scales and qzeros must be CUDA tensors");
+namespace {
+// The scale dtypes the mma kernels are built for (awq_mma.cuh dispatch_dtypes): fp16, or bf16 with bf16 x.
+void check_mma_dtypes(const std::string& op, const at::Tensor& x, const at::Tensor& scales) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               op + "x must be bfloat16 or float16, got " + c10::toString(x.scalar_type()));
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt &&
-                  scales.scalar_type() == at::kHalf,
-              op + "qweight and qzeros must be int32 and scales float16");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf ||
+                  (scales.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16),
+              op + "scales must be float16 (or bfloat16 with bfloat16 x), got " +
+                  c10::toString(scales.scalar_type()) + " with " + c10::toString(x.scalar_type()) +
+                  " x: cast the scales to float16");
+}
+int dtype_code(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 0 : 1; }
+
+// Arguments of the dense mma-layout ops; returns the bias pointer (null without one). b keeps the bias alive.
+const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scales, const at::Tensor& qzeros, int64_t group_size,
+                            const c10::optional<at::Tensor>& bias, int64_t splits, int64_t item_chunks, at::Tensor& b) {
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda(),
+              op + "x, qweight, scales and qzeros must be CUDA tensors");
+  check_mma_dtypes(op, x, scales);
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt,
+              op + "qweight and qzeros must be int32");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2 && qzeros.dim() == 2,
               op + "x, qweight, scales and qzeros must be 2-D");
   TORCH_CHECK(item_chunks == 1 || item_chunks == 2, op + "item_chunks must be 1 or 2, got " + i2s(item_chunks));
@@ -216,14 +224,25 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() && qzeros.is_contiguous(),
               op + "x, qweight, scales and qzeros must be contiguous");
   TORCH_CHECK(aligned16(x) && aligned16(qweight), op + "x and qweight must be 16-byte aligned");
-  const void* bias_ptr = nullptr;
+  if (!bias.has_value()) return nullptr;
+  b = bias->contiguous();
+  TORCH_CHECK(b.device() == x.device() && b.scalar_type() == x.scalar_type() && b.numel() == N,
+              op + "bias must be a tensor of N = " + i2s(N) + " elements in x's dtype on x's device");
+  return b.data_ptr();
+}
+}  // namespace
+
+// Tensor-core W4A16 for decode batches (csrc/awq_mma.cu): x [M, K] (fp16 / bf16, contiguous), AWQ codes in
+// MMA fragment order qweight int32 [N / 64, K * 8] (torchforge.ops.awq_mma_layout), scales [K/G, N] (fp16, or bf16
+// with bf16 x) and qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's
+// dtype.
+at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
+                        int64_t splits, int64_t item_chunks) {
   at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.device() == x.device() && b.scalar_type() == x.scalar_type() && b.numel() == N,
-                op + "bias must be a tensor of N = " + i2s(N) + " elements in x's dtype on x's device");
-    bias_ptr = b.data_ptr();
-  }
+  const void* bias_ptr =
+      check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b);
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
@@ -231,7 +250,7 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   at::Tensor tickets = at::zeros({splits > 1 ? tiles : 1}, x.options().dtype(at::kInt));
   at::Tensor partial = at::empty({splits > 1 ? splits * M * N : 1}, x.options().dtype(at::kFloat));
   const cudaError_t err = awq_mma_launch(
-      x.scalar_type() == at::kBFloat16 ? 0 : 1, x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
+      dtype_code(x), dtype_code(scales), x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks,
       c10::cuda::getCurrentCUDAStream());
@@ -241,7 +260,7 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
 }
 
 // Grouped (MoE) form of awq_mma_cuda: x [X, K]; expert weights in the mma layout qweight [E, N / 64, K * 8],
-// scales fp16 [E, K/G, N], qzeros [E, K/G, N/8]; routed rows sorted by expert (torchforge.ops.moe_align with
+// scales [E, K/G, N] (fp16, or bf16 with bf16 x), qzeros [E, K/G, N/8]; routed rows sorted by expert (torchforge.ops.moe_align with
 // blocks of 8 or 16: sorted_rows int32 [B * block], block_expert int32 [B]; or, direct, sorted_rows empty and
 // block_expert the expert id of each routed row, one row per block, ids out of range giving NaN rows); routed row
 // r < num_rows reads
@@ -255,11 +274,10 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda() && sorted_rows.is_cuda() &&
                   block_expert.is_cuda(),
               op + "all tensors must be CUDA tensors");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              op + "x must be bfloat16 or float16, got " + c10::toString(x.scalar_type()));
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt && scales.scalar_type() == at::kHalf &&
+  check_mma_dtypes(op, x, scales);
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt &&
                   sorted_rows.scalar_type() == at::kInt && block_expert.scalar_type() == at::kInt,
-              op + "qweight, qzeros, sorted_rows and block_expert must be int32 and scales float16");
+              op + "qweight, qzeros, sorted_rows and block_expert must be int32");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3 && qzeros.dim() == 3 && sorted_rows.dim() == 1 &&
                   block_expert.dim() == 1,
               op + "expected x [X, K], qweight / scales / qzeros [E, ...], sorted_rows [B * block], block_expert [B]");
@@ -300,7 +318,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   at::Tensor partial = at::empty({splits, num_rows, N}, x.options().dtype(at::kFloat));
   if (num_rows == 0) return partial;
   const cudaError_t err = awq_mma_moe_launch(
-      x.scalar_type() == at::kBFloat16 ? 0 : 1, block_rows, x.data_ptr(), qweight.data_ptr<int32_t>(),
+      dtype_code(x), dtype_code(scales), block_rows, x.data_ptr(), qweight.data_ptr<int32_t>(),
       scales.data_ptr(), qzeros.data_ptr<int32_t>(), direct ? nullptr : sorted_rows.data_ptr<int32_t>(),
       block_expert.data_ptr<int32_t>(), partial.data_ptr<float>(), num_rows, N, K, E, B, x_row_div, group_size,
       splits, item_chunks, c10::cuda::getCurrentCUDAStream());

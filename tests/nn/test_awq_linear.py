@@ -94,3 +94,27 @@ def test_mma_layout_runs_the_same_and_exports_awq():
     meta = ForgeAWQLinear(256, 128, group_size=128, device="meta")
     assert meta.use_mma_layout() and meta.qweight.shape == (2, 2048) and meta.qweight.is_meta
     assert not ForgeAWQLinear(256, 128, group_size=32).use_mma_layout()  # the kernel folds groups of 64 or 128
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not ops._ext.has_cuda_ext(), reason="needs the compiled extension (csrc/) and a GPU")
+def test_mma_module_cast_to_bf16_stays_on_the_cuda_kernel(monkeypatch):
+    """model.to(bfloat16) casts the fp16 scales to bf16; the mma-layout module keeps the CUDA kernel for them."""
+    import torchforge.ops.awq_mma as awq_mma
+
+    torch.manual_seed(5)
+    layer = ForgeAWQLinear.from_linear(torch.nn.Linear(512, 256, dtype=torch.bfloat16), group_size=128).cuda()
+    assert layer.scales.dtype == torch.float16 and layer.bias.dtype == torch.bfloat16
+    assert layer.use_mma_layout()
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    fp16_scales = layer(x)
+    layer.to(torch.bfloat16)
+    assert layer.scales.dtype == torch.bfloat16 and layer.qzeros.dtype == torch.int32
+    calls = []
+    real = awq_mma.launch_awq_mma_cuda
+    monkeypatch.setattr(awq_mma, "launch_awq_mma_cuda", lambda *a: calls.append(1) or real(*a))
+    out = layer(x)
+    assert calls == [1]
+    expected = x.double() @ layer.dequantized_weight().double().T + layer.bias.double()
+    assert ((out.double() - expected).norm() / expected.norm()) < 4e-3
+    assert ((out.float() - fp16_scales.float()).norm() / fp16_scales.float().norm()) < 1e-2

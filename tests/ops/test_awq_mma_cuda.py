@@ -57,6 +57,25 @@ def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, i
         assert ((one.float() - out.float()).norm() / one.float().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("m,splits", [(3, 2), (24, 1)])
+def test_bf16_scales(m, splits):
+    """After model.to(bfloat16) the scales are bf16: the kernel reads them as they are (bf16 x only)."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_ok
+
+    qw, mma, s, z = _case(2048, 640, 128, seed=9)
+    s16 = s.to(torch.bfloat16)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+    assert mma_cuda_ok(x, mma, s16, z, 128, None)
+    assert not mma_cuda_ok(x.half(), mma, s16, z, 128, None)
+    out = launch_awq_mma_cuda(x, mma, s16, z, 128, splits=splits)
+    _check(out, x, qw, s16, z, 128)
+    op = torch.ops.torchforge.awq_mma_cuda
+    with pytest.raises(RuntimeError, match="scales must be float16 \\(or bfloat16 with bfloat16 x\\)"):
+        op(x.half(), mma, s16, z, 128, None, 1, 1)
+    with pytest.raises(RuntimeError, match="scales must be float16"):
+        op(x, mma, s.float(), z, 128, None, 1, 1)
+
+
 def test_rows_of_x_are_independent():
     """Row i of a 40-row call equals the same row alone (no leakage between 8-row tiles or 16-row blocks)."""
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda

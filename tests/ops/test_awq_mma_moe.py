@@ -121,6 +121,27 @@ def test_cuda_grouped_kernel_matches_oracle(T, k, E, G, dtype):
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("T", [1, 40])  # direct (one row per block) and sorted blocks of 16
+def test_cuda_grouped_kernel_bf16_scales(T):
+    """Experts whose scales were cast to bf16 (model.to(bfloat16)) stay on the grouped kernel, bf16 x only."""
+    from tests.ops.awq_oracle import dequant_independent
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda, mma_moe_cuda_ok
+
+    E, k, G = 16, 4, 128
+    gu, _ = _experts(E, G, "cuda", seed=3)
+    s16 = gu[1].to(torch.bfloat16)
+    ids = torch.randint(0, E, (T * k,), generator=torch.Generator().manual_seed(T)).cuda()
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    mma = awq_to_mma_layout(gu[0])
+    assert mma_moe_cuda_ok(x, mma, s16, G) and not mma_moe_cuda_ok(x.half(), mma, s16, G)
+    part = launch_awq_mma_moe_cuda(x, ids, mma, s16, gu[2], G, k).double().sum(0)
+    w = [dequant_independent(gu[0][e], s16[e], gu[2][e], G).double() for e in range(E)]
+    ref = torch.stack([x[r // k].double() @ w[e].T for r, e in enumerate(ids.tolist())])
+    assert ((part - ref).norm() / ref.norm()) < 4e-3
+
+
+@pytest.mark.cuda
+@cuda
 def test_cuda_module_compile_and_graph():
     from torchforge.nn import ForgeAWQExperts
 

@@ -77,9 +77,9 @@ class ForgeAWQLinear(nn.Module):
     @torch.no_grad()
     def use_mma_layout(self) -> bool:
         """Switch qweight to the mma layout (exact, in place of the AWQ words); False, and nothing changed, where
-        the shape or group size does not fit it (OC, IC and the group size multiples of 64). The CUDA kernel reads
-        fp16 scales (AWQ's own dtype) and needs the compiled extension; without them (e.g. after
-        `model.to(torch.bfloat16)` cast the scales) every call dequantizes the weight and runs cuBLAS."""
+        the shape or group size does not fit it (OC, IC and the group size multiples of 64). The CUDA kernel needs
+        the compiled extension and reads fp16 scales (AWQ's own dtype), or bf16 ones with bf16 activations (after
+        `model.to(torch.bfloat16)`); otherwise, and past 64 rows, a call dequantizes the weight and runs cuBLAS."""
         if self.weight_layout == "mma":
             return True
         if not mma_layout_fits(self.in_features, self.out_features, self.group_size):

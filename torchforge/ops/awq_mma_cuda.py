@@ -16,6 +16,8 @@ __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_ok", "launch_awq_mma_c
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2.
 MMA_CUDA_MAX_M = 64
+
+
 def mma_cuda_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int]:
     """(splits, item_chunks), from the H100 sweeps (`bench/w4a16_linear.py --mma-cuda-sweep`, 2026-11-22, DeepSeek-V3
     and hidden-4096 shapes, M = 1..64, BENCHMARKS.md): items of 128 k wherever the groups allow (64-k items lost
@@ -28,6 +30,11 @@ def mma_cuda_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int]:
     return (1 if tiles >= 96 else max(1, min(4, items))), item_chunks
 
 
+def _scales_ok(x: Tensor, scales: Tensor) -> bool:
+    # csrc/awq_mma.cuh dispatch_dtypes: fp16 scales (AWQ checkpoints), or bf16 ones with bf16 x (model.to(bf16))
+    return scales.dtype == torch.float16 or scales.dtype == x.dtype == torch.bfloat16
+
+
 def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                 bias: Optional[Tensor]) -> bool:
     """Whether the CUDA kernel takes this call (else the caller converts to AWQ and uses `w4a16_linear`)."""
@@ -38,7 +45,7 @@ def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, 
     m = x.numel() // x.shape[-1]
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0
             and 1 <= m <= MMA_CUDA_MAX_M and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
-            and scales.dtype == torch.float16
+            and _scales_ok(x, scales)
             and all(t.is_contiguous() and t.device == x.device for t in (qweight_mma, scales, qzeros))
             and qweight_mma.storage_offset() * 4 % 16 == 0
             and (bias is None or (bias.dtype == x.dtype and bias.device == x.device)))
@@ -64,7 +71,7 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
     from torchforge.ops._ext import has_cuda_ext
 
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0 and has_cuda_ext()
-            and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and scales.dtype == torch.float16
+            and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and _scales_ok(x, scales)
             and qweight_mma.device == x.device and qweight_mma.storage_offset() * 4 % 16 == 0)
 
 

@@ -1,0 +1,39 @@
+"""Run the mma-layout CUDA kernel (csrc/awq_mma.cu) a few times on one shape, for Nsight Compute:
+
+    ncu --set full -k regex:awq_mma -c 1 python3 bench/mma_profile.py --m 64 --shape 18432x7168
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, default=64)
+    p.add_argument("--shape", default="18432x7168", help="OCxIC")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--iters", type=int, default=3)
+    args = p.parse_args()
+    from torchforge.ops._ext import has_cuda_ext
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+
+    assert has_cuda_ext(), "the compiled extension (csrc/) did not load"
+    oc, ic = map(int, args.shape.split("x"))
+    g = args.group_size
+    torch.manual_seed(0)
+    qw = torch.randint(-2**31, 2**31 - 1, (ic, oc // 8), dtype=torch.int32, device="cuda")
+    qz = torch.randint(-2**31, 2**31 - 1, (ic // g, oc // 8), dtype=torch.int32, device="cuda")
+    sc = (torch.rand(ic // g, oc, device="cuda") * 0.01).half()
+    mma = awq_to_mma_layout(qw)
+    x = torch.randn(args.m, ic, device="cuda", dtype=torch.bfloat16)
+    for _ in range(args.iters):
+        launch_awq_mma_cuda(x, mma, sc, qz, g)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

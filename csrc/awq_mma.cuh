@@ -1,0 +1,205 @@
+// Device pieces shared by the mma-layout W4A16 kernels (awq_mma.cu dense, awq_mma_moe.cu grouped). The layout and
+// the arithmetic are described at the top of awq_mma.cu.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "ptx_loads.cuh"
+
+namespace torchforge {
+namespace awq_mma_detail {
+
+using ptx::ld_stream;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kCols = 64;  // output columns of one layout column block: 4 MMA tiles of 16
+
+template <typename T>
+struct Traits;
+template <>
+struct Traits<__nv_bfloat16> {
+  static constexpr uint32_t kMagic2 = 0x43004300u;  // (128, 128)
+  static constexpr uint32_t kOnes2 = 0x3F803F80u;   // (1, 1)
+  static constexpr float kMagic = 128.0f;
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+  static __device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct Traits<__half> {
+  static constexpr uint32_t kMagic2 = 0x64006400u;  // (1024, 1024)
+  static constexpr uint32_t kOnes2 = 0x3C003C00u;
+  static constexpr float kMagic = 1024.0f;
+  static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
+  static __device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+// Scales are fp16 (AWQ checkpoints) or, after model.to(bfloat16), bf16; either is widened to fp32 once per group.
+__device__ __forceinline__ float scale_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float scale_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// (a & mask) | magic in one LOP3: written out because ptxas, given both constants as immediates, emits an AND and an
+// OR (LOP3 takes one immediate), which made the dequantization the ALU pipe's largest load (ncu, 2026-11-22).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t magic) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));  // 0xEA = (0xF0 & 0xCC) | 0xAA
+  return r;
+}
+
+// AWQ packs column 8w + j of a zero word at nibble (j / 2) + 4 (j % 2).
+__device__ __forceinline__ int awq_shift(int col) { return 4 * (((col & 7) >> 1) + 4 * (col & 1)); }
+
+// One work item (CPG chunks of 64 k, inside one quantization group) of this lane's C fragments: part = sum_k x (magic
+// + q) for 4 column tiles x NT tiles of 8 rows, xs = sum_k x in the same fragment positions (all-ones A).
+// w: the item's layout words of this lane (chunk c, k-step s at 4 c + s); xload(c, j, v): this lane's B-fragment x
+// of chunk c, row tile j into v[0..1] (x[row, 64 c + 16 t .. + 15]).
+template <typename T, int NT, int CPG, typename XLoad>
+__device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[NT][4], const uint4 (&w)[CPG * 4],
+                                          XLoad&& xload) {
+  using Tr = Traits<T>;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      xs[j][e] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[i][j][e] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < CPG; ++c) {
+    uint4 xv[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) xload(c, j, xv[j]);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t b0[NT], b1[NT];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        b0[j] = word(xv[j][s / 2], 2 * (s % 2));
+        b1[j] = word(xv[j][s / 2], 2 * (s % 2) + 1);
+        Tr::mma(xs[j], Tr::kOnes2, Tr::kOnes2, Tr::kOnes2, Tr::kOnes2, b0[j], b1[j]);
+      }
+      const uint4 ws = w[c * 4 + s];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t wv = word(ws, i);
+        const uint32_t a0 = and_or(wv, 0x000F000Fu, Tr::kMagic2);
+        const uint32_t a1 = and_or(wv >> 4, 0x000F000Fu, Tr::kMagic2);
+        const uint32_t a2 = and_or(wv >> 8, 0x000F000Fu, Tr::kMagic2);
+        const uint32_t a3 = and_or(wv >> 12, 0x000F000Fu, Tr::kMagic2);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) Tr::mma(part[i][j], a0, a1, a2, a3, b0[j], b1[j]);
+      }
+    }
+  }
+}
+
+// acc += s * (part - (magic + z) * xs) with the group's scales and zeros of column block cb; C rows g (e < 2) and
+// g + 8 (e >= 2) of each column tile.
+template <typename T, int NT, typename S>
+__device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)[4][NT][4], const float (&xs)[NT][4],
+                                     const S* __restrict__ sc, const uint32_t* __restrict__ qz, int N, int cb,
+                                     int group, int g) {
+  using Tr = Traits<T>;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int col0 = cb * kCols + 16 * i + g;
+    const float s0 = scale_f(sc[static_cast<size_t>(group) * N + col0]);
+    const float s1 = scale_f(sc[static_cast<size_t>(group) * N + col0 + 8]);
+    const uint32_t* zrow = qz + static_cast<size_t>(group) * (N / 8) + col0 / 8;
+    const float zc0 = Tr::kMagic + static_cast<float>((zrow[0] >> awq_shift(col0)) & 0xFu);
+    const float zc1 = Tr::kMagic + static_cast<float>((zrow[1] >> awq_shift(col0)) & 0xFu);  // col0 + 8
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      acc[i][j][0] = fmaf(s0, part[i][j][0] - zc0 * xs[j][0], acc[i][j][0]);
+      acc[i][j][1] = fmaf(s0, part[i][j][1] - zc0 * xs[j][1], acc[i][j][1]);
+      acc[i][j][2] = fmaf(s1, part[i][j][2] - zc1 * xs[j][2], acc[i][j][2]);
+      acc[i][j][3] = fmaf(s1, part[i][j][3] - zc1 * xs[j][3], acc[i][j][3]);
+    }
+  }
+}
+
+// sum_k x[row] * W[col] for this lane's C fragments, x read straight from global memory: the warp takes work items
+// first, first + workers, ... of `items`. wbase: this column block's words + lane; xrow / xok: this lane's
+// B-fragment rows of x (+ 16 t).
+template <typename T, typename S, int NT, int CPG>
+__device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
+                                           const S* __restrict__ sc, const uint32_t* __restrict__ qz,
+                                           const uint4* const (&xrow)[NT], const bool (&xok)[NT], int N, int cb,
+                                           int items, int first, int workers, int chunks_per_group, int g) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  for (int item = first; item < items; item += workers) {
+    uint4 w[CPG * 4];
+#pragma unroll
+    for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
+    float part[4][NT][4];
+    float xs[NT][4];
+    item_sums<T, NT, CPG>(part, xs, w, [&](int c, int j, uint4(&v)[2]) {
+      const int chunk = item * CPG + c;
+      if (xok[j]) {
+        v[0] = __ldg(xrow[j] + chunk * 8);
+        v[1] = __ldg(xrow[j] + chunk * 8 + 1);
+      } else {
+        v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    });
+    fold<T, NT>(acc, part, xs, sc, qz, N, cb, item * CPG / chunks_per_group, g);
+  }
+}
+
+// Narrow kernels (awq_mma.cu, awq_mma_moe.cu): 8 warps split K on one column block and 16 rows of x, then sum through
+// shared memory red[warp][row][column].
+constexpr int kRows = 16;  // rows of x per narrow block: 2 MMA tiles of 8
+constexpr int kPad = kCols + 4;
+
+// C fragments of the 8 warps -> red: element e is column 16 i + g + 8 (e / 2), row 8 j + 2 t + (e % 2).
+template <int NT>
+__device__ __forceinline__ void stash(float* red, const float (&acc)[4][NT][4], int warp, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        red[(warp * kRows + 8 * j + 2 * t + (e & 1)) * kPad + 16 * i + g + 8 * (e >> 1)] = acc[i][j][e];
+}
+
+// The (x, scales) dtype pairs the kernels are built for: dtype codes 0 = bf16, 1 = fp16. bf16 x takes fp16 (AWQ
+// checkpoints) or bf16 scales; fp16 x takes fp16 scales. F is a generic lambda called with (T{}, S{}).
+template <typename F>
+cudaError_t dispatch_dtypes(int dtype, int scale_dtype, F&& f) {
+  if (dtype == 0 && scale_dtype == 1) return f(__nv_bfloat16{}, __half{});
+  if (dtype == 0 && scale_dtype == 0) return f(__nv_bfloat16{}, __nv_bfloat16{});
+  if (dtype == 1 && scale_dtype == 1) return f(__half{}, __half{});
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace awq_mma_detail
+}  // namespace torchforge

@@ -1,0 +1,111 @@
+// Grouped (MoE) W4A16 on tensor cores from the mma layout: the dense kernel's arithmetic (awq_mma.cu) on blocks of
+// routed rows of one expert each. This file needs only the CUDA headers: the torch op is in ops.cpp.
+#include <type_traits>
+
+#include "awq_mma.cuh"
+
+namespace torchforge {
+namespace awq_mma_detail {
+
+// Grouped form for MoE experts: routed rows sorted by expert into blocks of NT * 8 (torchforge.ops.moe_align).
+// Block b holds routed rows sorted_rows[b * NT * 8 + i] (R where padding) of expert block_expert[b] (E past the
+// end: the block returns); routed row r reads x[r / x_row_div]. Each K slice writes its fp32 sums to
+// partial[slice, r, :]; the caller's reduce kernel adds the slices and applies the epilogue (SiLU * up, or the
+// router-weighted combine). Direct mode (sorted_rows null, decode: no more routed rows than experts): block b
+// is routed row b alone, with expert block_expert[b] = expert_ids[b]; no sort, one 8-row MMA tile.
+template <typename T, typename S, int NT, int CPG>
+__global__ void __launch_bounds__(kThreads, 2)
+    awq_mma_moe_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
+                       const uint32_t* __restrict__ qz, const int32_t* __restrict__ sorted_rows,
+                       const int32_t* __restrict__ block_expert, float* __restrict__ partial, int R, int N, int K,
+                       int E, int x_row_div, int chunks_per_group, int splits) {
+  __shared__ float red[kWarps * kRows * kPad];
+  const int b = blockIdx.x;
+  const int cb = blockIdx.y;
+  const int slice = blockIdx.z;
+  const int e = block_expert[b];
+  const bool direct = sorted_rows == nullptr;  // decode: block b is routed row b alone, block_expert its expert ids
+  if (e < 0 || e >= E) {
+    if (direct) {  // an expert id out of range: its row comes out NaN (no host sync to check the ids)
+      for (int i = threadIdx.x; i < kCols; i += kThreads)
+        partial[(static_cast<size_t>(slice) * R + b) * N + cb * kCols + i] = __int_as_float(0x7fc00000);
+    }
+    return;  // else: past the last block of the last expert
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int chunks = K / 64;
+  const int items = chunks / CPG;
+  const size_t groups = static_cast<size_t>(K / (64 * chunks_per_group));
+  const uint4* wbase = qw + (static_cast<size_t>(e) * (N / kCols) + cb) * chunks * 128 + lane;
+  const S* sce = sc + static_cast<size_t>(e) * groups * N;
+  const uint32_t* qze = qz + static_cast<size_t>(e) * groups * (N / 8);
+  const uint4* xrow[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int r = direct ? (8 * j + g == 0 ? b : R) : sorted_rows[b * NT * 8 + 8 * j + g];
+    xok[j] = r >= 0 && r < R;
+    xrow[j] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xok[j] ? r / x_row_div : 0) * K + 16 * t);
+  }
+  float acc[4][NT][4];
+  accumulate<T, S, NT, CPG>(acc, wbase, sce, qze, xrow, xok, N, cb, items, slice * kWarps + warp, splits * kWarps,
+                         chunks_per_group, g);
+  stash<NT>(red, acc, warp, g, t);
+  __syncthreads();
+  constexpr int kPer = NT * 8 * kCols / kThreads;
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) {
+    const int idx = threadIdx.x + q * kThreads;
+    const int row = idx / kCols, col = idx % kCols;
+    const int r = direct ? (row == 0 ? b : R) : sorted_rows[b * NT * 8 + row];
+    if (r < 0 || r >= R) continue;
+    float v = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) v += red[(wi * kRows + row) * kPad + col];
+    partial[(static_cast<size_t>(slice) * R + r) * N + cb * kCols + col] = v;
+  }
+}
+
+template <typename T, typename S, int NT, int CPG>
+cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const int32_t* rows,
+                       const int32_t* block_expert, float* partial, int R, int N, int K, int E, int B, int x_row_div,
+                       int group_size, int splits, cudaStream_t stream) {
+  const dim3 grid(B, N / kCols, splits);
+  awq_mma_moe_kernel<T, S, NT, CPG><<<grid, kThreads, 0, stream>>>(
+      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
+      reinterpret_cast<const uint32_t*>(qz), rows, block_expert, partial, R, N, K, E, x_row_div, group_size / 64,
+      splits);
+  return cudaGetLastError();
+}
+
+}  // namespace awq_mma_detail
+
+// Grouped (MoE) launcher; dtype and scale_dtype as in awq_mma_launch. The caller has checked shapes and alignment;
+// block_rows (8 or 16) = sorted_rows.numel() / B; partial holds splits * R * N floats.
+cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
+                               const void* scales, const int32_t* qzeros, const int32_t* sorted_rows,
+                               const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
+                               int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
+                               int64_t item_chunks, cudaStream_t stream) {
+  using namespace awq_mma_detail;
+  const int r = static_cast<int>(R), n = static_cast<int>(N), k = static_cast<int>(K), e = static_cast<int>(E);
+  const int b = static_cast<int>(B), xd = static_cast<int>(x_row_div), g = static_cast<int>(group_size);
+  const int s = static_cast<int>(splits);
+  if ((block_rows != 8 && block_rows != 16) || (item_chunks != 1 && item_chunks != 2)) return cudaErrorInvalidValue;
+  return dispatch_dtypes(dtype, scale_dtype, [&](auto t, auto sv) {
+    using T = decltype(t);
+    using S = decltype(sv);
+    auto run = [&](auto nt, auto cpg) {
+      return launch_moe<T, S, decltype(nt)::value, decltype(cpg)::value>(x, qweight, scales, qzeros, sorted_rows,
+                                                                        block_expert, partial, r, n, k, e, b, xd, g,
+                                                                        s, stream);
+    };
+    using I1 = std::integral_constant<int, 1>;
+    using I2 = std::integral_constant<int, 2>;
+    if (block_rows == 8) return item_chunks == 1 ? run(I1{}, I1{}) : run(I1{}, I2{});
+    return item_chunks == 1 ? run(I2{}, I1{}) : run(I2{}, I2{});
+  });
+}
+
+}  // namespace torchforge
