@@ -62,17 +62,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int workers = splits * kWarps;
 
   const uint4* wbase = qw + static_cast<size_t>(cb) * chunks * 128 + lane;  // 4 k-steps x 32 lanes per chunk
-  const uint4* xrow[NT];
-  bool xok[NT];
+  const uint4* xb = reinterpret_cast<const uint4*>(x + 16 * t);
+  int xoff[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int m = mc * kRows + 8 * j + g;  // the B fragment's column (row of x) of this lane
-    xok[j] = m < M;
-    xrow[j] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xok[j] ? m : 0) * K + 16 * t);
+    xoff[j] = (m < M ? m : 0) * (K / 8);
   }
 
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG>(acc, wbase, sc, qz, xrow, xok, N, cb, items, slice * kWarps + warp, workers,
+  accumulate<T, S, NT, CPG>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * kWarps + warp, workers,
                          chunks_per_group, g);
   stash<NT>(red, acc, warp, g, t);
   __syncthreads();

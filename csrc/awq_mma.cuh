@@ -33,6 +33,13 @@ struct Traits<__nv_bfloat16> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
+  // all-ones A (sum of x over k): one register in all four A slots
+  static __device__ __forceinline__ void mma_ones(float* c, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %4, %4, %4}, {%5, %6}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(kOnes2), "r"(b0), "r"(b1));
+  }
 };
 template <>
 struct Traits<__half> {
@@ -47,6 +54,12 @@ struct Traits<__half> {
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ void mma_ones(float* c, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %4, %4, %4}, {%5, %6}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(kOnes2), "r"(b0), "r"(b1));
   }
 };
 
@@ -98,7 +111,7 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
       for (int j = 0; j < NT; ++j) {
         b0[j] = word(xv[j][s / 2], 2 * (s % 2));
         b1[j] = word(xv[j][s / 2], 2 * (s % 2) + 1);
-        Tr::mma(xs[j], Tr::kOnes2, Tr::kOnes2, Tr::kOnes2, Tr::kOnes2, b0[j], b1[j]);
+        Tr::mma_ones(xs[j], b0[j], b1[j]);
       }
       const uint4 ws = w[c * 4 + s];
 #pragma unroll
@@ -116,20 +129,21 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
 }
 
 // acc += s * (part - (magic + z) * xs) with the group's scales and zeros of column block cb; C rows g (e < 2) and
-// g + 8 (e >= 2) of each column tile.
+// g + 8 (e >= 2) of each column tile. Columns 64 cb + 16 i + g (+ 8) share their nibble position in the zero words
+// (zshift = awq_shift(g)), and magic + z = z | magic since z < 16 <= magic.
 template <typename T, int NT, typename S>
 __device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)[4][NT][4], const float (&xs)[NT][4],
                                      const S* __restrict__ sc, const uint32_t* __restrict__ qz, int N, int cb,
-                                     int group, int g) {
+                                     int group, int g, int zshift) {
   using Tr = Traits<T>;
+  const S* srow = sc + static_cast<size_t>(group) * N + cb * kCols + g;
+  const uint32_t* zrow = qz + static_cast<size_t>(group) * (N / 8) + cb * (kCols / 8);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int col0 = cb * kCols + 16 * i + g;
-    const float s0 = scale_f(sc[static_cast<size_t>(group) * N + col0]);
-    const float s1 = scale_f(sc[static_cast<size_t>(group) * N + col0 + 8]);
-    const uint32_t* zrow = qz + static_cast<size_t>(group) * (N / 8) + col0 / 8;
-    const float zc0 = Tr::kMagic + static_cast<float>((zrow[0] >> awq_shift(col0)) & 0xFu);
-    const float zc1 = Tr::kMagic + static_cast<float>((zrow[1] >> awq_shift(col0)) & 0xFu);  // col0 + 8
+    const float s0 = scale_f(srow[16 * i]);
+    const float s1 = scale_f(srow[16 * i + 8]);
+    const float zc0 = static_cast<float>(and_or(zrow[2 * i] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic)));
+    const float zc1 = static_cast<float>(and_or(zrow[2 * i + 1] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic)));
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       acc[i][j][0] = fmaf(s0, part[i][j][0] - zc0 * xs[j][0], acc[i][j][0]);
@@ -141,12 +155,13 @@ __device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)
 }
 
 // sum_k x[row] * W[col] for this lane's C fragments, x read straight from global memory: the warp takes work items
-// first, first + workers, ... of `items`. wbase: this column block's words + lane; xrow / xok: this lane's
-// B-fragment rows of x (+ 16 t).
+// first, first + workers, ... of `items`. wbase: this column block's words + lane; xoff: this lane's B-fragment rows of
+// x as offsets in uint4 from xb = x + 16 t (a row that does not exist reads row 0: an MMA never mixes rows of x, and
+// those outputs are not stored).
 template <typename T, typename S, int NT, int CPG>
 __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
                                            const S* __restrict__ sc, const uint32_t* __restrict__ qz,
-                                           const uint4* const (&xrow)[NT], const bool (&xok)[NT], int N, int cb,
+                                           const uint4* __restrict__ xb, const int (&xoff)[NT], int N, int cb,
                                            int items, int first, int workers, int chunks_per_group, int g) {
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -154,6 +169,10 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  const int zshift = awq_shift(g);
+  const int items_per_group = chunks_per_group / CPG;
+  const bool pow2 = (items_per_group & (items_per_group - 1)) == 0;  // groups of 64, 128, 256, ...: a shift
+  const int group_shift = __ffs(items_per_group) - 1;
 
   for (int item = first; item < items; item += workers) {
     uint4 w[CPG * 4];
@@ -162,15 +181,12 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
     float part[4][NT][4];
     float xs[NT][4];
     item_sums<T, NT, CPG>(part, xs, w, [&](int c, int j, uint4(&v)[2]) {
-      const int chunk = item * CPG + c;
-      if (xok[j]) {
-        v[0] = __ldg(xrow[j] + chunk * 8);
-        v[1] = __ldg(xrow[j] + chunk * 8 + 1);
-      } else {
-        v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u);
-      }
+      const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
+      v[0] = __ldg(p);
+      v[1] = __ldg(p + 1);
     });
-    fold<T, NT>(acc, part, xs, sc, qz, N, cb, item * CPG / chunks_per_group, g);
+    const int group = pow2 ? item >> group_shift : item / items_per_group;
+    fold<T, NT>(acc, part, xs, sc, qz, N, cb, group, g, zshift);
   }
 }
 

@@ -40,16 +40,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint4* wbase = qw + (static_cast<size_t>(e) * (N / kCols) + cb) * chunks * 128 + lane;
   const S* sce = sc + static_cast<size_t>(e) * groups * N;
   const uint32_t* qze = qz + static_cast<size_t>(e) * groups * (N / 8);
-  const uint4* xrow[NT];
-  bool xok[NT];
+  const uint4* xb = reinterpret_cast<const uint4*>(x + 16 * t);
+  int xoff[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
+  for (int j = 0; j < NT; ++j) {  // padding (and, in direct mode, rows 1..) read x row 0: their sums are not stored
     const int r = direct ? (8 * j + g == 0 ? b : R) : sorted_rows[b * NT * 8 + 8 * j + g];
-    xok[j] = r >= 0 && r < R;
-    xrow[j] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(xok[j] ? r / x_row_div : 0) * K + 16 * t);
+    xoff[j] = (r >= 0 && r < R ? r / x_row_div : 0) * (K / 8);
   }
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG>(acc, wbase, sce, qze, xrow, xok, N, cb, items, slice * kWarps + warp, splits * kWarps,
+  accumulate<T, S, NT, CPG>(acc, wbase, sce, qze, xb, xoff, N, cb, items, slice * kWarps + warp, splits * kWarps,
                          chunks_per_group, g);
   stash<NT>(red, acc, warp, g, t);
   __syncthreads();

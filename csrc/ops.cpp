@@ -217,8 +217,9 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
   const int64_t items = K / (64 * item_chunks);
   TORCH_CHECK(splits >= 1 && splits <= items && splits <= 65535,
               op + "splits must be in [1, K / (64 * item_chunks) = " + i2s(items) + "], got " + i2s(splits));
-  TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && M < (int64_t{1} << 30),
-              op + "K and M must be < 2^30 and N < 2^22");
+  TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && M < (int64_t{1} << 30) &&
+                  x.numel() < (int64_t{1} << 34),
+              op + "K and M must be < 2^30, N < 2^22 and x smaller than 2^34 elements (32-bit offsets in uint4)");
   TORCH_CHECK(qweight.device() == x.device() && scales.device() == x.device() && qzeros.device() == x.device(),
               op + "x, qweight, scales and qzeros must be on one device");
   TORCH_CHECK(x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() && qzeros.is_contiguous(),
@@ -309,8 +310,8 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   TORCH_CHECK(splits >= 1 && splits <= items && splits <= 65535,
               op + "splits must be in [1, K / (64 * item_chunks) = " + i2s(items) + "], got " + i2s(splits));
   TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && num_rows < (int64_t{1} << 30) &&
-                  E < (int64_t{1} << 20),
-              op + "K, num_rows must be < 2^30, N < 2^22, E < 2^20");
+                  E < (int64_t{1} << 20) && x.numel() < (int64_t{1} << 34),
+              op + "K, num_rows must be < 2^30, N < 2^22, E < 2^20 and x smaller than 2^34 elements");
   for (const at::Tensor* t : {&x, &qweight, &scales, &qzeros, &sorted_rows, &block_expert})
     TORCH_CHECK(t->device() == x.device() && t->is_contiguous(), op + "all tensors must be contiguous, on x's device");
   TORCH_CHECK(aligned16(x) && aligned16(qweight), op + "x and qweight must be 16-byte aligned");
