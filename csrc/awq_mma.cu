@@ -33,7 +33,10 @@
 //   per block; first with the words loaded into registers, then with words and x through a 4-stage cp.async
 //   pipeline. Both ran 1.2-7x slower than this kernel at every M and K-slice count (1 or 2 8-warp blocks per SM
 //   at 118-255 registers; ncu at M = 64: 2 warps per scheduler, 7.3 cycles per issue, 20% of memory and SM
-//   throughput). This kernel at M = 64 is not L2 bound (ncu: L2 39%, SM throughput 64%, 16 warps per SM).
+//   throughput). This kernel at M = 64 is not L2 bound (ncu: L2 39%, SM throughput 64%, 16 warps per SM):
+//   the ALU pipe is its busiest (67%, the dequantization's LOP3 / SHF). 4 row tiles (32 rows) per warp, which
+//   halves the dequantization per row (709 instead of 2 x 554 SASS instructions per item) at 254 registers (one
+//   block per SM): 3-8% faster at M = 64, 4-20% slower at M = 32..48 on the DeepSeek-V3 shapes; not kept.
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
