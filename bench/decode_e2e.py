@@ -19,7 +19,7 @@ Variants (one model, quantized in place between the bf16 and the W4A16 runs):
                   kv_b_proj stay bf16), eager
   w4a16-compile   the W4A16 model's decode step under torch.compile, as bf16-compile
   w4a16-mma(-compile)  the same model after `torchforge.use_mma_layout(model)`: every ForgeAWQLinear that fits
-                  runs on the mma layout (tensor-core kernel of csrc/awq_mma.cu for 1..64 rows); experts unchanged
+                  runs on the mma layout (tensor-core kernel of csrc/awq_mma.cu for 1..128 rows); experts unchanged
 
 Every variant generates from the same random 32-token prompts with a reused StaticCache (reset between calls), greedy,
 min_new_tokens = max_new_tokens = N (no EOS). Decode tokens/s = batch * (N - 1) / (t(N new tokens) - t(1 new token)):

@@ -246,7 +246,7 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+  if (M == 0 || N == 0) return out;
   const int64_t tiles = (M + 15) / 16 * (N / 64);
   at::Tensor tickets = at::zeros({splits > 1 ? tiles : 1}, x.options().dtype(at::kInt));
   at::Tensor partial = at::empty({splits > 1 ? splits * M * N : 1}, x.options().dtype(at::kFloat));
@@ -317,7 +317,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   TORCH_CHECK(aligned16(x) && aligned16(qweight), op + "x and qweight must be 16-byte aligned");
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor partial = at::empty({splits, num_rows, N}, x.options().dtype(at::kFloat));
-  if (num_rows == 0) return partial;
+  if (num_rows == 0 || N == 0) return partial;
   const cudaError_t err = awq_mma_moe_launch(
       dtype_code(x), dtype_code(scales), block_rows, x.data_ptr(), qweight.data_ptr<int32_t>(),
       scales.data_ptr(), qzeros.data_ptr<int32_t>(), direct ? nullptr : sorted_rows.data_ptr<int32_t>(),

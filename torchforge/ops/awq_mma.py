@@ -1,6 +1,6 @@
 """`awq_mma_linear`: W4A16 linear with the weight in the mma layout (`torchforge.ops.awq_mma_layout`).
 
-Dispatch: CUDA tensors with the compiled extension and 1..64 rows of x (decode) run the tensor-core kernel of
+Dispatch: CUDA tensors with the compiled extension and 1..128 rows of x (decode) run the tensor-core kernel of
 csrc/awq_mma.cu. Other CUDA calls (prefill, fp32, no extension) dequantize the mma layout once with Triton and call
 cuBLAS. CPU tensors convert the weight back to vLLM's AWQ layout (exact) and run the reference.
 """

@@ -14,8 +14,12 @@ from torch import Tensor
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_ok", "launch_awq_mma_cuda", "mma_moe_cuda_ok",
            "launch_awq_mma_moe_cuda", "register_fake"]
 
-# Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2.
-MMA_CUDA_MAX_M = 64
+# Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
+# rows, because on the DeepSeek-V3 shapes (BENCHMARKS.md, sixth session) the kernel beat the AWQ layout's Triton
+# kernel by 15-20% at 96 rows and was within 5% of it at 128. That was before this session's ALU trims, which made
+# it 7-15% faster. The mma layout's own fallback, dequantize + cuBLAS, ran 2-19% slower than that Triton kernel
+# wherever both were measured (M >= 256).
+MMA_CUDA_MAX_M = 128
 
 
 def mma_cuda_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int]:
