@@ -190,9 +190,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
   }
 }
 
-// Narrow kernels (awq_mma.cu, awq_mma_moe.cu): 8 warps split K on one column block and 16 rows of x, then sum through
-// shared memory red[warp][row][column].
-constexpr int kRows = 16;  // rows of x per narrow block: 2 MMA tiles of 8
+// Both kernels: 8 warps split K on one column block and 16 rows of x, then sum through shared memory
+// red[warp][row][column].
+constexpr int kRows = 16;  // rows of x per block: 2 MMA tiles of 8
 constexpr int kPad = kCols + 4;
 
 // C fragments of the 8 warps -> red: element e is column 16 i + g + 8 (e / 2), row 8 j + 2 t + (e % 2).

@@ -37,6 +37,8 @@ def _check(out, x, qw, s, z, G, b=None):
     (7168, 512, 128, 33, 7, True),    # DeepSeek-V3 width, three row blocks
     (1024, 320, 128, 64, 1, False),
     (1024, 128, 256, 2, 2, False),   # groups of 256: 4 (or 2) items per group
+    (1152, 128, 192, 5, 2, False),   # groups of 192: 3 items per group, the group index by division
+    (1024, 192, 128, 100, 1, True),  # 65-128 rows (MMA_CUDA_MAX_M): 7 row blocks, the last with 4 rows
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])

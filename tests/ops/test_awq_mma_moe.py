@@ -1,5 +1,5 @@
 """MoE experts on the mma layout: awq_mma_moe_gate_up_silu / awq_mma_moe_down_combine against an fp64 oracle (CPU:
-the AWQ-layout path after an exact conversion; CUDA: the grouped kernel of csrc/awq_mma.cu, decode and prefill
+the AWQ-layout path after an exact conversion; CUDA: the grouped kernel of csrc/awq_mma_moe.cu, decode and prefill
 block sizes), ForgeAWQExperts.use_mma_layout (same outputs, AWQ state dict and export), compile and CUDA graphs."""
 import pytest
 import torch

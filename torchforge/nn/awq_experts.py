@@ -40,7 +40,7 @@ class ForgeAWQExperts(nn.Module):
     CUDA): no Python loop over experts.
 
     `use_mma_layout()` (run phase, CUDA) re-packs both `*_qweight` buffers into MMA fragment order
-    (`[E, OC // 64, IC * 8]`, torchforge.ops.awq_mma_layout) for the grouped tensor-core kernel of csrc/awq_mma.cu;
+    (`[E, OC // 64, IC * 8]`, torchforge.ops.awq_mma_layout) for the grouped tensor-core kernel of csrc/awq_mma_moe.cu;
     `state_dict()`, :meth:`awq_qweights` and the exporters still give vLLM's AWQ layout.
     """
 

@@ -71,7 +71,7 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
 
 # ------------------------------------------------------------------------------------------ MoE experts
 # The two halves of ForgeAWQExperts' forward (torchforge.ops.awq_moe_fused) with the experts' codes in the mma layout
-# [E, OC / 64, IC * 8]. CUDA with the extension: the grouped kernel of csrc/awq_mma.cu writes fp32 sums per K slice
+# [E, OC / 64, IC * 8]. CUDA with the extension: the grouped kernel of csrc/awq_mma_moe.cu writes fp32 sums per K slice
 # and the existing reduce kernels add them with the epilogue fused (SiLU * up; router-weighted combine). Elsewhere
 # the codes go back to the AWQ layout (exact; a copy of the experts per call: the CPU and no-extension path).
 def _moe_args(op: str, x: Tensor, expert_ids: Tensor, qweight_mma: Tensor) -> None:

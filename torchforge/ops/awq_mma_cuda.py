@@ -27,11 +27,15 @@ def mma_cuda_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int]:
     and hidden-4096 shapes, M = 1..64, BENCHMARKS.md): items of 128 k wherever the groups allow (64-k items lost
     up to 25% at 16 rows); no K slices once there are 96 or more tiles of 64 columns x 16 rows (a second slice
     gained at most 3% at M = 1 and lost 15-20% at M = 64), else 4 (small matrices: 24-64 tiles ran 20-30% faster
-    with 4 slices than with 1, even where some warps get no item)."""
+    with 4 slices than with 1, even where some warps get no item). 65-128 rows (MMA_CUDA_MAX_M) take the same rule
+    without a sweep of their own: 1 slice, as at 64."""
     item_chunks = 2 if group_size % 128 == 0 else 1
     items = k // (64 * item_chunks)
     tiles = -(-m // 16) * (n // 64)
     return (1 if tiles >= 96 else max(1, min(4, items))), item_chunks
+
+
+_MAX_X_NUMEL = 1 << 34  # ops.cpp: the kernels address x in 32-bit uint4 offsets
 
 
 def _scales_ok(x: Tensor, scales: Tensor) -> bool:
@@ -48,7 +52,7 @@ def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, 
         return False
     m = x.numel() // x.shape[-1]
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0
-            and 1 <= m <= MMA_CUDA_MAX_M and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
+            and 1 <= m <= MMA_CUDA_MAX_M and x.numel() < _MAX_X_NUMEL and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
             and _scales_ok(x, scales)
             and all(t.is_contiguous() and t.device == x.device for t in (qweight_mma, scales, qzeros))
             and qweight_mma.storage_offset() * 4 % 16 == 0
@@ -75,7 +79,7 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
     from torchforge.ops._ext import has_cuda_ext
 
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0 and has_cuda_ext()
-            and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and _scales_ok(x, scales)
+            and x.numel() < _MAX_X_NUMEL and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and _scales_ok(x, scales)
             and qweight_mma.device == x.device and qweight_mma.storage_offset() * 4 % 16 == 0)
 
 
