@@ -8,8 +8,9 @@ namespace torchforge {
 namespace awq_mma_detail {
 
 // Grouped form for MoE experts: routed rows sorted by expert into blocks of NT * 8 (torchforge.ops.moe_align).
-// Block b holds routed rows sorted_rows[b * NT * 8 + i] (R where padding) of expert block_expert[b] (E past the
-// end: the block returns); routed row r reads x[r / x_row_div]. Each K slice writes its fp32 sums to
+// Block b holds routed rows sorted_rows[b * NT * 8 + i] (R where padding) of expert block_expert[b] (E for the
+// rows of out-of-range ids, which come out NaN, and for the empty blocks past the end); routed row r reads
+// x[r / x_row_div]. Each K slice writes its fp32 sums to
 // partial[slice, r, :]; the caller's reduce kernel adds the slices and applies the epilogue (SiLU * up, or the
 // router-weighted combine). Direct mode (sorted_rows null, decode: no more routed rows than experts): block b
 // is routed row b alone, with expert block_expert[b] = expert_ids[b]; no sort, one 8-row MMA tile.
@@ -25,12 +26,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int slice = blockIdx.z;
   const int e = block_expert[b];
   const bool direct = sorted_rows == nullptr;  // decode: block b is routed row b alone, block_expert its expert ids
-  if (e < 0 || e >= E) {
-    if (direct) {  // an expert id out of range: its row comes out NaN (no host sync to check the ids)
-      for (int i = threadIdx.x; i < kCols; i += kThreads)
-        partial[(static_cast<size_t>(slice) * R + b) * N + cb * kCols + i] = __int_as_float(0x7fc00000);
+  if (e < 0 || e >= E) {  // expert ids out of range come out as NaN rows (no host sync to check the ids): in
+    // direct mode this block's row; sorted, the real rows of moe_align's bucket for them (past the end: none)
+    for (int i = threadIdx.x; i < NT * 8 * kCols; i += kThreads) {
+      const int row = i / kCols;
+      const int r = direct ? (row == 0 ? b : R) : sorted_rows[b * NT * 8 + row];
+      if (r >= 0 && r < R)
+        partial[(static_cast<size_t>(slice) * R + r) * N + cb * kCols + i % kCols] = __int_as_float(0x7fc00000);
     }
-    return;  // else: past the last block of the last expert
+    return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;

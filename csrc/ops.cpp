@@ -261,11 +261,10 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
 }
 
 // Grouped (MoE) form of awq_mma_cuda: x [X, K]; expert weights in the mma layout qweight [E, N / 64, K * 8],
-// scales [E, K/G, N] (fp16, or bf16 with bf16 x), qzeros [E, K/G, N/8]; routed rows sorted by expert (torchforge.ops.moe_align with
-// blocks of 8 or 16: sorted_rows int32 [B * block], block_expert int32 [B]; or, direct, sorted_rows empty and
-// block_expert the expert id of each routed row, one row per block, ids out of range giving NaN rows); routed row
-// r < num_rows reads
-// x[r / x_row_div]. Returns the fp32 sums of each K slice, partial [splits, num_rows, N]; every routed row must
+// scales [E, K/G, N] (fp16, or bf16 with bf16 x), qzeros [E, K/G, N/8]; routed rows sorted by expert
+// (torchforge.ops.moe_align with blocks of 8 or 16: sorted_rows int32 [B * block], block_expert int32 [B]; or,
+// direct, sorted_rows empty and block_expert the expert id of each routed row, one row per block). Rows of blocks
+// whose expert is out of range come out NaN. Routed row r < num_rows reads x[r / x_row_div]. Returns the fp32 sums of each K slice, partial [splits, num_rows, N]; every routed row must
 // appear exactly once in sorted_rows (moe_align's contract), or its row of partial is left unwritten.
 at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const at::Tensor& qzeros, const at::Tensor& sorted_rows, const at::Tensor& block_expert,

@@ -169,12 +169,15 @@ def test_cuda_module_compile_and_graph():
 
 @pytest.mark.cuda
 @cuda
-def test_cuda_direct_mode_out_of_range_expert_gives_nan_rows():
+@pytest.mark.parametrize("rows", [4, 40])  # direct mode (rows <= experts), sorted blocks of 16
+def test_cuda_out_of_range_expert_gives_nan_rows(rows):
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
 
     gu, _ = _experts(4, 128, "cuda")
-    ids = torch.tensor([0, 7, 3, -1], device="cuda")  # 7 and -1 are not experts
-    part = launch_awq_mma_moe_cuda(torch.randn(4, H, device="cuda", dtype=torch.bfloat16), ids,
+    ids = torch.arange(rows, device="cuda") % 4
+    ids[1], ids[3] = 7, -1  # not experts
+    part = launch_awq_mma_moe_cuda(torch.randn(rows, H, device="cuda", dtype=torch.bfloat16), ids,
                                    awq_to_mma_layout(gu[0]), gu[1], gu[2], 128, 1)
     rows_nan = part.isnan().all(-1).any(0)
-    assert rows_nan.tolist() == [False, True, False, True] and torch.isfinite(part[:, [0, 2]]).all()
+    assert rows_nan.tolist() == [r in (1, 3) for r in range(rows)]
+    assert torch.isfinite(part[:, [r for r in range(rows) if r not in (1, 3)]]).all()

@@ -12,7 +12,8 @@ def test_moe_align_blocks_hold_one_expert_and_cover_every_row(R, E, BM):
     torch.manual_seed(R * E)
     ids = torch.randint(0, E, (R,))
     rows, block_expert = moe_align(ids, E, BM)
-    assert rows.shape == (max_blocks(R, E, BM) * BM,) and rows.dtype == torch.int32
+    # the bound counts one bucket more than E: out-of-range ids (none here)
+    assert rows.shape == (max_blocks(R, E + 1, BM) * BM,) and rows.dtype == torch.int32
     seen = []
     for b, e in enumerate(block_expert.tolist()):
         blk = rows[b * BM:(b + 1) * BM]
@@ -23,6 +24,23 @@ def test_moe_align_blocks_hold_one_expert_and_cover_every_row(R, E, BM):
         assert bool((ids[real] == e).all())
         seen += real.tolist()
     assert sorted(seen) == list(range(R))
+
+
+def test_moe_align_puts_out_of_range_ids_in_a_bucket_of_their_own():
+    """Ids outside [0, E) are not checked on the host: their rows form blocks of expert E (kernels write NaN)."""
+    E, BM = 4, 8
+    ids = torch.tensor([2, 9, 0, -1, 2, 4, 3, 3, 1, 7, 0, 2])
+    rows, block_expert = moe_align(ids, E, BM)
+    assert rows.numel() == max_blocks(ids.numel(), E + 1, BM) * BM
+    bad = []
+    for b, e in enumerate(block_expert.tolist()):
+        blk = rows[b * BM:(b + 1) * BM]
+        real = blk[blk < ids.numel()].long()
+        if e >= E:
+            bad += real.tolist()
+        else:
+            assert bool((ids[real] == e).all())
+    assert sorted(bad) == [1, 3, 5, 9] and block_expert.max().item() == E
 
 
 def _reference(x, ids, qw, s, z, G, div):
@@ -63,6 +81,24 @@ def test_sorted_kernel_under_interpreter(T, k, bm, dtype):
     expected = _reference(x, ids, qw, s, z, G, k)
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     assert ((out.double() - expected).norm() / expected.norm()) < tol
+
+
+@pytest.mark.skipif(not can_launch(torch.empty(0)), reason="needs triton (interpreter on CPU)")
+def test_sorted_kernel_out_of_range_ids_give_nan_rows():
+    from torchforge.ops.awq_moe_triton import launch_awq_moe_gemm
+
+    torch.manual_seed(7)
+    E, K, N, G = 5, 128, 48, 64
+    qw, s, z = awq_quantize(torch.randn(E, N, K), G)
+    x = torch.randn(12, K)
+    ids = torch.randint(0, E, (12,))
+    ids[[2, 7]] = torch.tensor([E, -3])
+    out = launch_awq_moe_gemm(x, ids, qw, s, z, G, block_m=16, block_n=32)
+    good = torch.ones(12, dtype=torch.bool)
+    good[[2, 7]] = False
+    assert out[~good].isnan().all() and torch.isfinite(out[good]).all()
+    expected = _reference(x[good], ids[good], qw, s, z, G, 1)
+    assert ((out[good].double() - expected).norm() / expected.norm()) < 1e-6
 
 
 def test_opcheck_awq_moe_gemm():

@@ -32,12 +32,16 @@ if HAS_TRITON:
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(bexp_ptr + pid_b).to(tl.int64)
-        if e < E:  # blocks past the last expert's padding are empty
-            offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.load(rows_ptr + pid_b * BLOCK_M + offs_m)
+        valid = rows < R
+        if e >= E:  # moe_align's bucket of out-of-range ids: NaN rows (blocks past the end hold only padding)
+            out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+            nan = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + float("nan")
+            tl.store(out, nan.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n < N)[None, :])
+        else:
             offs_k = tl.arange(0, BLOCK_K)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            rows = tl.load(rows_ptr + pid_b * BLOCK_M + offs_m)
-            valid = rows < R
             x_rows = x_ptr + (rows // X_ROW_DIV).to(tl.int64)[:, None] * stride_x
             ng = K // GROUP_SIZE
             qw_e = qw_ptr + e * K * NP

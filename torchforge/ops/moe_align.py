@@ -4,6 +4,10 @@ A grouped MoE GEMM wants each program to see rows of ONE expert, so it can load 
 tile once for BLOCK_M rows (vLLM's `moe_align_block_size` does the same). Every expert's rows are padded
 to a multiple of BLOCK_M; padding slots hold the sentinel R. All shapes are static (an upper bound on the
 number of blocks), so this is capturable in a CUDA graph and traceable by torch.compile.
+
+Expert ids outside [0, E) are not checked on the host (a sync): they are sorted into one more bucket, after
+expert E - 1, whose blocks get block expert E like the empty blocks past the end. The grouped kernels write NaN
+rows for the real rows of such blocks (past the end there are none), as the per-row decode kernels do.
 """
 from __future__ import annotations
 
@@ -19,13 +23,14 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     """expert_ids [R] -> (sorted_rows int32 [B * block_m], block_expert int32 [B]).
 
     sorted_rows[b * block_m + i] is the i-th row of block b (R where it is padding); block_expert[b] is the
-    expert of block b, or `num_experts` for blocks past the end (the kernel skips them).
+    expert of block b, or `num_experts` for the rows of out-of-range ids and for the (empty) blocks past the end.
     """
     ids = expert_ids.reshape(-1).to(torch.int64)
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # bucket E: out-of-range ids
     R = ids.numel()
-    B = max_blocks(R, num_experts, block_m)
+    B = max_blocks(R, num_experts + 1, block_m)
     dev = ids.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
@@ -36,5 +41,5 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_rows = torch.full((B * block_m,), R, dtype=torch.int32, device=dev)
     sorted_rows.scatter_(0, dest, order.to(torch.int32))
     block_start = torch.arange(B, device=dev) * block_m
-    block_expert = torch.searchsorted(pad_end, block_start, right=True).to(torch.int32)  # == E past the end
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=num_experts).to(torch.int32)
     return sorted_rows, block_expert
