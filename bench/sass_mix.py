@@ -1,0 +1,65 @@
+"""Instruction mix of each kernel's hottest loop in a csrc/ file, without a GPU.
+
+The mma kernels are bound by the ALU pipe past 16 rows (BENCHMARKS.md, sixth session), so SASS instruction counts
+per work item predict their speed well enough to try changes locally before spending device time:
+
+    python3 bench/sass_mix.py csrc/awq_mma.cu [--filter bfloat16] [--cuobjdump PATH]
+
+Needs nvcc (sm_90a) and cuobjdump: the CUDA toolkit, or `pip download nvidia-cuda-cuobjdump` and unzip the wheel.
+The hottest loop is the backward branch whose body holds the most HMMA instructions (else the longest body).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+_INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_FUNC = re.compile(r"Function : (\S+)")
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the hottest loop of one function's SASS."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_INS.match, sass.splitlines()) if m]
+    best = None
+    for addr, text in ins:
+        target = re.search(r"BRA.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            body = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
+            key = (sum("HMMA" in t for t in body), len(body))
+            if best is None or key > best[0]:
+                best = (key, body)
+    if best is None:
+        return 0, collections.Counter()
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best[1])
+    return len(best[1]), ops
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("source", help="a .cu file in csrc/")
+    p.add_argument("--filter", default="", help="only functions whose mangled name contains this")
+    p.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    p.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
+    p.add_argument("--top", type=int, default=12, help="opcodes shown per function")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        obj = os.path.join(tmp, "k.o")
+        subprocess.run([args.nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", args.source,
+                        "-o", obj], check=True)
+        sass = subprocess.run([args.cuobjdump, "-sass", obj], check=True, capture_output=True, text=True).stdout
+    parts = _FUNC.split(sass)
+    for name, body in zip(parts[1::2], parts[2::2]):
+        if args.filter in name:
+            n, ops = loop_mix(body)
+            print(f"{name}\n  loop: {n} instructions; " + ", ".join(f"{k} {v}" for k, v in ops.most_common(args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
