@@ -38,7 +38,8 @@ case " $SUITE " in *" bench "*)
   done ;;
 esac
 case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
-# compute-sanitizer (memcheck, racecheck) on the csrc kernels' tests (quantize, batch-1 GEMV, mma layout dense and grouped); PyTorch's caching allocator is turned off so
+# compute-sanitizer (memcheck, racecheck) on the csrc kernels' tests (quantize, batch-1 GEMV, mma layout dense and grouped,
+# the Hopper wgmma kernel); PyTorch's caching allocator is turned off so
 # that out-of-bounds accesses inside a cached block are caught too.
 case " $SUITE " in *" sanitize "*)
   for tool in memcheck racecheck; do
@@ -51,5 +52,10 @@ case " $SUITE " in *" sanitize "*)
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_mma_cuda.py tests/ops/test_awq_mma_moe.py -m "not slow" \
       -k "${SANITIZE_MMA_K:-1-True-dtype1 or 2-False-dtype0 or independent or opcheck or grouped or direct or bf16_scales}"
+    # the Hopper kernel (csrc/awq_wgmma.cu: bulk copies, mbarriers, wgmma): every block shape once, K slices, tails
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_wgmma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/ops/test_awq_wgmma_cuda.py -m "not slow" \
+      -k "${SANITIZE_WGMMA_K:-bit_exact and (dtype0 or dtype2) or 1024-320 or independent or opcheck}"
   done ;;
 esac

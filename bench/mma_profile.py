@@ -1,6 +1,8 @@
-"""Run the mma-layout CUDA kernel (csrc/awq_mma.cu) a few times on one shape, for Nsight Compute:
+"""Run the mma-layout CUDA kernel (csrc/awq_mma.cu), or with --wgmma the Hopper one (csrc/awq_wgmma.cu), a few times
+on one shape, for Nsight Compute:
 
     ncu --set full -k regex:awq_mma -c 1 python3 bench/mma_profile.py --m 64 --shape 18432x7168
+    ncu --set full -k regex:awq_wgmma_kernel -c 1 python3 bench/mma_profile.py --m 1024 --wgmma 128,2,1,8
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ def main() -> int:
     p.add_argument("--shape", default="18432x7168", help="OCxIC")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--wgmma", default="", help="block_m,tile_set,splits,group_m: run csrc/awq_wgmma.cu instead")
     args = p.parse_args()
     from torchforge.ops._ext import has_cuda_ext
-    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
 
     assert has_cuda_ext(), "the compiled extension (csrc/) did not load"
@@ -30,7 +33,10 @@ def main() -> int:
     mma = awq_to_mma_layout(qw)
     x = torch.randn(args.m, ic, device="cuda", dtype=torch.bfloat16)
     for _ in range(args.iters):
-        launch_awq_mma_cuda(x, mma, sc, qz, g)
+        if args.wgmma:
+            launch_awq_wgmma_cuda(x, mma, sc, qz, g, config=tuple(map(int, args.wgmma.split(","))))
+        else:
+            launch_awq_mma_cuda(x, mma, sc, qz, g)
     torch.cuda.synchronize()
     return 0
 

@@ -6,13 +6,15 @@ Columns: bf16 F.linear; torchforge's dispatched op (AWQ layout) (the CUDA GEMV o
 dequant + cuBLAS beyond); each path forced (the split-K and tiled kernels are the fp32 paths now); tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
 bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros); then `mma layout`:
 `awq_mma_linear` on the same weight in the mma layout (what a ForgeAWQLinear runs after `use_mma_layout()`: the
-CUDA tensor-core kernel up to 128 rows, Triton dequantize + cuBLAS beyond) with its ratios; and the GPTQ layout's own
+CUDA tensor-core kernel up to 128 rows, on Hopper the wgmma kernel for 129-256, Triton dequantize + cuBLAS beyond) with
+its ratios; and the GPTQ layout's own
 Triton kernel (`w4a16_gptq_linear`, what a ForgeGPTQLinear runs before `use_mma_layout()`) on the same numbers.
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
 `--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py); `--cuda-gemv-sweep` only the extension's batch-1
 GEMV (csrc/awq_gemv.cu), which the op dispatches at M = 1 when it is built; `--mma-sweep 16,64,...` only the tensor-core
 kernel's (awq_mma_triton.py) at those M; `--mma-cuda-sweep 1,4,16,...` only the extension's tensor-core kernel on the
-mma layout (csrc/awq_mma.cu).
+mma layout (csrc/awq_mma.cu); `--wgmma-sweep 128,256,...` only the Hopper kernel on it (csrc/awq_wgmma.cu), over its
+configurations (`--best`: the fastest and the default per M).
 """
 from __future__ import annotations
 
@@ -126,6 +128,48 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
     return out
 
 
+def wgmma_sweep(shapes: str, ms: str) -> list:
+    """The extension's Hopper kernel on the mma layout (csrc/awq_wgmma.cu) over (block_m, tile_set, splits), against
+    bf16, the decode mma kernel (up to 128 rows), the mma layout's dequantize + cuBLAS and tinygemm in the same run."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, wgmma_cuda_config
+    from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+
+    out = []
+    for shape in shapes.split(","):
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+        mma = awq_to_mma_layout(qw)
+        wdq = awq_dequantize_ref(qw, sc, qz, G).to(torch.bfloat16).float()
+        for M in map(int, ms.split(",")):
+            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ wdq.T
+            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
+            t_dec = (bench_graph_ms(lambda: launch_awq_mma_cuda(x, mma, sc, qz, G), rep_ms=50) if M <= 128
+                     else float("nan"))
+            t_deq = bench_graph_ms(lambda: x @ launch_awq_mma_dequantize_t(mma, sc, qz, G, x.dtype), rep_ms=50)
+            tg = tinygemm_fn(w, x) if M <= 256 else None
+            t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
+            default = wgmma_cuda_config(M, IC, OC)
+            configs = {default}
+            for bm, tw in ((64, 4), (64, 2), (128, 2), (256, 1)):
+                if bm > 2 * M and bm > 64:
+                    continue
+                for splits in (1, 2, 3, 4, 6, 8):
+                    blocks = -(-(OC // 64) // 4) * (1 if tw == 2 else 4 // tw) * -(-M // bm)
+                    if splits == 1 or blocks * splits <= 4 * 264:
+                        configs.add((bm, tw, splits, 8))
+            for cfg in sorted(configs):
+                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg)  # noqa: E731
+                rel = ((f().float() - ref).norm() / ref.norm()).item()
+                t = bench_graph_ms(f, rep_ms=30)
+                out.append([shape, M, *cfg[:3], "*" if cfg == default else "", t, 2 * M * OC * IC / t / 1e9,
+                            wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
+            print("done", shape, M, flush=True)
+    out.sort(key=lambda r: (r[0], r[1], r[6]))
+    return out
+
+
 def gemv_sweep(shapes: str) -> list:
     from torchforge.ops.awq_gemv_triton import gemv_config, launch_w4a16_gemv
     from torchforge.ops.awq_reference import awq_dequantize_ref
@@ -226,6 +270,10 @@ def main() -> int:
     ap.add_argument("--mma-cuda-sweep", default="",
                     help="M list: time the extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu), then stop")
     ap.add_argument("--mma-sweep", default="", help="M list: time the tensor-core kernel's configurations, then stop")
+    ap.add_argument("--wgmma-sweep", default="",
+                    help="M list: time the extension's Hopper kernel (csrc/awq_wgmma.cu) over its configurations, "
+                         "then stop")
+    ap.add_argument("--best", action="store_true", help="with --wgmma-sweep: print only the fastest configuration per M")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
@@ -245,6 +293,17 @@ def main() -> int:
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
         print(markdown_table(["W", "M", "scales", "splits", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
+        return 0
+    if args.wgmma_sweep:
+        wrows = wgmma_sweep(args.shapes, args.wgmma_sweep)
+        if args.best:
+            wrows = [r for i, r in enumerate(wrows) if i == 0 or r[:2] != wrows[i - 1][:2] or r[5] == "*"]
+        print(f"device: {device_line()}")
+        print("\nHopper W4A16 kernel on the mma layout (csrc/awq_wgmma.cu), CUDA graph, bf16 x, fp16 scales; * = default; "
+              "bf16, the decode kernel (csrc/awq_mma.cu), dequantize + cuBLAS and tinygemm in the same run:")
+        print(markdown_table(["W", "M", "block_m", "tile_set", "splits", "default", "ms", "TFLOP/s", "int4 GB/s",
+                              "bf16 ms", "decode kernel ms", "dequant+cuBLAS ms", "tinygemm ms", "bf16/ms", "rel err"],
+                             wrows))
         return 0
     if args.mma_sweep:
         mrows = mma_sweep(args.shapes, args.mma_sweep)

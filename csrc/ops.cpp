@@ -44,6 +44,15 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
                                int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
                                int64_t item_chunks, cudaStream_t stream);
 
+// csrc/awq_wgmma.cu (sm_90a)
+int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m);
+int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set);
+cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
+                             const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
+                             unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
+                             int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m,
+                             cudaStream_t stream);
+
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
 // message (std::ostream << long, instantiated in this library) segfaulted on the device image
@@ -327,6 +336,45 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   return partial;
 }
 
+// Prefill form of awq_mma_cuda on Hopper's warpgroup MMA (csrc/awq_wgmma.cu, sm_90 devices only): same tensors and
+// result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
+// group_m row blocks per raster group.
+at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
+                          int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m) {
+  const std::string op = "awq_wgmma_cuda: ";
+  at::Tensor b;
+  const void* bias_ptr = check_mma_dense(op, x, qweight, scales, qzeros, group_size, bias, splits, 1, b);
+  TORCH_CHECK((block_m == 64 && (tile_set == 4 || tile_set == 2)) || (block_m == 128 && tile_set == 2) ||
+                  (block_m == 256 && tile_set == 1),
+              op + "(block_m, tile_set) must be (64, 4), (64, 2), (128, 2) or (256, 1), got (" + i2s(block_m) + ", " +
+                  i2s(tile_set) + ")");
+  TORCH_CHECK(group_m >= 1, op + "group_m must be >= 1, got " + i2s(group_m));
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
+  TORCH_CHECK(major == 9 && minor == 0,
+              op + "needs an sm_90 (Hopper) GPU, got sm_" + i2s(major * 10 + minor) + ": use awq_mma_cuda");
+  TORCH_CHECK(aligned16(scales) && aligned16(qzeros), op + "scales and qzeros must be 16-byte aligned");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const int64_t tiles = awq_wgmma_tiles(M, N, block_m, tile_set);
+  TORCH_CHECK(tiles < (int64_t{1} << 31), op + "too many blocks: " + i2s(tiles));
+  at::Tensor tickets = at::zeros({splits > 1 ? tiles : 1}, x.options().dtype(at::kInt));
+  at::Tensor partial = at::empty({splits > 1 ? splits * M * N : 1}, x.options().dtype(at::kFloat));
+  at::Tensor x_image = at::empty({awq_wgmma_image_rows(M, block_m), K}, x.options());
+  const cudaError_t err = awq_wgmma_launch(
+      dtype_code(x), dtype_code(scales), x.data_ptr(), x_image.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
+      qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
+      reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, block_m, tile_set,
+      group_m, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace torchforge
 
 TORCH_LIBRARY_FRAGMENT(torchforge, m) {
@@ -342,6 +390,9 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks) -> Tensor");
+  m.def(
+      "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
+      "int splits, int block_m, int tile_set, int group_m) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {
@@ -349,6 +400,7 @@ TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {
   m.impl("awq_gemv_cuda", &torchforge::awq_gemv_cuda);
   m.impl("awq_mma_cuda", &torchforge::awq_mma_cuda);
   m.impl("awq_mma_moe_cuda", &torchforge::awq_mma_moe_cuda);
+  m.impl("awq_wgmma_cuda", &torchforge::awq_wgmma_cuda);
 }
 
 // An empty Python module, so that `import torchforge._C` loads the shared library (and with it

@@ -122,7 +122,7 @@ def test_awq_mma_linear_dispatch(monkeypatch):
     out = awq_mma_linear(x, mma, s, z, 128)
     assert calls == [1]
     _check(out, x, qw, s, z, 128)
-    big = torch.randn(3, 50, 1024, device="cuda", dtype=torch.bfloat16)  # 150 rows: Triton dequantize + cuBLAS
+    big = torch.randn(3, 50, 1024, device="cuda", dtype=torch.bfloat16)  # 150 rows: wgmma (sm_90) or dequant + cuBLAS
     torch.testing.assert_close(awq_mma_linear(big, mma, s, z, 128), w4a16_linear(big, qw, s, z, 128))
     assert calls == [1]
 

@@ -1,7 +1,8 @@
 """`awq_mma_linear`: W4A16 linear with the weight in the mma layout (`torchforge.ops.awq_mma_layout`).
 
 Dispatch: CUDA tensors with the compiled extension and 1..128 rows of x (decode) run the tensor-core kernel of
-csrc/awq_mma.cu. Other CUDA calls (prefill, fp32, no extension) dequantize the mma layout once with Triton and call
+csrc/awq_mma.cu; on an sm_90 (Hopper) GPU, 129..256 rows the warpgroup-MMA kernel of csrc/awq_wgmma.cu
+(WGMMA_MIN_M..WGMMA_MAX_M). Other CUDA calls (prefill, fp32, no extension) dequantize the mma layout once with Triton and call
 cuBLAS. CPU tensors convert the weight back to vLLM's AWQ layout (exact) and run the reference.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch.library import custom_op
 
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq import _check_w4a16_args
-from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_mma_moe_cuda, mma_cuda_ok, mma_moe_cuda_ok
+from torchforge.ops.awq_mma_cuda import (launch_awq_mma_cuda, launch_awq_mma_moe_cuda, launch_awq_wgmma_cuda,
+                                         mma_cuda_ok, mma_moe_cuda_ok, wgmma_cuda_ok)
 from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
 from torchforge.ops.awq_mma_layout import awq_mma_linear_ref, mma_layout_to_awq
 
@@ -45,6 +47,8 @@ def _check_mma_args(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
 def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                     bias: Optional[Tensor]) -> Tensor:
     _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
+    if wgmma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
+        return launch_awq_wgmma_cuda(x, qweight_mma, scales, qzeros, group_size, bias)
     if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
         return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias)
     if use_triton(x) and group_size % 64 == 0:

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_ok", "launch_awq_mma_cuda", "mma_moe_cuda_ok",
-           "launch_awq_mma_moe_cuda", "register_fake"]
+           "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config", "wgmma_cuda_ok", "launch_awq_wgmma_cuda",
+           "register_fake"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
 # rows, because on the DeepSeek-V3 shapes (BENCHMARKS.md, sixth session) the kernel beat the AWQ layout's Triton
@@ -46,13 +47,18 @@ def _scales_ok(x: Tensor, scales: Tensor) -> bool:
 def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                 bias: Optional[Tensor]) -> bool:
     """Whether the CUDA kernel takes this call (else the caller converts to AWQ and uses `w4a16_linear`)."""
-    from torchforge.ops._ext import has_cuda_ext
-
     if x.dim() == 0 or x.shape[-1] == 0 or qweight_mma.shape[0] == 0:
         return False
     m = x.numel() // x.shape[-1]
+    return 1 <= m <= MMA_CUDA_MAX_M and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
+
+
+def _dense_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+              bias: Optional[Tensor]) -> bool:
+    from torchforge.ops._ext import has_cuda_ext
+
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0
-            and 1 <= m <= MMA_CUDA_MAX_M and x.numel() < _MAX_X_NUMEL and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
+            and x.numel() < _MAX_X_NUMEL and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
             and _scales_ok(x, scales)
             and all(t.is_contiguous() and t.device == x.device for t in (qweight_mma, scales, qzeros))
             and qweight_mma.storage_offset() * 4 % 16 == 0
@@ -71,6 +77,63 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
     s, c = mma_cuda_config(x2.shape[0], k, n, group_size)
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits or s,
                                             item_chunks or c)
+    return out.reshape(*x.shape[:-1], n)
+
+
+# ------------------------------------------------------------------ prefill on Hopper: csrc/awq_wgmma.cu
+# Rows of x the warpgroup-MMA kernel takes (sm_90 devices). H100 sweeps of 2026-11-22 (BENCHMARKS.md, seventh
+# session; bf16 x, 18432x7168 / 7168x7168): at 256 rows it beats the mma layout's other path, dequantize + cuBLAS
+# (0.267 / 0.100 ms against 0.284 / 0.115), and needs no dequantized bf16 copy of the weight (264 MB for
+# 18432x7168). At 512 rows it is 5% slower on 18432x7168 (0.396 against 0.377 ms; 6% faster on 7168x7168), at 128
+# rows the decode kernel is faster on 7168x7168 (0.067 against 0.097 ms), and from 1024 rows dequantize + cuBLAS
+# (0.595 against 0.659 ms at M = 1024): the kernel reaches 41-46% of the tensor peak there, cuBLAS about 70%.
+WGMMA_MIN_M = 129
+WGMMA_MAX_M = 256
+_WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
+
+
+def _blocks_per_group(tile_set: int) -> int:
+    """Blocks on one group of 4 column blocks: the tile sets not taken by a block's warpgroups (2 with tile_set 2)."""
+    return 1 if tile_set == 2 else 4 // tile_set
+
+
+def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int]:
+    """(block_m, tile_set, splits, group_m) for x [m, k] and n output columns, from the H100 sweeps
+    (`bench/w4a16_linear.py --wgmma-sweep`, 2026-11-22): blocks of 128 rows x 2 tile sets in two warpgroups (one block
+    per SM at 254 registers), except where those would leave more than half of the 132 SMs idle at up to 256 rows
+    (7168x7168 at M = 256: 56 blocks): then single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the
+    columns (0.100 against 0.133 ms). No K slices: their fp32 partials cost more than the idle SMs in every swept case
+    from 128 rows."""
+    groups = -(-(n // 64) // 4)
+    if m <= 256 and groups * -(-m // 128) < 60:
+        return 256, 1, 1, 8
+    return 128, 2, 1, 8
+
+
+def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+                  bias: Optional[Tensor]) -> bool:
+    """Whether the Hopper kernel takes this call: the decode kernel's conditions, an sm_90 device, and
+    WGMMA_MIN_M..WGMMA_MAX_M rows."""
+    if not (x.is_cuda and hasattr(torch.ops.torchforge, "awq_wgmma_cuda") and x.dim() > 0 and x.shape[-1] > 0):
+        return False
+    m = x.numel() // x.shape[-1]
+    return (WGMMA_MIN_M <= m <= WGMMA_MAX_M and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
+            and scales.storage_offset() * scales.element_size() % 16 == 0 and qzeros.storage_offset() * 4 % 16 == 0)
+
+
+def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+                          bias: Optional[Tensor] = None, *, config: Optional[tuple[int, int, int, int]] = None) -> Tensor:
+    """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
+    (block_m, tile_set, splits, group_m), else wgmma_cuda_config."""
+    k = x.shape[-1]
+    n = qweight_mma.shape[0] * 64
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) != k or x2.storage_offset() * x2.element_size() % 16:
+        x2 = x2.contiguous()
+    block_m, tile_set, splits, group_m = config or wgmma_cuda_config(x2.shape[0], k, n)
+    out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
+                                              tile_set, group_m)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -126,6 +189,17 @@ def register_fake() -> None:
         torch._check(x.dtype in (torch.float16, torch.bfloat16),
                      lambda: f"awq_mma_cuda: x must be float16 or bfloat16, got {x.dtype}")
         return x.new_empty((x.shape[0], qweight.shape[0] * 64))
+
+    if hasattr(torch.ops.torchforge, "awq_wgmma_cuda"):
+        @torch.library.register_fake("torchforge::awq_wgmma_cuda")
+        def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m):
+            torch._check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
+                         lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
+                                 f"{tuple(x.shape)} and {tuple(qweight.shape)}")
+            torch._check((block_m, tile_set) in _WGMMA_SHAPES,
+                         lambda: f"awq_wgmma_cuda: (block_m, tile_set) must be one of {_WGMMA_SHAPES}, got "
+                                 f"({block_m}, {tile_set})")
+            return x.new_empty((x.shape[0], qweight.shape[0] * 64))
 
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
         @torch.library.register_fake("torchforge::awq_mma_moe_cuda")

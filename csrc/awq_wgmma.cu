@@ -1,0 +1,407 @@
+// W4A16 for prefill-sized batches (64+ rows of x) on Hopper's warpgroup MMA (sm_90a), from the same mma layout as
+// the decode kernel (awq_mma.cu; built once at load time by torchforge.ops.awq_mma_layout):
+//
+//   out[m, n] = sum_k x[m, k] * (q[k, n] - z[k / G, n]) * s[k / G, n]  (+ bias[n])
+//
+// Swap AB, as in awq_mma.cu: out.T = W @ x.T. The weight is wgmma's A operand in registers, dequantized once per
+// block of BM rows of x (the decode kernel decodes it again for every 16 rows, which made it ALU bound past 16
+// rows); the activations are the B operand, BM rows (wgmma's N) read from shared memory.
+// * Warpgroup = 4 warps on 4 layout column blocks (256 output columns), BM rows of x, and TW of each column block's
+//   4 column tiles of 16: warp w holds column block 4 cbg + w. A block has one warpgroup, or two on the two halves
+//   of the tiles (TW = 2), sharing the stage; the blocks along grid.x walk the remaining tile sets.
+//   The wgmma for tile T then covers the 64 columns {64 (4 cbg + w) + 16 T + r : w < 4, r < 16}, one 16-column tile
+//   per warp: exactly the rows of A each warp owns in the instruction, so every lane's layout word is its A
+//   fragment as it is (register r = nibbles r, r + 4). Accumulators: TW x BM / 2 floats per thread (128 at most).
+// * Dequantization per register (2 weights): one shift and one LOP3 (magic + q, exact), one subtract of the
+//   column's magic + z (exact: small integers), one multiply by the scale: (q - z) s rounded once to x's dtype, the
+//   value the reference feeds its matmul (awq_reference: fp32, then cast). fp16 scales with bf16 x are split as
+//   s = hi + lo in bf16 (lo is exact: fp16 has 3 more significand bits) and applied as fma(d, hi, d lo), still one
+//   rounding of the exact product.
+// * k order: the layout maps the MMA k-index 2t + e (e < 2) of k-step s to k = 16t + 4s + e and 2t + 8 + e to
+//   16t + 4s + 2 + e (see awq_mma.cu). A first kernel writes x once in that order ("x image"), as tiles of BM rows x
+//   one 64-k chunk, each contiguous and already in the swizzled byte order wgmma's K-major B expects in shared
+//   memory: in row r of a tile, 16-byte piece j holds positions 8 j' .. 8 j' + 7 with j' = j ^ (r % 8), and
+//   position p = 16 s + 8 e + 2 t + h is k = 16 t + 4 s + 2 e + h. Each k-step is then 32 consecutive bytes of a
+//   128-byte row, and a stage is a handful of contiguous copies.
+// * Pipeline: per 64-k chunk, one stage of shared memory holds the x tile [BM rows x 128 B], the 4 column blocks'
+//   layout words (8 KB) and the chunk's group of scales and zero words. One thread issues them as bulk copies (the
+//   TMA engine, no tensor map needed), completing on the stage's mbarrier; the last warp to release a stage refills
+//   it. The wgmmas of each k-step are one commit group, and the next k-step's dequantization runs while it is in
+//   flight. The first version copied x with cp.async from every thread (4 bytes at a time, then 16 from the image):
+//   the copies were 37% of the main loop's 407 SASS instructions per chunk, and it ran at 33-38% of the tensor peak
+//   (ncu: 2 warps per scheduler, 5.6 cycles per issue).
+// * K slices along grid.z as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order).
+//
+// This file needs only the CUDA headers: the torch op is in ops.cpp.
+#include <type_traits>
+
+#include "awq_mma.cuh"
+#include "wgmma.cuh"
+
+namespace torchforge {
+namespace awq_wgmma_detail {
+
+using awq_mma_detail::and_or;
+using awq_mma_detail::awq_shift;
+using awq_mma_detail::Traits;
+
+// Warpgroups per block: with 2 column tiles per warp, two warpgroups take the two halves of the same 4 column blocks
+// and share the stage (x tile, all words).
+template <int TW>
+constexpr int kGroups = TW == 2 ? 2 : 1;
+template <int TW>
+constexpr int kThreads = 128 * kGroups<TW>;
+constexpr int kLook = 2;             // chunks copied ahead of the one being computed
+constexpr int kStages = kLook + 2;  // + the chunk computed + the previous one, whose wgmmas may be in flight
+constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
+
+template <int BM>
+struct Stage {
+  static constexpr int kX = BM * 128;   // BM rows x 64 k of x
+  static constexpr int kW = 4 * 128 * 16;  // 4 column blocks x 4 k-steps x 32 lanes x uint4
+  static constexpr int kS = kBlockCols * 2;  // scales of the chunk's group
+  static constexpr int kZ = kBlockCols / 8 * 4;  // zero words
+  static constexpr int kBytes = (kX + kW + kS + kZ + 1023) / 1024 * 1024;  // x stays 1024-byte aligned
+  static constexpr int kSmem = kStages * kBytes + 1024;  // + room to align the dynamic base
+};
+
+// Packed pairs of x's dtype.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t splat(float v) {
+    const uint32_t b = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    return b | (b << 16);
+  }
+  static __device__ __forceinline__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+};
+template <>
+struct Pair<__half> {
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t splat(float v) {
+    const uint32_t b = __half_as_ushort(__float2half_rn(v));
+    return b | (b << 16);
+  }
+  static __device__ __forceinline__ float round(float v) { return __half2float(__float2half_rn(v)); }
+};
+
+// The TW words of this lane's layout uint4 that the block's tile set tq uses.
+template <int TW>
+__device__ __forceinline__ void lds_words(uint32_t (&w)[TW], const uint8_t* p, int tq) {
+  if constexpr (TW == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (TW == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p + 8 * tq);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(p + 4 * tq);
+  }
+}
+
+// Blocks per SM the registers are capped for: (64, 2) keeps 64 accumulators per thread (its main loop fits in 128
+// registers), and four warpgroups per SM hide the dequantization's latency better than two.
+template <int BM, int TW>
+constexpr int kMinBlocks = 1;
+
+template <typename T, typename S, int BM, int TW>
+__global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
+    awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
+                     const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
+                     float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
+                     int chunks_per_group, int splits, int group_m) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using St = Stage<BM>;
+  using P = Pair<T>;
+  using Tr = Traits<T>;
+  constexpr bool kSplitScale = !std::is_same<T, S>::value;  // fp16 scales with bf16 x: s = hi + lo
+  constexpr int kSets = 4 / (TW * kGroups<TW>);  // blocks along the column tiles of one column block group
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  __shared__ bool is_last;
+  __shared__ alignas(8) uint64_t bars[kStages];  // per stage: the bulk copies of its chunk have landed
+  const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+
+  const int tid = threadIdx.x, warp = tid / 32 % 4, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int nblocks = N / 64;
+  const int ncols = (nblocks + 3) / 4 * kSets;  // blocks along the columns
+  const int mblocks = (M + BM - 1) / BM;
+  // Row blocks walk in groups of group_m, so that the blocks running together share x and the weight in L2.
+  const int pid = blockIdx.x;
+  const int per_group = group_m * ncols;
+  const int first_m = pid / per_group * group_m;
+  const int rows_in_group = min(mblocks - first_m, group_m);
+  const int mb = first_m + pid % per_group % rows_in_group;
+  const int col = pid % per_group / rows_in_group;
+  const int cbg = col / kSets, tq = col % kSets * kGroups<TW> + tid / 128;  // this warpgroup's tile set
+  const int m0 = mb * BM;
+  const int chunks = K / 64;
+  const int per_split = (chunks + splits - 1) / splits;
+  const int c_begin = min(chunks, static_cast<int>(blockIdx.z) * per_split);
+  const int c_end = min(chunks, c_begin + per_split);
+
+  // One thread copies a chunk's stage with the bulk-copy (TMA) engine: the x image tile, the 4 column blocks' words,
+  // the group's scales and zero words, all contiguous in global memory; the stage's mbarrier counts the bytes.
+  const int n0 = kBlockCols * cbg;
+  const int valid_cbs = min(4, nblocks - 4 * cbg);
+  const uint32_t s_bytes = min(kBlockCols, N - n0) * static_cast<uint32_t>(sizeof(S));
+  const uint32_t z_bytes = min(kBlockCols, N - n0) / 8 * 4u;
+  const uint32_t stage_bytes = St::kX + valid_cbs * 2048u + s_bytes + z_bytes;
+  const T* x_tiles = x + static_cast<size_t>(mb) * chunks * (BM * 64);
+  auto load_stage = [&](int c, int st) {
+    const uint32_t base = smem_base + st * St::kBytes;
+    const uint32_t bar = bar_base + st * 8;
+    ptx::mbar_expect_tx(bar, stage_bytes);
+    ptx::bulk_copy(base, x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
+    for (int i = 0; i < valid_cbs; ++i)
+      ptx::bulk_copy(base + St::kX + i * 2048, qw + (static_cast<size_t>(4 * cbg + i) * chunks + c) * 128, 2048, bar);
+    const int group = c / chunks_per_group;
+    ptx::bulk_copy(base + St::kX + St::kW, sc + static_cast<size_t>(group) * N + n0, s_bytes, bar);
+    ptx::bulk_copy(base + St::kX + St::kW + St::kS, qz + static_cast<size_t>(group) * (N / 8) + n0 / 8, z_bytes, bar);
+  };
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
+    ptx::mbar_fence_init();
+  }
+  __syncthreads();
+
+  float acc[TW][BM / 2];
+#pragma unroll
+  for (int i = 0; i < TW; ++i)
+#pragma unroll
+    for (int e = 0; e < BM / 2; ++e) acc[i][e] = 0.0f;
+
+  if (tid == 0)
+    for (int i = 0; i < kLook; ++i)
+      if (c_begin + i < c_end) load_stage(c_begin + i, i);
+
+  const int zshift = awq_shift(g);
+  uint32_t zc[TW][2], shi[TW][2], slo[TW][2];
+  // One chunk: wait for its stage, refill the stage freed two chunks ago, dequantize all its A fragments into `a`,
+  // then issue its wgmmas as one commit group and retire the previous chunk's. The A registers of a group are read
+  // while it runs, so chunks alternate between two buffers (the loop below is unrolled by two for that): the next
+  // chunk's dequantization overlaps this chunk's wgmmas. (One commit group per k-step, waiting for the previous
+  // k-step, left the tensor pipe 60% idle: ncu, 2026-11-22.)
+  auto chunk = [&](int c, uint32_t(&a)[4][TW][4]) {
+    const int it = c - c_begin;
+    const int st = it % kStages;
+    ptx::mbar_wait(bar_base + st * 8, (it / kStages) & 1);  // chunk c has landed (its (it / kStages)-th fill)
+    // Every warp has retired chunk c - 2's wgmmas (the wait after chunk c - 1's) and read its words and scales: that
+    // stage is free for chunk c + kLook.
+    __syncthreads();
+    if (tid == 0 && c + kLook < c_end) load_stage(c + kLook, (it + kLook) % kStages);
+
+    const uint8_t* stage = smem + st * St::kBytes;
+    if (c == c_begin || c % chunks_per_group == 0) {  // scales and zero points of this lane's columns
+      const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
+      const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
+#pragma unroll
+      for (int i = 0; i < TW; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = 64 * warp + 16 * (tq * TW + i) + g + 8 * h;  // column within the block's 256
+          const uint32_t z = and_or(zs[n / 8] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic2 & 0xFFFFu));
+          zc[i][h] = z | (z << 16);  // (magic + z) twice, exact
+          const float s = awq_mma_detail::scale_f(ss[n]);
+          shi[i][h] = P::splat(s);
+          slo[i][h] = kSplitScale ? P::splat(s - P::round(s)) : 0u;
+        }
+      }
+    }
+    const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t w[TW];
+      lds_words<TW>(w, wsm + s * 32 * 16, tq);
+#pragma unroll
+      for (int i = 0; i < TW; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t d = P::sub(and_or(w[i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
+          a[s][i][r] = kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1])) : P::mul(d, shi[i][r & 1]);
+        }
+    }
+    const uint64_t desc = wgmma::desc_k_sw128(smem_base + st * St::kBytes);
+    wgmma::fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int i = 0; i < TW; ++i)  // + 32 bytes per k-step, in 16s
+        wgmma::mma_rs<BM, T>(acc[i], a[s][i][0], a[s][i][1], a[s][i][2], a[s][i][3], desc + 2 * s);
+    wgmma::commit();
+    wgmma::wait<1>();
+  };
+  uint32_t a0[4][TW][4], a1[4][TW][4];
+  int c = c_begin;
+  for (; c + 1 < c_end; c += 2) {
+    chunk(c, a0);
+    chunk(c + 1, a1);
+  }
+  if (c < c_end) chunk(c, a0);
+  wgmma::wait<0>();
+#pragma unroll
+  for (int i = 0; i < TW; ++i)
+#pragma unroll
+    for (int e = 0; e < BM / 2; ++e) wgmma::fence_operand(acc[i][e]);
+
+  // acc[i][4 j + e]: column 64 cb + 16 (tq TW + i) + g + 8 (e / 2), row m0 + 8 j + 2 t + (e % 2)
+  const int cb = 4 * cbg + warp;
+  const bool cols_ok = cb < nblocks;
+  auto for_each = [&](auto&& f) {
+#pragma unroll
+    for (int i = 0; i < TW; ++i)
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = m0 + 8 * j + 2 * t + (e & 1);
+          const int n = 64 * cb + 16 * (tq * TW + i) + g + 8 * (e >> 1);
+          if (cols_ok && m < M) f(acc[i][4 * j + e], m, n);
+        }
+  };
+  if (splits == 1) {
+    for_each([&](float v, int m, int n) {
+      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
+    });
+    return;
+  }
+  const int slice = blockIdx.z;
+  for_each([&](float v, int m, int n) { partial[(static_cast<size_t>(slice) * M + m) * N + n] = v; });
+  __threadfence();  // this block's partials are visible before its ticket is taken
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(&tickets[pid], 1u) == static_cast<unsigned>(splits - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for_each([&](float, int m, int n) {
+    float total = 0.0f;
+    for (int sl = 0; sl < splits; ++sl)  // slice order: deterministic; L2 reads, not a stale L1
+      total += __ldcg(partial + (static_cast<size_t>(sl) * M + m) * N + n);
+    out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? total + Tr::to_f(bias[n]) : total);
+  });
+  if (tid == 0) tickets[pid] = 0u;
+#endif
+}
+
+// x [M, K] -> x image: tiles of BM rows x one 64-k chunk, each contiguous (BM x 128 bytes, rows past M zero), tile
+// (row block mb, chunk c) at mb * (K / 64) + c. One thread per 16-byte piece j of a tile row, gathering the 4 pairs of
+// k it holds (positions 8 j' .. 8 j' + 7 with j' = j ^ (row % 8) = 2 s + e: k = 16 t + 4 s + 2 e + h, t < 4, h < 2).
+template <typename T, int BM>
+__global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int M, int K) {
+  const int64_t piece = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int chunks = K / 64;
+  if (piece >= static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8) return;
+  const int64_t tile = piece / (BM * 8);
+  const int row = static_cast<int>(piece % (BM * 8)) / 8, j = static_cast<int>(piece % 8);
+  const int m = static_cast<int>(tile / chunks) * BM + row, c = static_cast<int>(tile % chunks);
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (m < M) {
+    const int jp = j ^ (row % 8);
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(x + static_cast<size_t>(m) * K + c * 64);
+    v.x = __ldg(src + jp);  // the pair of k at 16 t + 4 s + 2 e is word 8 t + 2 s + e = 8 t + j'
+    v.y = __ldg(src + 8 + jp);
+    v.z = __ldg(src + 16 + jp);
+    v.w = __ldg(src + 24 + jp);
+  }
+  reinterpret_cast<uint4*>(img)[piece] = v;
+}
+
+template <typename T, typename S, int BM, int TW>
+cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
+                   void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
+                   int group_m, cudaStream_t stream) {
+  auto kernel = awq_wgmma_kernel<T, S, BM, TW>;
+  constexpr int smem = Stage<BM>::kSmem;
+  static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 64 || !(attr_set >> dev & 1)) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    if (dev < 64) attr_set |= 1ull << dev;
+  }
+  const int64_t pieces = static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8;
+  x_image_kernel<T, BM><<<static_cast<unsigned>((pieces + 255) / 256), 256, 0, stream>>>(static_cast<const T*>(x),
+                                                                                    static_cast<T*>(x_image), M, K);
+  const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<TW>));
+  const dim3 grid(ncols * ((M + BM - 1) / BM), 1, splits);
+  kernel<<<grid, kThreads<TW>, smem, stream>>>(static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
+                                           static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
+                                           static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N,
+                                           K, group_size / 64, splits, group_m);
+  return cudaGetLastError();
+}
+
+}  // namespace awq_wgmma_detail
+
+// Rows of the x image (M rounded up to whole blocks of block_m).
+int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m) { return (M + block_m - 1) / block_m * block_m; }
+
+// Number of blocks along the columns x rows (the tickets the op allocates with splits > 1).
+int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set) {
+  const int64_t sets = tile_set == 2 ? 1 : 4 / tile_set;  // tile sets on blocks of their own (kGroups)
+  return (N / 64 + 3) / 4 * sets * ((M + block_m - 1) / block_m);
+}
+
+// dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype as in awq_mma.cu. (block_m, tile_set): (64, 4), (64, 2),
+// (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
+// alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 1 <= splits <= K / 64, that the device is an
+// sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...) zeros and `partial` splits * M * N floats
+// (splits > 1).
+cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
+                             const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
+                             unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
+                             int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m,
+                             cudaStream_t stream) {
+  using namespace awq_wgmma_detail;
+  const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
+  const int gs = static_cast<int>(group_size), s = static_cast<int>(splits), gm = static_cast<int>(group_m);
+  return awq_mma_detail::dispatch_dtypes(dtype, scale_dtype, [&](auto tv, auto sv) {
+    using T = decltype(tv);
+    using S = decltype(sv);
+    auto run = [&](auto bm, auto tw) {
+      return launch<T, S, decltype(bm)::value, decltype(tw)::value>(x, x_image, qweight, scales, qzeros, bias, out,
+                                                                   partial, tickets, m, n, k, gs, s, gm, stream);
+    };
+    using std::integral_constant;
+    if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});
+    if (block_m == 64 && tile_set == 2) return run(integral_constant<int, 64>{}, integral_constant<int, 2>{});
+    if (block_m == 128 && tile_set == 2) return run(integral_constant<int, 128>{}, integral_constant<int, 2>{});
+    if (block_m == 256 && tile_set == 1) return run(integral_constant<int, 256>{}, integral_constant<int, 1>{});
+    return cudaErrorInvalidValue;
+  });
+}
+
+}  // namespace torchforge

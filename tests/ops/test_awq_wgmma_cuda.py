@@ -1,0 +1,145 @@
+"""torch.ops.torchforge.awq_wgmma_cuda (csrc/awq_wgmma.cu), the Hopper warpgroup-MMA W4A16 kernel on the mma layout:
+bit-exact weights through one-hot rows of x, random shapes with tails against an independent dequantization, every
+(block_m, tile_set) shape, K slices, dtypes, opcheck, errors, awq_mma_linear's dispatch, compile and CUDA graphs."""
+import pytest
+import torch
+
+from tests.ops.awq_oracle import dequant_independent
+from torchforge.ops import awq_quantize
+from torchforge.ops._ext import has_cuda_ext
+from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not (has_cuda_ext() and _sm90()),
+                                 reason="needs the compiled extension (csrc/) and an sm_90 GPU")]
+TOL = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
+SHAPES = [(64, 4), (64, 2), (128, 2), (256, 1)]
+
+
+def _case(k, n, G, sym=True, seed=0):
+    torch.manual_seed(seed)
+    qw, s, z = [t.cuda() for t in awq_quantize(torch.randn(n, k) * 3, G, symmetric=sym)]
+    return qw, awq_to_mma_layout(qw), s, z
+
+
+def _run(x, mma, s, z, G, b=None, shape=(128, 2), splits=1, group_m=8):
+    return torch.ops.torchforge.awq_wgmma_cuda(x, mma, s, z, G, b, splits, shape[0], shape[1], group_m)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.bfloat16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_one_hot_rows_give_the_weights_bit_exact(shape, dtype, scale_dtype, splits):
+    """Row m of x = e_{k_m}: out[m] is column k_m of the weight, (q - z) s rounded once to x's dtype (the reference's
+    weight), whatever the k order in shared memory, the column mapping of the warps, the scale split or the slices."""
+    k, n, G = 768, 640, 128  # 640 columns: the last block of 256 has 2 of its 4 column blocks
+    qw, mma, s, z = _case(k, n, G, sym=False, seed=1)
+    s = s.to(scale_dtype)
+    w = dequant_independent(qw, s, z, G)  # fp32 [n, k]: exact products
+    torch.manual_seed(2)
+    m = 300  # several row blocks, the last partial
+    ks = torch.randint(0, k, (m,), device="cuda")
+    x = torch.zeros(m, k, device="cuda", dtype=dtype)
+    x[torch.arange(m), ks] = 1
+    out = _run(x, mma, s, z, G, shape=shape, splits=splits)
+    assert torch.equal(out, w[:, ks].T.to(dtype))
+
+
+@pytest.mark.parametrize("k,n,G,m,splits,sym", [
+    (128, 64, 128, 1, 1, True),      # one column block of four, one row
+    (384, 192, 64, 3, 2, False),     # groups of 64: a new group every chunk
+    (1024, 256, 128, 64, 1, True),
+    (1024, 320, 128, 65, 2, False),  # a second row block with one row
+    (2048, 128, 64, 130, 4, False),
+    (1152, 128, 192, 17, 3, False),  # groups of 192: slices start inside a group
+    (7168, 512, 128, 200, 7, True),  # DeepSeek-V3 width, uneven slices
+    (1024, 128, 256, 257, 1, False),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", [(64, 4), (128, 2)])
+def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, shape):
+    qw, mma, s, z = _case(k, n, G, sym, seed=k + n + m)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    out = _run(x, mma, s, z, G, b, shape=shape, splits=splits, group_m=3)
+    expected = x.double() @ dequant_independent(qw, s, z, G).T.double()
+    if b is not None:
+        expected += b.double()
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert ((out.double() - expected).norm() / expected.norm()) < TOL[dtype]
+    assert torch.equal(out, _run(x, mma, s, z, G, b, shape=shape, splits=splits, group_m=3))  # deterministic
+    if splits > 1:  # the K slices change only the fp32 summation order
+        one = _run(x, mma, s, z, G, b, shape=shape, splits=1)
+        assert ((one.float() - out.float()).norm() / one.float().norm()) < 1e-2
+
+
+def test_rows_of_x_are_independent():
+    """Row i of a 200-row call equals the same row inside another block of rows (no leakage between row blocks)."""
+    qw, mma, s, z = _case(1024, 256, 128, seed=3)
+    x = torch.randn(200, 1024, device="cuda", dtype=torch.bfloat16)
+    full = _run(x, mma, s, z, 128, splits=2)
+    shifted = _run(x[72:], mma, s, z, 128, splits=2)
+    torch.testing.assert_close(full[72:], shifted, rtol=0, atol=0)
+
+
+def test_opcheck_and_errors():
+    qw, mma, s, z = _case(256, 128, 128)
+    x = torch.randn(70, 256, device="cuda", dtype=torch.bfloat16)
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 128, 2, 8))
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 1, 64, 4, 1))
+    with pytest.raises(RuntimeError, match=r"\(block_m, tile_set\) must be \(64, 4\), \(64, 2\), \(128, 2\) or "
+                                           r"\(256, 1\), got \(128, 4\)"):
+        op(x, mma, s, z, 128, None, 1, 128, 4, 8)
+    with pytest.raises(RuntimeError, match=r"splits must be in \[1, K / \(64 \* item_chunks\) = 4\]"):
+        op(x, mma, s, z, 128, None, 5, 128, 2, 8)
+    with pytest.raises(RuntimeError, match="group_m must be >= 1"):
+        op(x, mma, s, z, 128, None, 1, 128, 2, 0)
+    with pytest.raises(RuntimeError, match="scales must be float16 \\(or bfloat16 with bfloat16 x\\)"):
+        op(x.half(), mma, s.bfloat16(), z, 128, None, 1, 128, 2, 8)
+    with pytest.raises(RuntimeError, match=r"qweight must be \[N / 64, K \* 8\]"):
+        op(x, qw, s, z, 128, None, 1, 128, 2, 8)
+
+
+def test_awq_mma_linear_dispatch(monkeypatch):
+    import torchforge.ops.awq_mma as awq_mma
+    from torchforge.ops.awq_mma import awq_mma_linear
+    from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M, WGMMA_MIN_M
+
+    qw, mma, s, z = _case(1024, 512, 128, seed=4)
+    calls = []
+    real = awq_mma.launch_awq_wgmma_cuda
+    monkeypatch.setattr(awq_mma, "launch_awq_wgmma_cuda", lambda *a: calls.append(1) or real(*a))
+    for rows in (WGMMA_MIN_M - 1, WGMMA_MAX_M + 1):  # the decode kernel; dequantize + cuBLAS
+        awq_mma_linear(torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16), mma, s, z, 128)
+    assert calls == []
+    big = torch.randn(2, WGMMA_MAX_M // 2, 1024, device="cuda", dtype=torch.bfloat16)  # WGMMA_MAX_M rows
+    out = awq_mma_linear(big, mma, s, z, 128)
+    assert calls == [1]
+    expected = big.double() @ dequant_independent(qw, s, z, 128).T.double()
+    assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
+
+
+def test_compile_and_cuda_graph():
+    from torchforge.ops.awq_mma import awq_mma_linear
+
+    qw, mma, s, z = _case(2048, 1024, 128, seed=5)
+    x = torch.randn(150, 2048, device="cuda", dtype=torch.float16)
+    b = torch.randn(1024, device="cuda", dtype=torch.float16)
+    eager = awq_mma_linear(x, mma, s, z, 128, b)
+    compiled = torch.compile(lambda x: awq_mma_linear(x, mma, s, z, 128, b), fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = awq_mma_linear(x, mma, s, z, 128, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    graph.replay()
+    torch.testing.assert_close(captured, awq_mma_linear(x, mma, s, z, 128, b), rtol=0, atol=0)
