@@ -102,11 +102,13 @@ def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int]:
     (`bench/w4a16_linear.py --wgmma-sweep`, 2026-11-22): blocks of 128 rows x 2 tile sets in two warpgroups (one block
     per SM at 254 registers), except where those would leave more than half of the 132 SMs idle at up to 256 rows
     (7168x7168 at M = 256: 56 blocks): then single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the
-    columns (0.100 against 0.133 ms). No K slices: their fp32 partials cost more than the idle SMs in every swept case
+    columns (0.100 against 0.133 ms); blocks of 64 rows x 4 tile sets where they pad less. No K slices: their fp32 partials cost more than the idle SMs in every swept case
     from 128 rows."""
     groups = -(-(n // 64) // 4)
     if m <= 256 and groups * -(-m // 128) < 60:
         return 256, 1, 1, 8
+    if 0 < m % 128 <= 64:  # blocks of 64 rows pad less (M = 192 on 18432x7168: 0.206 against 0.268 ms)
+        return 64, 4, 1, 8
     return 128, 2, 1, 8
 
 
