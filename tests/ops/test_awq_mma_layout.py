@@ -127,3 +127,17 @@ def test_cuda_config_follows_the_sweep():
     assert mma_cuda_config(16, 4096, 1536, 128) == (4, 2)   # 24 tiles: 4 K slices
     assert mma_cuda_config(1, 4096, 576, 64) == (4, 1)      # groups of 64: items of one chunk
     assert mma_cuda_config(1, 128, 576, 128) == (1, 2)      # one item: one slice
+
+
+def test_wgmma_config_follows_the_sweep():
+    """wgmma_cuda_config's choices (csrc/awq_wgmma.cu, BENCHMARKS.md seventh session), and the dispatch range."""
+    from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M, WGMMA_MIN_M, wgmma_cuda_config, wgmma_cuda_ok
+
+    assert wgmma_cuda_config(256, 7168, 18432) == (128, 2, 1, 8)  # 144 blocks of 128 rows
+    assert wgmma_cuda_config(192, 7168, 18432) == (64, 4, 1, 8)   # 3 blocks of 64 rows pad less than 2 of 128
+    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8)   # 56 blocks of 128 rows: one of 256, 4x the columns
+    assert wgmma_cuda_config(512, 7168, 7168) == (128, 2, 1, 8)
+    assert (WGMMA_MIN_M, WGMMA_MAX_M) == (129, 256)
+    x = torch.randn(200, 64)
+    qw, s, z = awq_quantize(torch.randn(64, 64), 64)
+    assert not wgmma_cuda_ok(x, awq_to_mma_layout(qw), s, z, 64, None)  # CPU tensors: never
