@@ -6,7 +6,7 @@ Columns: bf16 F.linear; torchforge's dispatched op (AWQ layout) (the CUDA GEMV o
 dequant + cuBLAS beyond); each path forced (the split-K and tiled kernels are the fp32 paths now); tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
 bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros); then `mma layout`:
 `awq_mma_linear` on the same weight in the mma layout (what a ForgeAWQLinear runs after `use_mma_layout()`: the
-CUDA tensor-core kernel up to 128 rows, on Hopper the wgmma kernel for 129-256, Triton dequantize + cuBLAS beyond) with
+CUDA tensor-core kernel up to 128 rows, on Hopper the wgmma kernel for 129-192, Triton dequantize + cuBLAS beyond) with
 its ratios; and the GPTQ layout's own
 Triton kernel (`w4a16_gptq_linear`, what a ForgeGPTQLinear runs before `use_mma_layout()`) on the same numbers.
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);

@@ -82,13 +82,16 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 
 # ------------------------------------------------------------------ prefill on Hopper: csrc/awq_wgmma.cu
 # Rows of x the warpgroup-MMA kernel takes (sm_90 devices). H100 sweeps of 2026-11-22 (BENCHMARKS.md, seventh
-# session; bf16 x, 18432x7168 / 7168x7168): at 256 rows it beats the mma layout's other path, dequantize + cuBLAS
-# (0.267 / 0.100 ms against 0.284 / 0.115), and needs no dequantized bf16 copy of the weight (264 MB for
-# 18432x7168). At 512 rows it is 5% slower on 18432x7168 (0.396 against 0.377 ms; 6% faster on 7168x7168), at 128
-# rows the decode kernel is faster on 7168x7168 (0.067 against 0.097 ms), and from 1024 rows dequantize + cuBLAS
-# (0.595 against 0.659 ms at M = 1024): the kernel reaches 41-46% of the tensor peak there, cuBLAS about 70%.
+# session; bf16 x, 18432x7168 / 7168x7168, against the mma layout's other paths in the same run):
+# - 192 rows: 0.203 / 0.098 ms against 0.299 / 0.102 for dequantize + cuBLAS. It also needs no dequantized bf16 copy
+#   of the weight (264 MB for 18432x7168).
+# - 256 rows: 0.268 / 0.100 against 0.228 / 0.095: dequantize + cuBLAS wins, after this session's faster
+#   dequantization kernel.
+# - 128 rows: the decode kernel wins on 7168x7168 (0.067 against 0.098 ms), though not on 18432x7168 (0.165
+#   against 0.134).
+# - The kernel reaches 41-46% of the tensor peak at large M; cuBLAS about 70%.
 WGMMA_MIN_M = 129
-WGMMA_MAX_M = 256
+WGMMA_MAX_M = 192
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
