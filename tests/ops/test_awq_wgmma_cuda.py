@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.ops.awq_oracle import dequant_independent
+from tests.ops.graph_check import check_compile_and_cuda_graph
 from torchforge.ops import awq_quantize
 from torchforge.ops._ext import has_cuda_ext
 from torchforge.ops.awq_mma_layout import awq_to_mma_layout
@@ -133,13 +134,4 @@ def test_compile_and_cuda_graph():
     qw, mma, s, z = _case(2048, 1024, 128, seed=5)
     x = torch.randn(150, 2048, device="cuda", dtype=torch.float16)
     b = torch.randn(1024, device="cuda", dtype=torch.float16)
-    eager = awq_mma_linear(x, mma, s, z, 128, b)
-    compiled = torch.compile(lambda x: awq_mma_linear(x, mma, s, z, 128, b), fullgraph=True)
-    torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = awq_mma_linear(x, mma, s, z, 128, b)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    graph.replay()
-    torch.testing.assert_close(captured, awq_mma_linear(x, mma, s, z, 128, b), rtol=0, atol=0)
+    check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, b), x)
