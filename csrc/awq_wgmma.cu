@@ -312,6 +312,8 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
     out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? total + Tr::to_f(bias[n]) : total);
   });
   if (tid == 0) tickets[pid] = 0u;
+#else
+  __trap();  // built without sm_90a (TORCHFORGE_CUDA_ARCH): fail loudly rather than return an unwritten output
 #endif
 }
 

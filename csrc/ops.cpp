@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -350,6 +351,7 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
               op + "(block_m, tile_set) must be (64, 4), (64, 2), (128, 2) or (256, 1), got (" + i2s(block_m) + ", " +
                   i2s(tile_set) + ")");
   TORCH_CHECK(group_m >= 1, op + "group_m must be >= 1, got " + i2s(group_m));
+  group_m = std::min(group_m, (x.size(0) + block_m - 1) / block_m);  // more is the same raster; keeps 32-bit math
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));

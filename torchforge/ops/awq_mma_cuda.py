@@ -119,12 +119,16 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
                   bias: Optional[Tensor]) -> bool:
     """Whether the Hopper kernel takes this call: the decode kernel's conditions, an sm_90 device, and
     WGMMA_MIN_M..WGMMA_MAX_M rows."""
-    if not (x.is_cuda and hasattr(torch.ops.torchforge, "awq_wgmma_cuda") and x.dim() > 0 and x.shape[-1] > 0):
+    from torchforge.ops._ext import has_cuda_ext
+
+    # has_cuda_ext() first: it loads the extension, which registers the op
+    if not (x.is_cuda and x.dim() > 0 and x.shape[-1] > 0 and has_cuda_ext()
+            and hasattr(torch.ops.torchforge, "awq_wgmma_cuda")):
         return False
     m = x.numel() // x.shape[-1]
     return (WGMMA_MIN_M <= m <= WGMMA_MAX_M and torch.cuda.get_device_capability(x.device) == (9, 0)
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
-            and scales.storage_offset() * scales.element_size() % 16 == 0 and qzeros.storage_offset() * 4 % 16 == 0)
+            and all(t.data_ptr() % 16 == 0 for t in (qweight_mma, scales, qzeros)))  # bulk copies: 16-byte aligned
 
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -134,8 +138,8 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k or x2.storage_offset() * x2.element_size() % 16:
-        x2 = x2.contiguous()
+    if x2.stride(-1) != 1 or x2.stride(0) != k or x2.data_ptr() % 16:
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh, aligned block
     block_m, tile_set, splits, group_m = config or wgmma_cuda_config(x2.shape[0], k, n)
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
                                               tile_set, group_m)
