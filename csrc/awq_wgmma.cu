@@ -1,5 +1,6 @@
-// W4A16 for prefill-sized batches (64+ rows of x) on Hopper's warpgroup MMA (sm_90a), from the same mma layout as
-// the decode kernel (awq_mma.cu; built once at load time by torchforge.ops.awq_mma_layout):
+// W4A16 for prefill-sized batches on Hopper's warpgroup MMA (sm_90a; any M, dispatched for 129-192 rows, see
+// torchforge/ops/awq_mma_cuda.py), from the same mma layout as the decode kernel (awq_mma.cu; built once at load
+// time by torchforge.ops.awq_mma_layout):
 //
 //   out[m, n] = sum_k x[m, k] * (q[k, n] - z[k / G, n]) * s[k / G, n]  (+ bias[n])
 //
@@ -24,12 +25,19 @@
 //   position p = 16 s + 8 e + 2 t + h is k = 16 t + 4 s + 2 e + h. Each k-step is then 32 consecutive bytes of a
 //   128-byte row, and a stage is a handful of contiguous copies.
 // * Pipeline: per 64-k chunk, one stage of shared memory holds the x tile [BM rows x 128 B], the 4 column blocks'
-//   layout words (8 KB) and the chunk's group of scales and zero words. One thread issues them as bulk copies (the
-//   TMA engine, no tensor map needed), completing on the stage's mbarrier; the last warp to release a stage refills
-//   it. The wgmmas of each k-step are one commit group, and the next k-step's dequantization runs while it is in
-//   flight. The first version copied x with cp.async from every thread (4 bytes at a time, then 16 from the image):
-//   the copies were 37% of the main loop's 407 SASS instructions per chunk, and it ran at 33-38% of the tensor peak
-//   (ncu: 2 warps per scheduler, 5.6 cycles per issue).
+//   layout words (8 KB) and the chunk's group of scales and zero words. Thread 0 issues them as bulk copies (the TMA
+//   engine, no tensor map needed) kLook chunks ahead, completing on the stage's mbarrier, right after the block
+//   barrier of each chunk. A chunk's A fragments are all dequantized first, then its 4 x TW wgmmas go out as one
+//   commit group. The A registers are double-buffered across chunks, so the next chunk's barrier and dequantization
+//   run while this chunk's group is in flight.
+// * How it got here (H100, TFLOP/s at M = 4096 on 18432x7168; BENCHMARKS.md "seventh session"):
+//   - 327: every thread copied x with cp.async, 4 bytes at a time (the copies were 37% of the loop's 407 SASS
+//     instructions per chunk), and each k-step was its own commit group.
+//   - 377 with the x image; 384 with bulk copies; 400 with two warpgroups per block.
+//   - 457 (46% of the dense peak) with whole-chunk groups.
+//   - Tried and dropped: no block barrier, where the last warp to release a stage refilled it (354); 5 stages (no
+//     change).
+//   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
 // * K slices along grid.z as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order).
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
