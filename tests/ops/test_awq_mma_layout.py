@@ -141,3 +141,19 @@ def test_wgmma_config_follows_the_sweep():
     x = torch.randn(200, 64)
     qw, s, z = awq_quantize(torch.randn(64, 64), 64)
     assert not wgmma_cuda_ok(x, awq_to_mma_layout(qw), s, z, 64, None)  # CPU tensors: never
+
+
+def test_dispatch_checks_are_trace_safe():
+    """The kernels' dispatch checks run inside triton_op bodies, which torch.compile traces with functional / fake
+    tensors: they must not need a data pointer (a data_ptr() alignment check broke compiling awq_mma_linear once)."""
+    from torchforge.ops.awq_mma_cuda import _aligned16, mma_cuda_ok, wgmma_cuda_ok
+
+    @torch.library.triton_op("torchforge_test::aligned16", mutates_args=())
+    def probe(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ok = _aligned16(x, s) and not mma_cuda_ok(x, x, s, s, 128, None) and not wgmma_cuda_ok(x, x, s, s, 128, None)
+        return x + 1 if ok else x - 1
+
+    x = torch.zeros(8, 64)
+    s = torch.zeros(64, dtype=torch.float16)
+    torch.testing.assert_close(torch.compile(probe, fullgraph=True)(x, s), x + 1)
+    assert not _aligned16(s[4:])  # 8 bytes in

@@ -39,6 +39,13 @@ def mma_cuda_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int]:
 _MAX_X_NUMEL = 1 << 34  # ops.cpp: the kernels address x in 32-bit uint4 offsets
 
 
+def _aligned16(*tensors: Tensor) -> bool:
+    """Whether each tensor starts 16 bytes into an allocation's multiple (the kernels' vector loads and bulk copies).
+    Storage offsets, not data_ptr(): the body of a triton_op is traced with functional / fake tensors under
+    torch.compile, which have no data pointer (a storage's base is allocator-aligned)."""
+    return all(t.storage_offset() * t.element_size() % 16 == 0 for t in tensors)
+
+
 def _scales_ok(x: Tensor, scales: Tensor) -> bool:
     # csrc/awq_mma.cuh dispatch_dtypes: fp16 scales (AWQ checkpoints), or bf16 ones with bf16 x (model.to(bf16))
     return scales.dtype == torch.float16 or scales.dtype == x.dtype == torch.bfloat16
@@ -61,7 +68,7 @@ def _dense_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, gr
             and x.numel() < _MAX_X_NUMEL and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
             and _scales_ok(x, scales)
             and all(t.is_contiguous() and t.device == x.device for t in (qweight_mma, scales, qzeros))
-            and qweight_mma.storage_offset() * 4 % 16 == 0
+            and _aligned16(qweight_mma)
             and (bias is None or (bias.dtype == x.dtype and bias.device == x.device)))
 
 
@@ -72,7 +79,7 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k or x2.storage_offset() * x2.element_size() % 16:
+    if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
         x2 = x2.contiguous()
     s, c = mma_cuda_config(x2.shape[0], k, n, group_size)
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits or s,
@@ -128,7 +135,7 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
     m = x.numel() // x.shape[-1]
     return (WGMMA_MIN_M <= m <= WGMMA_MAX_M and torch.cuda.get_device_capability(x.device) == (9, 0)
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
-            and all(t.data_ptr() % 16 == 0 for t in (qweight_mma, scales, qzeros)))  # bulk copies: 16-byte aligned
+            and _aligned16(scales, qzeros))  # bulk copies
 
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -138,8 +145,8 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k or x2.data_ptr() % 16:
-        x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh, aligned block
+    if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
+        x2 = x2.contiguous()
     block_m, tile_set, splits, group_m = config or wgmma_cuda_config(x2.shape[0], k, n)
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
                                               tile_set, group_m)
@@ -152,7 +159,7 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
 
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0 and has_cuda_ext()
             and x.numel() < _MAX_X_NUMEL and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and _scales_ok(x, scales)
-            and qweight_mma.device == x.device and qweight_mma.storage_offset() * 4 % 16 == 0)
+            and qweight_mma.device == x.device and _aligned16(qweight_mma))
 
 
 def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
@@ -173,7 +180,7 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     item_chunks = 2 if group_size % 128 == 0 else 1
     tiles = block_expert.numel() * (n // 64)
     splits = 1 if tiles >= 96 else max(1, min(4, k // (64 * item_chunks)))
-    x2 = x.contiguous() if x.storage_offset() * x.element_size() % 16 or not x.is_contiguous() else x
+    x2 = x.contiguous() if not _aligned16(x) or not x.is_contiguous() else x
     return torch.ops.torchforge.awq_mma_moe_cuda(x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(),
                                                  sorted_rows, block_expert, rows, x_row_div, group_size, splits,
                                                  item_chunks)
