@@ -388,8 +388,8 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype as in awq_mma.cu. (block_m, tile_set): (64, 4), (64, 2),
 // (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
 // alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 1 <= splits <= K / 64, that the device is an
-// sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...) zeros and `partial` splits * M * N floats
-// (splits > 1).
+// sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...)
+// zeros and `partial` splits * M * N floats (splits > 1).
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,

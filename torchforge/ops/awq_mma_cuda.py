@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_ok", "launch_awq_mma_cuda", "mma_moe_cuda_ok",
-           "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config", "wgmma_cuda_ok", "launch_awq_wgmma_cuda",
-           "register_fake"]
+           "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config", "wgmma_cuda_ok",
+           "launch_awq_wgmma_cuda", "register_fake"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
 # rows, because on the DeepSeek-V3 shapes (BENCHMARKS.md, sixth session) the kernel beat the AWQ layout's Triton
@@ -102,18 +102,13 @@ WGMMA_MAX_M = 192
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
-def _blocks_per_group(tile_set: int) -> int:
-    """Blocks on one group of 4 column blocks: the tile sets not taken by a block's warpgroups (2 with tile_set 2)."""
-    return 1 if tile_set == 2 else 4 // tile_set
-
-
 def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int]:
     """(block_m, tile_set, splits, group_m) for x [m, k] and n output columns, from the H100 sweeps
     (`bench/w4a16_linear.py --wgmma-sweep`, 2026-11-22): blocks of 128 rows x 2 tile sets in two warpgroups (one block
     per SM at 254 registers), except where those would leave more than half of the 132 SMs idle at up to 256 rows
     (7168x7168 at M = 256: 56 blocks): then single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the
-    columns (0.100 against 0.133 ms); blocks of 64 rows x 4 tile sets where they pad less. No K slices: their fp32 partials cost more than the idle SMs in every swept case
-    from 128 rows."""
+    columns (0.100 against 0.133 ms); blocks of 64 rows x 4 tile sets where they pad less. No K slices: their fp32
+    partials cost more than the idle SMs in every swept case from 128 rows."""
     groups = -(-(n // 64) // 4)
     if m <= 256 and groups * -(-m // 128) < 60:
         return 256, 1, 1, 8
@@ -139,7 +134,8 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
 
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-                          bias: Optional[Tensor] = None, *, config: Optional[tuple[int, int, int, int]] = None) -> Tensor:
+                          bias: Optional[Tensor] = None, *,
+                          config: Optional[tuple[int, int, int, int]] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
     (block_m, tile_set, splits, group_m), else wgmma_cuda_config."""
     k = x.shape[-1]
