@@ -246,10 +246,10 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
 // Tensor-core W4A16 for decode batches (csrc/awq_mma.cu): x [M, K] (fp16 / bf16, contiguous), AWQ codes in
 // MMA fragment order qweight int32 [N / 64, K * 8] (torchforge.ops.awq_mma_layout), scales [K/G, N] (fp16, or bf16
 // with bf16 x) and qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's
-// dtype.
+// dtype. Optional `tickets`: int32 zeros, at least ceil(M / 16) * N / 64 of them, used with K slices and left zero.
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
-                        int64_t splits, int64_t item_chunks) {
+                        int64_t splits, int64_t item_chunks, const c10::optional<at::Tensor>& tickets_in) {
   at::Tensor b;
   const void* bias_ptr =
       check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b);
@@ -258,7 +258,16 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const int64_t tiles = (M + 15) / 16 * (N / 64);
-  at::Tensor tickets = at::zeros({splits > 1 ? tiles : 1}, x.options().dtype(at::kInt));
+  // K slices meet on one ticket per tile, which the last slice resets to 0. A caller's zeroed buffer (a module's,
+  // kept across calls) saves the memset kernel of a fresh one; it is back to all zeros when the kernel returns.
+  at::Tensor tickets;
+  if (splits > 1 && tickets_in.has_value() && tickets_in->numel() >= tiles) {
+    tickets = *tickets_in;
+    TORCH_CHECK(tickets.scalar_type() == at::kInt && tickets.is_contiguous() && tickets.device() == x.device(),
+                "awq_mma_cuda: tickets must be a contiguous int32 tensor of zeros on x's device");
+  } else {
+    tickets = at::zeros({splits > 1 ? tiles : 1}, x.options().dtype(at::kInt));
+  }
   at::Tensor partial = at::empty({splits > 1 ? splits * M * N : 1}, x.options().dtype(at::kFloat));
   const cudaError_t err = awq_mma_launch(
       dtype_code(x), dtype_code(scales), x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
@@ -388,7 +397,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int rows) -> Tensor");
   m.def(
       "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int item_chunks) -> Tensor");
+      "int splits, int item_chunks, Tensor? tickets=None) -> Tensor");
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks) -> Tensor");

@@ -94,6 +94,15 @@ def test_mma_layout_runs_the_same_and_exports_awq():
     meta = ForgeAWQLinear(256, 128, group_size=128, device="meta")
     assert meta.use_mma_layout() and meta.qweight.shape == (2, 2048) and meta.qweight.is_meta
     assert not ForgeAWQLinear(256, 128, group_size=32).use_mma_layout()  # the kernel folds groups of 64 or 128
+    # the decode kernel's ticket buffer: zeros, 8 row blocks x OC / 64, never in a checkpoint, zeros after to_empty
+    tickets = model[0].mma_tickets
+    assert tickets.dtype == torch.int32 and tickets.shape == (16,) and int(tickets.count_nonzero()) == 0
+    assert "0.mma_tickets" not in after
+    tickets.fill_(5)
+    model.float()  # any move or cast re-zeroes them
+    assert int(model[0].mma_tickets.count_nonzero()) == 0
+    meta.to_empty(device="cpu")
+    assert meta.mma_tickets.device.type == "cpu" and int(meta.mma_tickets.count_nonzero()) == 0
 
 
 @pytest.mark.cuda
@@ -112,9 +121,10 @@ def test_mma_module_cast_to_bf16_stays_on_the_cuda_kernel(monkeypatch):
     assert layer.scales.dtype == torch.bfloat16 and layer.qzeros.dtype == torch.int32
     calls = []
     real = awq_mma.launch_awq_mma_cuda
-    monkeypatch.setattr(awq_mma, "launch_awq_mma_cuda", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(awq_mma, "launch_awq_mma_cuda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     out = layer(x)
-    assert calls == [1]
+    assert len(calls) == 1 and calls[0]["tickets"] is layer.mma_tickets  # the module's kept tickets
+    assert int(layer.mma_tickets.count_nonzero()) == 0
     expected = x.double() @ layer.dequantized_weight().double().T + layer.bias.double()
     assert ((out.double() - expected).norm() / expected.norm()) < 4e-3
     assert ((out.float() - fp16_scales.float()).norm() / fp16_scales.float().norm()) < 1e-2

@@ -97,6 +97,7 @@ def test_opcheck_and_errors():
     op = torch.ops.torchforge.awq_mma_cuda
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 2))
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1, torch.zeros(8, dtype=torch.int32, device="cuda")))
     with pytest.raises(RuntimeError, match="group_size must be a multiple of 64 \\* item_chunks = 128, got 64"):
         op(x, mma, s, z, 64, None, 1, 2)
     with pytest.raises(RuntimeError, match="item_chunks must be 1 or 2, got 4"):
@@ -111,6 +112,22 @@ def test_opcheck_and_errors():
         op(x, mma, s, z, 128, torch.zeros(128, device="cuda"), 1, 1)
 
 
+@pytest.mark.parametrize("m", [1, 17, 128])
+def test_kept_tickets_stay_zero(m):
+    """A caller's ticket buffer gives the result of fresh tickets, bit for bit, and is all zeros again afterwards
+    (the last K slice of each tile resets its ticket): so a module can keep one across calls."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_tickets
+
+    qw, mma, s, z = _case(2048, 320, 128, seed=m)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+    tickets = mma_tickets(320, device="cuda")
+    fresh = launch_awq_mma_cuda(x, mma, s, z, 128, splits=4)
+    for _ in range(3):
+        assert torch.equal(launch_awq_mma_cuda(x, mma, s, z, 128, splits=4, tickets=tickets), fresh)
+        assert int(tickets.count_nonzero()) == 0
+    _check(fresh, x, qw, s, z, 128)
+
+
 def test_awq_mma_linear_dispatch(monkeypatch):
     import torchforge.ops.awq_mma as awq_mma
     from torchforge.ops.awq_mma import awq_mma_linear
@@ -118,7 +135,7 @@ def test_awq_mma_linear_dispatch(monkeypatch):
     qw, mma, s, z = _case(1024, 512, 128, seed=4)
     calls = []
     real = awq_mma.launch_awq_mma_cuda
-    monkeypatch.setattr(awq_mma, "launch_awq_mma_cuda", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(awq_mma, "launch_awq_mma_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
     out = awq_mma_linear(x, mma, s, z, 128)
     assert calls == [1]
@@ -135,3 +152,8 @@ def test_compile_and_cuda_graph():
     x = torch.randn(5, 2048, device="cuda", dtype=torch.float16)
     b = torch.randn(1024, device="cuda", dtype=torch.float16)
     check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, b), x)
+    from torchforge.ops.awq_mma_cuda import mma_tickets
+
+    tickets = mma_tickets(1024, device="cuda")  # a module's kept buffer: K slices on 16 tiles
+    check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, b, tickets), x)
+    assert int(tickets.count_nonzero()) == 0

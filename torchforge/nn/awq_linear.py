@@ -5,8 +5,13 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.nn.mma_tickets import add_mma_tickets, rezero_mma_tickets
 from torchforge.ops.awq_mma import awq_mma_linear
-from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
+from torchforge.ops.awq_mma_layout import (
+    awq_to_mma_layout,
+    mma_layout_fits,
+    mma_layout_to_awq,
+)
 
 
 class ForgeAWQLinear(nn.Module):
@@ -86,11 +91,18 @@ class ForgeAWQLinear(nn.Module):
             return False
         self.qweight = awq_to_mma_layout(self.qweight)
         self.weight_layout = "mma"
+        add_mma_tickets(self)
         return True
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        rezero_mma_tickets(self)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_layout == "mma":
-            return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
+            return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
+                                  getattr(self, "mma_tickets", None))
         return ops.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
 
     def extra_repr(self) -> str:

@@ -6,10 +6,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from torchforge.nn.mma_tickets import add_mma_tickets, rezero_mma_tickets
 from torchforge.ops import gptq as gptq_ops
 from torchforge.ops.awq import awq_pack, awq_unpack
 from torchforge.ops.awq_mma import awq_mma_linear
-from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
+from torchforge.ops.awq_mma_layout import (
+    awq_to_mma_layout,
+    mma_layout_fits,
+    mma_layout_to_awq,
+)
 
 
 class ForgeGPTQLinear(nn.Module):
@@ -137,11 +142,18 @@ class ForgeGPTQLinear(nn.Module):
         qweight, _, qzeros = self.awq_tensors()
         self.qweight, self.qzeros = awq_to_mma_layout(qweight), qzeros
         self.weight_layout = "mma"
+        add_mma_tickets(self)
         return True
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        rezero_mma_tickets(self)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_layout == "mma":
-            return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
+            return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
+                                  getattr(self, "mma_tickets", None))
         return gptq_ops.w4a16_gptq_linear(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.bias)
 
     def extra_repr(self) -> str:

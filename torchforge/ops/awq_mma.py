@@ -45,12 +45,13 @@ def _check_mma_args(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
 
 @_define_kernel_op("torchforge::awq_mma_linear", mutates_args=())
 def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-                    bias: Optional[Tensor]) -> Tensor:
+                    bias: Optional[Tensor], tickets: Optional[Tensor] = None) -> Tensor:
     _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
     if wgmma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
         return launch_awq_wgmma_cuda(x, qweight_mma, scales, qzeros, group_size, bias)
     if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
-        return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias)
+        ok = tickets is not None and tickets.device == x.device and tickets.dtype == torch.int32
+        return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias, tickets=tickets if ok else None)
     if use_triton(x) and group_size % 64 == 0:
         w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype)
         out = torch.matmul(x, w_t)
@@ -60,17 +61,21 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
 
 @_awq_mma_linear.register_fake
 def _(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-      bias: Optional[Tensor]) -> Tensor:
+      bias: Optional[Tensor], tickets: Optional[Tensor] = None) -> Tensor:
     _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
     return x.new_empty((*x.shape[:-1], qweight_mma.shape[0] * 64))
 
 
 def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int = 128,
-                   bias: Optional[Tensor] = None) -> Tensor:
+                   bias: Optional[Tensor] = None, tickets: Optional[Tensor] = None) -> Tensor:
     """``x [..., IC] @ dequant(W).T (+ bias) -> [..., OC]`` in ``x.dtype``, W's codes in the mma layout
     ``[OC / 64, IC * 8]`` and ``scales`` / ``qzeros`` in AWQ layout. Same numbers as `w4a16_linear` on the AWQ
-    tensors within the kernels' tolerance (the CUDA kernel applies scale and zero point in fp32 per group)."""
-    return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias)
+    tensors within the kernels' tolerance (the CUDA kernel applies scale and zero point in fp32 per group).
+
+    `tickets` (optional, `torchforge.ops.awq_mma_cuda.mma_tickets(OC)`): a zeroed int32 buffer the decode kernel's K
+    slices meet on. The kernel leaves it zero, so the op does not count as mutating it; a module keeps one to save
+    a memset kernel per call."""
+    return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias, tickets)
 
 
 # ------------------------------------------------------------------------------------------ MoE experts

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_ok", "launch_awq_mma_cuda", "mma_moe_cuda_ok",
+__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda", "mma_moe_cuda_ok",
            "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config", "wgmma_cuda_ok",
            "launch_awq_wgmma_cuda", "register_fake"]
 
@@ -72,10 +72,18 @@ def _dense_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, gr
             and (bias is None or (bias.dtype == x.dtype and bias.device == x.device)))
 
 
+def mma_tickets(n: int, device=None) -> Tensor:
+    """A zeroed ticket buffer for `launch_awq_mma_cuda` on N = `n` output columns (any M it takes). The K slices of a
+    tile meet on its ticket and the last one resets it, so the buffer stays zero and can be kept (a module's buffer):
+    a fresh one per call costs a memset kernel, which the decode step of a hidden-4096 model paid 56 times."""
+    return torch.zeros(-(-MMA_CUDA_MAX_M // 16) * (n // 64), dtype=torch.int32, device=device)
+
+
 def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                         bias: Optional[Tensor] = None, *, splits: Optional[int] = None,
-                        item_chunks: Optional[int] = None) -> Tensor:
-    """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype, W in the mma layout `[N / 64, K * 8]`."""
+                        item_chunks: Optional[int] = None, tickets: Optional[Tensor] = None) -> Tensor:
+    """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype, W in the mma layout `[N / 64, K * 8]`. `tickets`: see
+    `mma_tickets` (None: the op allocates zeroed ones)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -83,7 +91,7 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
         x2 = x2.contiguous()
     s, c = mma_cuda_config(x2.shape[0], k, n, group_size)
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits or s,
-                                            item_chunks or c)
+                                            item_chunks or c, tickets)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -192,7 +200,7 @@ def register_fake() -> None:
         return
 
     @torch.library.register_fake("torchforge::awq_mma_cuda")
-    def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks):
+    def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None):
         torch._check(x.dim() == 2 and qweight.dim() == 2,
                      lambda: f"awq_mma_cuda: x and qweight must be 2-D, got {tuple(x.shape)} and {tuple(qweight.shape)}")
         torch._check(qweight.shape[1] == x.shape[1] * 8,

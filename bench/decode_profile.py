@@ -1,0 +1,127 @@
+"""Where the time of one compiled decode step goes: GPU kernel time per step, by kernel, bf16 against W4A16.
+
+    python bench/decode_profile.py [--batch 1] [--steps 32] [--top 25] [--variants bf16-compile w4a16-mma-compile]
+
+Same model and compile settings as bench/decode_e2e.py (CUDA graphs). Each variant is warmed up, then profiled
+(torch.profiler, CUDA activity) for one generate() of 1 new token (prefill only) and one of 1 + --steps new tokens;
+per-step kernel time = the difference / --steps, so the eager prefill cancels out. "busy" is the sum of kernel
+times per step; the step's wall time comes from two timed generate() calls the same way. Device only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import markdown_table  # noqa: E402
+from decode_e2e import Generator, build_model, make_config, reset_dynamo  # noqa: E402
+
+# Kernel families, first match wins (names as CUPTI reports them).
+FAMILIES = (
+    ("torchforge", r"awq|w4a16|wgmma_kernel|mma_moe|moe_align|moe_reduce|torchforge"),
+    ("gemm (cuBLAS/CUTLASS)", r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce"),
+    ("attention", r"flash|fmha|attention|sdpa|efficient"),
+    ("inductor triton", r"^triton_"),
+    ("sort/topk/scan", r"sort|topk|scan|radix|bitonic|select"),
+)
+
+
+def family(name: str) -> str:
+    for fam, pat in FAMILIES:
+        if re.search(pat, name, re.I):
+            return fam
+    return "other"
+
+
+def kernel_times(gen: Generator, batch: int, n: int, cc) -> dict[str, tuple[float, int]]:
+    """{kernel name: (total us, count)} of the CUDA kernels of one generate() of n new tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gen.run(batch, n, cc)
+    out: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith(("Memcpy", "Memset")):
+            out[ev.name][0] += ev.device_time
+            out[ev.name][1] += 1
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def profile_variant(gen, batch, steps, cc, top):
+    gen.run(batch, steps + 1, cc)  # compile and record the CUDA graphs
+    walls = {}
+    for n in (1, steps + 1):
+        walls[n] = min(gen.run(batch, n, cc)[0] for _ in range(2))
+    ms_step = (walls[steps + 1] - walls[1]) / steps * 1e3
+    t1, tn = kernel_times(gen, batch, 1, cc), kernel_times(gen, batch, steps + 1, cc)
+    per_step = {}
+    for name, (us, cnt) in tn.items():
+        us0, cnt0 = t1.get(name, (0.0, 0))
+        if cnt - cnt0 > 0:
+            per_step[name] = ((us - us0) / steps, (cnt - cnt0) / steps)
+    busy = sum(us for us, _ in per_step.values())
+    fams: dict[str, list] = defaultdict(lambda: [0.0, 0.0])
+    for name, (us, cnt) in per_step.items():
+        fams[family(name)][0] += us
+        fams[family(name)][1] += cnt
+    return ms_step, busy, per_step, fams
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--variants", nargs="+", default=["bf16-compile", "w4a16-mma-compile"],
+                    choices=["bf16-compile", "w4a16-compile", "w4a16-mma-compile"])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/decode_profile.py: needs a CUDA device")
+        return 0
+    import torchforge
+    from transformers import CompileConfig
+
+    device = torch.device("cuda")
+    t0 = time.time()
+    model = build_model(make_config(False), device)
+    model.set_experts_implementation("grouped_mm")
+    model._optimize_model_for_decode = contextlib.nullcontext  # keep grouped_mm while decoding (see decode_e2e)
+    cc = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead")
+    gen = Generator(model, device, prompt_len=32, new_tokens=args.steps + 1)
+    quantized = mma = False
+    for v in args.variants:
+        if v.startswith("w4a16") and not quantized:
+            reset_dynamo(model)
+            gen.drop_caches()
+            torchforge.quantize(model, "w4a16-rtn")
+            quantized = True
+            torch.cuda.empty_cache()
+        if v == "w4a16-mma-compile" and not mma:
+            reset_dynamo(model)
+            gen.drop_caches()
+            torchforge.use_mma_layout(model)
+            mma = True
+        ms_step, busy, per_step, fams = profile_variant(gen, args.batch, args.steps, cc, args.top)
+        print(f"\n## {v}, batch {args.batch}: {ms_step:.3f} ms/step wall, {busy / 1e3:.3f} ms/step of kernels "
+              f"({sum(c for _, c in per_step.values()):.0f} kernels per step; {time.time() - t0:.0f} s)\n")
+        rows = [[f, f"{us / 1e3:.3f}", f"{cnt:.1f}", f"{100 * us / busy:.0f}%"]
+                for f, (us, cnt) in sorted(fams.items(), key=lambda kv: -kv[1][0])]
+        print(markdown_table(["family", "ms/step", "kernels/step", "share"], rows))
+        rows = [[name[:90], family(name), f"{us:.1f}", f"{cnt:.1f}", f"{us / cnt:.1f}"]
+                for name, (us, cnt) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:args.top]]
+        print()
+        print(markdown_table(["kernel", "family", "us/step", "count/step", "us each"], rows))
+        reset_dynamo(model)
+        gen.drop_caches()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

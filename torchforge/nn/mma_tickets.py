@@ -1,0 +1,20 @@
+"""The ticket buffer a linear layer on the mma layout keeps for the decode kernel's K slices (see
+`torchforge.ops.awq_mma_cuda.mma_tickets`): zero whenever no kernel runs, so it is not state; rebuilt as zeros
+after every move, because `to_empty()` would leave garbage (and a non-zero ticket a wrong result)."""
+from __future__ import annotations
+
+from torch import nn
+
+from torchforge.ops.awq_mma_cuda import mma_tickets
+
+
+def add_mma_tickets(module: nn.Module) -> None:
+    """Registers `mma_tickets` (non-persistent: never in a checkpoint) on the device of `module.qweight`."""
+    module.register_buffer("mma_tickets", mma_tickets(module.out_features, device=module.qweight.device),
+                           persistent=False)
+
+
+def rezero_mma_tickets(module: nn.Module) -> None:
+    t = module._buffers.get("mma_tickets")
+    if t is not None and t.device.type != "meta":
+        t.zero_()
