@@ -18,8 +18,10 @@ Variants (one model, quantized in place between the bf16 and the W4A16 runs):
   w4a16           `torchforge.quantize(model, "w4a16-rtn")` (group 128, symmetric; lm_head, embeddings, routers and
                   kv_b_proj stay bf16), eager
   w4a16-compile   the W4A16 model's decode step under torch.compile, as bf16-compile
-  w4a16-mma(-compile)  the same model after `torchforge.use_mma_layout(model)`: every ForgeAWQLinear that fits
-                  runs on the mma layout (tensor-core kernel of csrc/awq_mma.cu for 1..128 rows); experts unchanged
+  w4a16-mma(-compile)  the same model after `torchforge.use_mma_layout(model)`: every ForgeAWQLinear and the
+                  routed experts run on the mma layout (tensor-core kernels of csrc/awq_mma.cu, awq_mma_moe.cu), and
+                  each MoE block takes the fused decode path (ForgeMoE.use_fused_decode: DeepSeek-V3 routing in one
+                  kernel, the shared expert inside the grouped expert kernels)
 
 Every variant generates from the same random 32-token prompts with a reused StaticCache (reset between calls), greedy,
 min_new_tokens = max_new_tokens = N (no EOS). Decode tokens/s = batch * (N - 1) / (t(N new tokens) - t(1 new token)):
@@ -322,7 +324,7 @@ def main() -> int:
         if v.startswith("w4a16-mma") and not any(k.startswith("w4a16-mma") for k in weights):
             reset_dynamo(model)
             gen.drop_caches()
-            log(f"use_mma_layout: {torchforge.use_mma_layout(model)} linear layers switched")
+            log(f"use_mma_layout: {torchforge.use_mma_layout(model)} modules switched (linear, experts, fused MoE blocks)")
         weights[v] = weight_gb(model)
         log(f"{v}: start")
         try:

@@ -5,7 +5,9 @@
 Same model and compile settings as bench/decode_e2e.py (CUDA graphs). Each variant is warmed up, then profiled
 (torch.profiler, CUDA activity) for one generate() of 1 new token (prefill only) and one of 1 + --steps new tokens;
 per-step kernel time = the difference / --steps, so the eager prefill cancels out. "busy" is the sum of kernel
-times per step; the step's wall time comes from two timed generate() calls the same way. Device only.
+times per step; the step's wall time comes from two timed generate() calls the same way. The idle time in gaps
+longer than 20 us between kernels is the GPU waiting on the host (generate's Python between graph replays); the
+rest of wall - busy is the short gaps between the kernels of a graph. Device only.
 """
 from __future__ import annotations
 
@@ -40,18 +42,30 @@ def family(name: str) -> str:
     return "other"
 
 
-def kernel_times(gen: Generator, batch: int, n: int, cc) -> dict[str, tuple[float, int]]:
-    """{kernel name: (total us, count)} of the CUDA kernels of one generate() of n new tokens."""
+def kernel_times(gen: Generator, batch: int, n: int, cc) -> tuple[dict[str, tuple[float, int]], float]:
+    """{kernel name: (total us, count)} of the CUDA kernels of one generate() of n new tokens, and the total of the
+    idle gaps longer than GAP_US between kernels (the GPU waiting for the host between graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         gen.run(batch, n, cc)
     out: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith(("Memcpy", "Memset")):
             out[ev.name][0] += ev.device_time
             out[ev.name][1] += 1
-    return {k: (v[0], v[1]) for k, v in out.items()}
+            spans.append((ev.time_range.start, ev.time_range.end))
+    spans.sort()
+    idle, end = 0.0, None
+    for a, b in spans:
+        if end is not None and a - end > GAP_US:
+            idle += a - end
+        end = b if end is None else max(end, b)
+    return {k: (v[0], v[1]) for k, v in out.items()}, idle
+
+
+GAP_US = 20.0
 
 
 def profile_variant(gen, batch, steps, cc, top):
@@ -60,7 +74,7 @@ def profile_variant(gen, batch, steps, cc, top):
     for n in (1, steps + 1):
         walls[n] = min(gen.run(batch, n, cc)[0] for _ in range(2))
     ms_step = (walls[steps + 1] - walls[1]) / steps * 1e3
-    t1, tn = kernel_times(gen, batch, 1, cc), kernel_times(gen, batch, steps + 1, cc)
+    (t1, idle1), (tn, idlen) = kernel_times(gen, batch, 1, cc), kernel_times(gen, batch, steps + 1, cc)
     per_step = {}
     for name, (us, cnt) in tn.items():
         us0, cnt0 = t1.get(name, (0.0, 0))
@@ -71,7 +85,7 @@ def profile_variant(gen, batch, steps, cc, top):
     for name, (us, cnt) in per_step.items():
         fams[family(name)][0] += us
         fams[family(name)][1] += cnt
-    return ms_step, busy, per_step, fams
+    return ms_step, busy, per_step, fams, (idlen - idle1) / steps
 
 
 def main() -> int:
@@ -106,11 +120,12 @@ def main() -> int:
         if v == "w4a16-mma-compile" and not mma:
             reset_dynamo(model)
             gen.drop_caches()
-            torchforge.use_mma_layout(model)
+            print(f"use_mma_layout: {torchforge.use_mma_layout(model)} modules switched")
             mma = True
-        ms_step, busy, per_step, fams = profile_variant(gen, args.batch, args.steps, cc, args.top)
+        ms_step, busy, per_step, fams, idle = profile_variant(gen, args.batch, args.steps, cc, args.top)
         print(f"\n## {v}, batch {args.batch}: {ms_step:.3f} ms/step wall, {busy / 1e3:.3f} ms/step of kernels "
-              f"({sum(c for _, c in per_step.values()):.0f} kernels per step; {time.time() - t0:.0f} s)\n")
+              f"({sum(c for _, c in per_step.values()):.0f} kernels per step), {idle / 1e3:.3f} ms/step idle in gaps "
+              f"> {GAP_US:.0f} us (profiled; {time.time() - t0:.0f} s)\n")
         rows = [[f, f"{us / 1e3:.3f}", f"{cnt:.1f}", f"{100 * us / busy:.0f}%"]
                 for f, (us, cnt) in sorted(fams.items(), key=lambda kv: -kv[1][0])]
         print(markdown_table(["family", "ms/step", "kernels/step", "share"], rows))

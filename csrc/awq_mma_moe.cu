@@ -8,25 +8,30 @@ namespace torchforge {
 namespace awq_mma_detail {
 
 // Grouped form for MoE experts: routed rows sorted by expert into blocks of NT * 8 (torchforge.ops.moe_align).
-// Block b holds routed rows sorted_rows[b * NT * 8 + i] (R where padding) of expert block_expert[b] (E for the
-// rows of out-of-range ids, which come out NaN, and for the empty blocks past the end); routed row r reads
+// Block b holds routed rows sorted_rows[b * NT * 8 + i] (R where padding) of expert block_expert[b] (the sentinel for
+// the rows of out-of-range ids, which come out NaN, and for the empty blocks past the end); routed row r reads
 // x[r / x_row_div]. Each K slice writes its fp32 sums to
 // partial[slice, r, :]; the caller's reduce kernel adds the slices and applies the epilogue (SiLU * up, or the
 // router-weighted combine). Direct mode (sorted_rows null, decode: no more routed rows than experts): block b
 // is routed row b alone, with expert block_expert[b] = expert_ids[b]; no sort, one 8-row MMA tile.
+// With shared_qw (and shared_sc, shared_qz: one expert's tensors) expert id E is a shared expert stored apart from
+// the E routed ones: the caller routes every token to it as one more pick, so it costs no launch of its own.
 template <typename T, typename S, int NT, int CPG>
 __global__ void __launch_bounds__(kThreads, 2)
     awq_mma_moe_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
-                       const uint32_t* __restrict__ qz, const int32_t* __restrict__ sorted_rows,
-                       const int32_t* __restrict__ block_expert, float* __restrict__ partial, int R, int N, int K,
-                       int E, int x_row_div, int chunks_per_group, int splits) {
+                       const uint32_t* __restrict__ qz, const uint4* __restrict__ shared_qw,
+                       const S* __restrict__ shared_sc, const uint32_t* __restrict__ shared_qz,
+                       const int32_t* __restrict__ sorted_rows, const int32_t* __restrict__ block_expert,
+                       float* __restrict__ partial, int R, int N, int K, int E, int x_row_div, int chunks_per_group,
+                       int splits) {
   __shared__ float red[kWarps * kRows * kPad];
   const int b = blockIdx.x;
   const int cb = blockIdx.y;
   const int slice = blockIdx.z;
   const int e = block_expert[b];
   const bool direct = sorted_rows == nullptr;  // decode: block b is routed row b alone, block_expert its expert ids
-  if (e < 0 || e >= E) {  // expert ids out of range come out as NaN rows (no host sync to check the ids): in
+  const bool shared = e == E && shared_qw != nullptr;  // expert id E: the shared expert, stored on its own
+  if (!shared && (e < 0 || e >= E)) {  // expert ids out of range come out as NaN rows (no host sync to check the ids): in
     // direct mode this block's row; sorted, the real rows of moe_align's bucket for them (past the end: none)
     for (int i = threadIdx.x; i < NT * 8 * kCols; i += kThreads) {
       const int row = i / kCols;
@@ -41,9 +46,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int chunks = K / 64;
   const int items = chunks / CPG;
   const size_t groups = static_cast<size_t>(K / (64 * chunks_per_group));
-  const uint4* wbase = qw + (static_cast<size_t>(e) * (N / kCols) + cb) * chunks * 128 + lane;
-  const S* sce = sc + static_cast<size_t>(e) * groups * N;
-  const uint32_t* qze = qz + static_cast<size_t>(e) * groups * (N / 8);
+  const size_t ex = shared ? 0 : static_cast<size_t>(e);
+  const uint4* wbase = (shared ? shared_qw : qw) + (ex * (N / kCols) + cb) * chunks * 128 + lane;
+  const S* sce = (shared ? shared_sc : sc) + ex * groups * N;
+  const uint32_t* qze = (shared ? shared_qz : qz) + ex * groups * (N / 8);
   const uint4* xb = reinterpret_cast<const uint4*>(x + 16 * t);
   int xoff[NT];
 #pragma unroll
@@ -71,13 +77,15 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 template <typename T, typename S, int NT, int CPG>
-cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const int32_t* rows,
-                       const int32_t* block_expert, float* partial, int R, int N, int K, int E, int B, int x_row_div,
-                       int group_size, int splits, cudaStream_t stream) {
+cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const int32_t* sqw,
+                       const void* ssc, const int32_t* sqz, const int32_t* rows, const int32_t* block_expert,
+                       float* partial, int R, int N, int K, int E, int B, int x_row_div, int group_size, int splits,
+                       cudaStream_t stream) {
   const dim3 grid(B, N / kCols, splits);
   awq_mma_moe_kernel<T, S, NT, CPG><<<grid, kThreads, 0, stream>>>(
       static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
-      reinterpret_cast<const uint32_t*>(qz), rows, block_expert, partial, R, N, K, E, x_row_div, group_size / 64,
+      reinterpret_cast<const uint32_t*>(qz), reinterpret_cast<const uint4*>(sqw), static_cast<const S*>(ssc),
+      reinterpret_cast<const uint32_t*>(sqz), rows, block_expert, partial, R, N, K, E, x_row_div, group_size / 64,
       splits);
   return cudaGetLastError();
 }
@@ -87,7 +95,8 @@ cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const i
 // Grouped (MoE) launcher; dtype and scale_dtype as in awq_mma_launch. The caller has checked shapes and alignment;
 // block_rows (8 or 16) = sorted_rows.numel() / B; partial holds splits * R * N floats.
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
-                               const void* scales, const int32_t* qzeros, const int32_t* sorted_rows,
+                               const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
+                               const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
                                const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
                                int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
                                int64_t item_chunks, cudaStream_t stream) {
@@ -100,9 +109,9 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
     using T = decltype(t);
     using S = decltype(sv);
     auto run = [&](auto nt, auto cpg) {
-      return launch_moe<T, S, decltype(nt)::value, decltype(cpg)::value>(x, qweight, scales, qzeros, sorted_rows,
-                                                                        block_expert, partial, r, n, k, e, b, xd, g,
-                                                                        s, stream);
+      return launch_moe<T, S, decltype(nt)::value, decltype(cpg)::value>(
+          x, qweight, scales, qzeros, shared_qweight, shared_scales, shared_qzeros, sorted_rows, block_expert,
+          partial, r, n, k, e, b, xd, g, s, stream);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;

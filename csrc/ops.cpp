@@ -40,7 +40,8 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
                            int64_t splits, int64_t item_chunks, cudaStream_t stream);
 
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
-                               const void* scales, const int32_t* qzeros, const int32_t* sorted_rows,
+                               const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
+                               const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
                                const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
                                int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
                                int64_t item_chunks, cudaStream_t stream);
@@ -283,12 +284,16 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
 // scales [E, K/G, N] (fp16, or bf16 with bf16 x), qzeros [E, K/G, N/8]; routed rows sorted by expert
 // (torchforge.ops.moe_align with blocks of 8 or 16: sorted_rows int32 [B * block], block_expert int32 [B]; or,
 // direct, sorted_rows empty and block_expert the expert id of each routed row, one row per block). Rows of blocks
-// whose expert is out of range come out NaN. Routed row r < num_rows reads x[r / x_row_div]. Returns the fp32 sums of each K slice, partial [splits, num_rows, N]; every routed row must
-// appear exactly once in sorted_rows (moe_align's contract), or its row of partial is left unwritten.
+// whose expert is out of range come out NaN. Routed row r < num_rows reads x[r / x_row_div]. Returns the fp32 sums
+// of each K slice, partial [splits, num_rows, N]; every routed row must appear exactly once in sorted_rows
+// (moe_align's contract), or its row of partial is left unwritten. Optional shared_qweight [N / 64, K * 8],
+// shared_scales [K/G, N], shared_qzeros [K/G, N/8]: a shared expert, routed as expert id E.
 at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const at::Tensor& qzeros, const at::Tensor& sorted_rows, const at::Tensor& block_expert,
                             int64_t num_rows, int64_t x_row_div, int64_t group_size, int64_t splits,
-                            int64_t item_chunks) {
+                            int64_t item_chunks, const c10::optional<at::Tensor>& shared_qweight,
+                            const c10::optional<at::Tensor>& shared_scales,
+                            const c10::optional<at::Tensor>& shared_qzeros) {
   const std::string op = "awq_mma_moe_cuda: ";
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda() && sorted_rows.is_cuda() &&
                   block_expert.is_cuda(),
@@ -333,12 +338,33 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   for (const at::Tensor* t : {&x, &qweight, &scales, &qzeros, &sorted_rows, &block_expert})
     TORCH_CHECK(t->device() == x.device() && t->is_contiguous(), op + "all tensors must be contiguous, on x's device");
   TORCH_CHECK(aligned16(x) && aligned16(qweight), op + "x and qweight must be 16-byte aligned");
+  const bool shared = shared_qweight.has_value();
+  TORCH_CHECK(shared == shared_scales.has_value() && shared == shared_qzeros.has_value(),
+              op + "pass all three of shared_qweight, shared_scales and shared_qzeros, or none");
+  if (shared) {  // one more expert (id E), stored apart: its tensors are those of one routed expert
+    const at::Tensor &sq = *shared_qweight, &ss = *shared_scales, &sz = *shared_qzeros;
+    TORCH_CHECK(sq.sizes() == qweight.sizes().slice(1) && ss.sizes() == scales.sizes().slice(1) &&
+                    sz.sizes() == qzeros.sizes().slice(1),
+                op + "the shared expert's tensors must have one routed expert's shapes " +
+                    shape_str(qweight.sizes().slice(1)) + ", " + shape_str(scales.sizes().slice(1)) + ", " +
+                    shape_str(qzeros.sizes().slice(1)) + ", got " + shape_str(sq.sizes()) + ", " +
+                    shape_str(ss.sizes()) + ", " + shape_str(sz.sizes()));
+    TORCH_CHECK(sq.scalar_type() == at::kInt && ss.scalar_type() == scales.scalar_type() &&
+                    sz.scalar_type() == at::kInt,
+                op + "the shared expert's qweight and qzeros must be int32 and its scales in the experts' dtype");
+    for (const at::Tensor* t : {&sq, &ss, &sz})
+      TORCH_CHECK(t->device() == x.device() && t->is_contiguous(),
+                  op + "the shared expert's tensors must be contiguous, on x's device");
+    TORCH_CHECK(aligned16(sq), op + "shared_qweight must be 16-byte aligned");
+  }
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor partial = at::empty({splits, num_rows, N}, x.options().dtype(at::kFloat));
   if (num_rows == 0 || N == 0) return partial;
   const cudaError_t err = awq_mma_moe_launch(
       dtype_code(x), dtype_code(scales), block_rows, x.data_ptr(), qweight.data_ptr<int32_t>(),
-      scales.data_ptr(), qzeros.data_ptr<int32_t>(), direct ? nullptr : sorted_rows.data_ptr<int32_t>(),
+      scales.data_ptr(), qzeros.data_ptr<int32_t>(), shared ? shared_qweight->data_ptr<int32_t>() : nullptr,
+      shared ? shared_scales->data_ptr() : nullptr, shared ? shared_qzeros->data_ptr<int32_t>() : nullptr,
+      direct ? nullptr : sorted_rows.data_ptr<int32_t>(),
       block_expert.data_ptr<int32_t>(), partial.data_ptr<float>(), num_rows, N, K, E, B, x_row_div, group_size,
       splits, item_chunks, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_CHECK(err);
@@ -400,7 +426,8 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int item_chunks, Tensor? tickets=None) -> Tensor");
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
-      "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks) -> Tensor");
+      "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks, "
+      "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None) -> Tensor");
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int block_m, int tile_set, int group_m) -> Tensor");

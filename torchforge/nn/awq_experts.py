@@ -121,16 +121,29 @@ class ForgeAWQExperts(nn.Module):
         self.weight_layout = "mma"
         return True
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def runs_fused_mma(self, top_k_weights: torch.Tensor | None = None) -> bool:
+        """Whether forward takes the mma-layout ops with fused epilogues (SiLU experts, no autograd through the
+        router weights): the only path that accepts a `shared` expert."""
+        needs_grad = torch.is_grad_enabled() and (top_k_weights is None or top_k_weights.requires_grad)
+        return self.weight_layout == "mma" and _is_silu(self.act_fn) and not needs_grad
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                shared: tuple | None = None) -> torch.Tensor:
+        """HF's experts call. `shared` (mma path only, see ForgeMoE.use_fused_decode): ((qweight, scales, qzeros) of
+        a shared expert's gate_up, the same of its down), routed as expert id E by `top_k_index`."""
         T, k = top_k_index.shape
         G = self.group_size
         flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick
         fused = _is_silu(self.act_fn) and not (torch.is_grad_enabled() and top_k_weights.requires_grad)
+        if shared is not None and not (fused and self.weight_layout == "mma"):
+            raise ValueError("ForgeAWQExperts: a shared expert is only taken on the mma layout with SiLU experts and "
+                             "no autograd through the router weights (runs_fused_mma()); add it separately")
         if fused and self.weight_layout == "mma":
+            gate_up, down = shared if shared is not None else (None, None)
             h = awq_mma_moe_gate_up_silu(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
-                                         self.gate_up_qzeros, G, k)
+                                         self.gate_up_qzeros, G, k, gate_up)
             return awq_mma_moe_down_combine(h, flat_ids, top_k_weights, self.down_qweight, self.down_scales,
-                                            self.down_qzeros, G)
+                                            self.down_qzeros, G, down)
         if fused:
             # the same computation as below as two ops, whose decode path fuses SiLU * up and the weighted sum
             # into the GEMVs' split-K reduce kernels (awq_moe_fused.py); they have no autograd formula, so

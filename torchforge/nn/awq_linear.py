@@ -127,13 +127,19 @@ def _import_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, *a
             state_dict[key] = awq_to_mma_layout(q)
 
 
-def use_mma_layout(model: nn.Module, experts: bool = True) -> int:
+def use_mma_layout(model: nn.Module, experts: bool = True, fused_moe: bool = True) -> int:
     """Switch every `ForgeAWQLinear` and `ForgeGPTQLinear` (and, with `experts`, `ForgeAWQExperts`) of `model` that
     fits to the mma layout: faster decode on CUDA (the tensor-core kernels of csrc/awq_mma.cu; linear layers run
-    Triton dequantize + cuBLAS beyond 128 rows). Returns how many modules switched. Exports are unchanged (each
-    module's own checkpoint layout)."""
+    Triton dequantize + cuBLAS beyond 128 rows). With `fused_moe`, every `ForgeMoE` block that then qualifies also
+    takes the fused decode path (`ForgeMoE.use_fused_decode`: shared expert inside the grouped expert kernels,
+    DeepSeek-V3 routing in one kernel). Returns how many modules switched, fused blocks included. Exports are
+    unchanged (each module's own checkpoint layout)."""
     from torchforge.nn.awq_experts import ForgeAWQExperts
     from torchforge.nn.gptq_linear import ForgeGPTQLinear
+    from torchforge.nn.moe import ForgeMoE
 
     kinds = (ForgeAWQLinear, ForgeGPTQLinear) + ((ForgeAWQExperts,) if experts else ())
-    return sum(m.use_mma_layout() for m in model.modules() if isinstance(m, kinds))
+    n = sum(m.use_mma_layout() for m in model.modules() if isinstance(m, kinds))
+    if fused_moe:
+        n += sum(m.use_fused_decode() for m in model.modules() if isinstance(m, ForgeMoE))
+    return n

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Attribute names HF transformers 5 uses for an always-on shared expert MLP.
@@ -58,9 +59,56 @@ class ForgeMoE(nn.Module):
         """Original expert ids -> stored expert ids. Identity here; PrunedMoE overrides it."""
         return ids, weights
 
+    fused_decode = False  # class default: modules pickled before the fused decode path existed
+    fused_router = False
+
+    @torch.no_grad()
+    def use_fused_decode(self) -> bool:
+        """Run phase, after the weights are loaded and `torchforge.use_mma_layout`: the shared expert rides in the
+        routed experts' grouped kernels as expert id E (weight 1), and a DeepSeek-V3 router runs as one kernel
+        (`torchforge::sigmoid_group_topk`). See torchforge/nn/moe_fused_decode.py. False, and nothing changed,
+        where the block does not qualify (`fold_reason` says why). Same experts and weights as HF's router (up to
+        float rounding of the scores); the expert outputs are summed in fp32 with the shared one and rounded once.
+        Taken only without autograd (inference); with it the block runs as before."""
+        from torchforge.nn.moe_fused_decode import fold_reason, shared_gate_up
+        from torchforge.nn.routing import router_family
+
+        if fold_reason(self.experts, self.shared, self.shared_expert_gate) is not None:
+            return False
+        q, s, z = shared_gate_up(self.shared)
+        self.register_buffer("fused_shared_gate_up_qweight", q, persistent=False)
+        self.register_buffer("fused_shared_gate_up_scales", s, persistent=False)
+        self.register_buffer("fused_shared_gate_up_qzeros", z, persistent=False)
+        if not self.fused_decode:
+            self.register_load_state_dict_post_hook(_refresh_fused_shared)
+        self.fused_decode = True
+        # PrunedMoE routes over its kept experts with its own route / remap: only the shared expert is folded there
+        self.fused_router = type(self) is ForgeMoE and router_family(self.gate) == "deepseek_v3"
+        return True
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        E = self.experts.num_experts
+        if self.fused_router:
+            from torchforge.ops.sigmoid_group_topk import sigmoid_group_topk
+
+            g = self.gate
+            logits = F.linear(x.float(), g.weight.float())  # HF's fp32 router logits
+            weights, ids = sigmoid_group_topk(logits, g.e_score_correction_bias.float(), g.num_group, g.topk_group,
+                                              g.top_k, g.norm_topk_prob, g.routed_scaling_factor, num_shared=1)
+        else:
+            ids, weights = self.remap(*self.route(x))
+            ids = torch.cat([ids, ids.new_full((ids.shape[0], 1), E)], dim=1)
+            weights = torch.cat([weights, weights.new_ones((weights.shape[0], 1))], dim=1)
+        down = self.shared.down_proj
+        shared = ((self.fused_shared_gate_up_qweight, self.fused_shared_gate_up_scales,
+                   self.fused_shared_gate_up_qzeros), (down.qweight, down.scales, down.qzeros))
+        return self.experts(x, ids, weights, shared=shared)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
+        if self.fused_decode and not torch.is_grad_enabled():
+            return self._forward_fused(x).reshape(shape)
         ids, weights = self.remap(*self.route(x))
         out = self.experts(x, ids, weights)
         shared = self.shared
@@ -70,3 +118,12 @@ class ForgeMoE(nn.Module):
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             out = out + s
         return out.reshape(shape)
+
+
+def _refresh_fused_shared(module: ForgeMoE, incompatible_keys) -> None:
+    """load_state_dict post-hook: the fused copy of the shared expert's gate_up follows newly loaded weights."""
+    from torchforge.nn.moe_fused_decode import shared_gate_up
+
+    q, s, z = shared_gate_up(module.shared)
+    module.fused_shared_gate_up_qweight, module.fused_shared_gate_up_scales = q, s
+    module.fused_shared_gate_up_qzeros = z

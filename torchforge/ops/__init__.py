@@ -13,6 +13,7 @@ from torchforge.ops.awq import (
 from torchforge.ops.awq_moe import awq_moe_gemm
 from torchforge.ops.awq_moe_fused import awq_moe_down_combine, awq_moe_gate_up_silu
 from torchforge.ops.moe_remap import moe_remap
+from torchforge.ops.sigmoid_group_topk import sigmoid_group_topk
 
 # NVFP4 (ModelOpt format; issue 6): see torchforge.ops.nvfp4.
 from torchforge.ops.nvfp4 import (  # noqa: E402
@@ -40,6 +41,7 @@ __all__ = [
     "awq_moe_gate_up_silu",
     "awq_moe_down_combine",
     "moe_remap",
+    "sigmoid_group_topk",
     # NVFP4
     "E2M1_VALUES",
     "nvfp4_quantize",

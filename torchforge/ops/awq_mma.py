@@ -92,6 +92,29 @@ def _moe_args(op: str, x: Tensor, expert_ids: Tensor, qweight_mma: Tensor) -> No
                                f"{tuple(x.shape)} = [rows, IC]")
 
 
+def _check_shared(op: str, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, shared_qweight: Optional[Tensor],
+                  shared_scales: Optional[Tensor], shared_qzeros: Optional[Tensor]) -> bool:
+    """Whether a shared expert (routed as expert id E) is passed; its tensors must be one routed expert's."""
+    given = [t is not None for t in (shared_qweight, shared_scales, shared_qzeros)]
+    torch._check_value(all(given) or not any(given),
+                       lambda: f"{op}: pass all three of shared_qweight, shared_scales and shared_qzeros, or none")
+    if not all(given):
+        return False
+    for name, t, ref in (("shared_qweight", shared_qweight, qweight_mma), ("shared_scales", shared_scales, scales),
+                         ("shared_qzeros", shared_qzeros, qzeros)):
+        torch._check_value(t.shape == ref.shape[1:] and t.dtype == ref.dtype and t.device == ref.device,
+                           lambda: f"{op}: {name} must be one expert of the stacked tensor: {tuple(ref.shape[1:])} "
+                                   f"{ref.dtype} on {ref.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    return True
+
+
+def _with_shared(qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, shared: Optional[tuple]) -> tuple:
+    """The stacked tensors with the shared expert appended as expert E (a copy: the reference path only)."""
+    if shared is None:
+        return qweight_mma, scales, qzeros
+    return tuple(torch.cat([t, s[None]]) for t, s in zip((qweight_mma, scales, qzeros), shared))
+
+
 def _awq_view(qweight_mma: Tensor) -> Tensor:
     """The same words viewed with the AWQ shape [E, IC, OC / 8] (for the shape checks of the AWQ ops)."""
     e, nb, k8 = qweight_mma.shape
@@ -100,58 +123,81 @@ def _awq_view(qweight_mma: Tensor) -> Tensor:
 
 @_define_kernel_op("torchforge::awq_mma_moe_gate_up_silu", mutates_args=())
 def _awq_mma_moe_gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
-                              group_size: int, top_k: int) -> Tensor:
+                              group_size: int, top_k: int, shared_qweight: Optional[Tensor] = None,
+                              shared_scales: Optional[Tensor] = None, shared_qzeros: Optional[Tensor] = None) -> Tensor:
     from torchforge.ops.awq_moe_fused import _check_gate_up, awq_moe_gate_up_silu
     from torchforge.ops.moe_epilogue_triton import launch_silu_mul_reduce
 
-    _moe_args("awq_mma_moe_gate_up_silu", x, expert_ids, qweight_mma)
+    op = "awq_mma_moe_gate_up_silu"
+    _moe_args(op, x, expert_ids, qweight_mma)
     _check_gate_up(x, expert_ids, _awq_view(qweight_mma), scales, qzeros, group_size, top_k)
+    has = _check_shared(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
+    shared = (shared_qweight, shared_scales, shared_qzeros) if has else None
     if mma_moe_cuda_ok(x, qweight_mma, scales, group_size):
-        part = launch_awq_mma_moe_cuda(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k)
+        part = launch_awq_mma_moe_cuda(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared)
         return launch_silu_mul_reduce(part, x.dtype)
-    return awq_moe_gate_up_silu(x, expert_ids, mma_layout_to_awq(qweight_mma), scales, qzeros, group_size, top_k)
+    q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
+    return awq_moe_gate_up_silu(x, expert_ids, mma_layout_to_awq(q), s, z, group_size, top_k)
 
 
 @_awq_mma_moe_gate_up_silu.register_fake
-def _(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k):
+def _(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared_qweight=None, shared_scales=None,
+      shared_qzeros=None):
     from torchforge.ops.awq_moe_fused import _check_gate_up
 
     _moe_args("awq_mma_moe_gate_up_silu", x, expert_ids, qweight_mma)
+    _check_shared("awq_mma_moe_gate_up_silu", qweight_mma, scales, qzeros, shared_qweight, shared_scales,
+                  shared_qzeros)
     inter = _check_gate_up(x, expert_ids, _awq_view(qweight_mma), scales, qzeros, group_size, top_k)
     return x.new_empty((expert_ids.shape[0], inter))
 
 
 @_define_kernel_op("torchforge::awq_mma_moe_down_combine", mutates_args=())
 def _awq_mma_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor,
-                              qzeros: Tensor, group_size: int) -> Tensor:
+                              qzeros: Tensor, group_size: int, shared_qweight: Optional[Tensor] = None,
+                              shared_scales: Optional[Tensor] = None, shared_qzeros: Optional[Tensor] = None) -> Tensor:
     from torchforge.ops.awq_moe_fused import _check_combine, awq_moe_down_combine
     from torchforge.ops.moe_epilogue_triton import launch_combine_reduce
 
-    _moe_args("awq_mma_moe_down_combine", h, expert_ids, qweight_mma)
+    op = "awq_mma_moe_down_combine"
+    _moe_args(op, h, expert_ids, qweight_mma)
     _check_combine(h, expert_ids, weights, _awq_view(qweight_mma), scales, qzeros, group_size)
+    has = _check_shared(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
+    shared = (shared_qweight, shared_scales, shared_qzeros) if has else None
     if mma_moe_cuda_ok(h, qweight_mma, scales, group_size):
-        part = launch_awq_mma_moe_cuda(h, expert_ids, qweight_mma, scales, qzeros, group_size, 1)
+        part = launch_awq_mma_moe_cuda(h, expert_ids, qweight_mma, scales, qzeros, group_size, 1, shared)
         return launch_combine_reduce(part, weights, h.dtype)
-    return awq_moe_down_combine(h, expert_ids, weights, mma_layout_to_awq(qweight_mma), scales, qzeros, group_size)
+    q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
+    return awq_moe_down_combine(h, expert_ids, weights, mma_layout_to_awq(q), s, z, group_size)
 
 
 @_awq_mma_moe_down_combine.register_fake
-def _(h, expert_ids, weights, qweight_mma, scales, qzeros, group_size):
+def _(h, expert_ids, weights, qweight_mma, scales, qzeros, group_size, shared_qweight=None, shared_scales=None,
+      shared_qzeros=None):
     from torchforge.ops.awq_moe_fused import _check_combine
 
     _moe_args("awq_mma_moe_down_combine", h, expert_ids, qweight_mma)
+    _check_shared("awq_mma_moe_down_combine", qweight_mma, scales, qzeros, shared_qweight, shared_scales,
+                  shared_qzeros)
     tokens, oc = _check_combine(h, expert_ids, weights, _awq_view(qweight_mma), scales, qzeros, group_size)
     return h.new_empty((tokens, oc))
 
 
 def awq_mma_moe_gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
-                             group_size: int = 128, top_k: int = 1) -> Tensor:
-    """`awq_moe_gate_up_silu` with the experts' codes in the mma layout: ``SiLU(gate) * up`` ``[len(expert_ids), I]``."""
-    return torch.ops.torchforge.awq_mma_moe_gate_up_silu(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k)
+                             group_size: int = 128, top_k: int = 1,
+                             shared: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
+    """`awq_moe_gate_up_silu` with the experts' codes in the mma layout: ``SiLU(gate) * up`` ``[len(expert_ids), I]``.
+
+    `shared`: (qweight_mma [OC / 64, IC * 8], scales, qzeros) of a shared expert, which `expert_ids` address as
+    expert E (one past the stacked ones): a DeepSeek shared expert then costs no kernel launch of its own."""
+    return torch.ops.torchforge.awq_mma_moe_gate_up_silu(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k,
+                                                         *(shared or (None, None, None)))
 
 
 def awq_mma_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor,
-                             qzeros: Tensor, group_size: int = 128) -> Tensor:
-    """`awq_moe_down_combine` with the experts' codes in the mma layout: ``[T, OC]``."""
+                             qzeros: Tensor, group_size: int = 128,
+                             shared: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
+    """`awq_moe_down_combine` with the experts' codes in the mma layout: ``[T, OC]``. `shared` as for
+    `awq_mma_moe_gate_up_silu` (its pick's weight, usually 1, comes with `weights` like any other)."""
     return torch.ops.torchforge.awq_mma_moe_down_combine(h, expert_ids, weights, qweight_mma, scales, qzeros,
-                                                         group_size)
+                                                         group_size, *(shared or (None, None, None)))

@@ -167,13 +167,16 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
 
 
 def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
-                            group_size: int, x_row_div: int) -> Tensor:
+                            group_size: int, x_row_div: int, shared: Optional[tuple[Tensor, Tensor, Tensor]] = None
+                            ) -> Tensor:
     """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
     `[E, N / 64, K * 8]`. While there are no more routed rows than experts (decode) each row is a block of its own;
-    beyond, rows are sorted by expert on the device into blocks of 16 (moe_align). No host sync either way."""
+    beyond, rows are sorted by expert on the device into blocks of 16 (moe_align). No host sync either way.
+    `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones."""
     from torchforge.ops.moe_align import moe_align
 
     num_experts, nb, k8 = qweight_mma.shape
+    num_experts += shared is not None
     k, n, rows = k8 // 8, nb * 64, expert_ids.numel()
     if rows <= num_experts:  # decode: one routed row per block, no sort kernels in the step
         sorted_rows = torch.empty(0, dtype=torch.int32, device=x.device)
@@ -187,7 +190,7 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     x2 = x.contiguous() if not _aligned16(x) or not x.is_contiguous() else x
     return torch.ops.torchforge.awq_mma_moe_cuda(x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(),
                                                  sorted_rows, block_expert, rows, x_row_div, group_size, splits,
-                                                 item_chunks)
+                                                 item_chunks, *(shared or (None, None, None)))
 
 
 _registered = False
@@ -224,7 +227,7 @@ def register_fake() -> None:
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
         @torch.library.register_fake("torchforge::awq_mma_moe_cuda")
         def _(x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, splits,
-              item_chunks):
+              item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None):
             torch._check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
                          lambda: f"awq_mma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "
                                  f"{tuple(qweight.shape)}")

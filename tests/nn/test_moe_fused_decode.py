@@ -1,0 +1,89 @@
+"""ForgeMoE.use_fused_decode: the shared expert as expert id E of the grouped expert kernels, DeepSeek-V3 routing in
+one op; same output as the unfused block (the fused path sums the shared expert with the routed ones in fp32)."""
+import copy
+
+import pytest
+import torch
+
+from tests import models
+from torchforge.nn import ForgeAWQExperts, ForgeAWQLinear, ForgeMoE
+from torchforge.ops._ext import has_cuda_ext
+
+G = 64  # the mma layout folds groups of 64 or 128; hidden 64 and expert intermediate 64 fit
+
+
+def quantized_block(arch: str, seed: int = 0, dtype=torch.float32, device="cpu", **cfg):
+    model = models.build(arch, seed=seed, dtype=dtype, moe_intermediate_size=64, **cfg)
+    _, block = models.moe_blocks(model)[0]
+    block = block.to(device)
+    shared = block.shared_experts
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(shared, name, ForgeAWQLinear.from_linear(getattr(shared, name), group_size=G))
+    return ForgeMoE.from_hf(block, ForgeAWQExperts.from_hf(block.experts, group_size=G)), model.config
+
+
+def fused_copy(block):
+    import torchforge
+
+    fused = copy.deepcopy(block)
+    torchforge.use_mma_layout(fused, fused_moe=False)
+    return fused, fused.use_fused_decode()
+
+
+@pytest.mark.parametrize("arch,router", [("deepseek_v3", True), ("deepseek_v2", False)])
+@torch.no_grad()
+def test_fused_decode_equals_the_block(arch, router):
+    block, cfg = quantized_block(arch)
+    fused, ok = fused_copy(block)
+    assert ok and fused.fused_decode and fused.fused_router == router
+    assert fused.fused_shared_gate_up_qweight.shape == (2 * 64 // 64, cfg.hidden_size * 8)
+    assert sorted(fused.state_dict()) == sorted(block.state_dict())  # the fused copy is not saved
+    for T in (1, 7):
+        x = torch.randn(2, T, cfg.hidden_size)
+        torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-6)
+    with torch.enable_grad():  # autograd: the unfused path (the fused ops have no backward)
+        x = torch.randn(3, cfg.hidden_size)
+        torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_blocks_that_do_not_qualify_are_unchanged():
+    block, _ = quantized_block("deepseek_v3")
+    assert not copy.deepcopy(block).use_fused_decode()  # AWQ layout: use_mma_layout first
+    qwen = ForgeMoE.from_hf(models.moe_blocks(models.build("qwen3_moe", moe_intermediate_size=64))[0][1])
+    assert not qwen.use_fused_decode() and not qwen.fused_decode  # HF experts, no shared expert
+    from torchforge.nn.moe_fused_decode import fold_reason
+
+    fused, _ = fused_copy(block)
+    assert fold_reason(fused.experts, None, None) == "the block has no shared expert"
+    fused.shared_experts.down_proj = torch.nn.Linear(64, 64, bias=False)
+    assert "three bias-free ForgeAWQLinear" in fold_reason(fused.experts, fused.shared_experts, None)
+
+
+@torch.no_grad()
+def test_loading_weights_refreshes_the_fused_shared_expert():
+    block, cfg = quantized_block("deepseek_v3", seed=0)
+    other, _ = quantized_block("deepseek_v3", seed=1)
+    fused, _ = fused_copy(block)
+    fused.load_state_dict(other.state_dict())
+    x = torch.randn(4, cfg.hidden_size)
+    torch.testing.assert_close(fused(x), other(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extension (csrc/) and a GPU")
+@torch.no_grad()
+def test_fused_decode_on_cuda_compiles_and_matches():
+    """bf16 block on the GPU: the grouped kernels with the shared expert and the routing kernel, decode (direct) and
+    sorted row counts; torch.compile(fullgraph=True) and CUDA-graph replay give the eager result."""
+    from tests.ops.graph_check import check_compile_and_cuda_graph
+
+    block, cfg = quantized_block("deepseek_v3", dtype=torch.bfloat16, device="cuda", hidden_size=256,
+                                 n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+    fused, ok = fused_copy(block)
+    assert ok and fused.fused_router
+    for T in (1, 3, 40):  # 40 tokens x 5 picks > 17 experts: rows sorted by expert
+        x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+        out, ref = fused(x), block(x)
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+    check_compile_and_cuda_graph(fused, torch.randn(2, 256, device="cuda", dtype=torch.bfloat16))

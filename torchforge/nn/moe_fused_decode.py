@@ -1,0 +1,54 @@
+"""What ForgeMoE.use_fused_decode needs: which blocks qualify, and the shared expert's gate_up as one expert.
+
+A DeepSeek MoE block runs, per decode step, HF's router (about ten small kernels: sigmoid, two top-k's, scatter,
+masked fill, gather, normalization) and its shared expert as a separate MLP (three GEMMs, SiLU * up, an add). The
+fused decode path routes with one kernel (`torchforge::sigmoid_group_topk`) that also appends the shared expert as
+one more pick (id E, weight 1), and the grouped expert kernels compute it with the routed ones. The grouped kernel
+reads the shared expert's down projection where it is; its gate and up projections are concatenated once into the
+experts' gate_up layout (a copy of 2/3 of one expert per layer, refreshed when weights are loaded).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchforge.nn.awq_experts import ForgeAWQExperts, _is_silu
+from torchforge.nn.awq_linear import ForgeAWQLinear
+
+
+def _mma_linear(m, in_features: int, out_features: int, group_size: int, scales_dtype) -> bool:
+    return (isinstance(m, ForgeAWQLinear) and m.weight_layout == "mma" and m.bias is None
+            and (m.in_features, m.out_features, m.group_size) == (in_features, out_features, group_size)
+            and m.scales.dtype == scales_dtype)
+
+
+def fold_reason(experts: nn.Module, shared: nn.Module | None, shared_expert_gate: nn.Module | None) -> str | None:
+    """Why the shared expert cannot be folded into the routed experts' kernels (None: it can)."""
+    if not isinstance(experts, ForgeAWQExperts) or experts.weight_layout != "mma":
+        return "the routed experts are not a ForgeAWQExperts on the mma layout (torchforge.use_mma_layout)"
+    if not _is_silu(experts.act_fn):
+        return "the routed experts' activation is not SiLU"
+    if shared is None:
+        return "the block has no shared expert"
+    if shared_expert_gate is not None:
+        return "the shared expert is gated (Qwen2-MoE style)"
+    H, I, G = experts.hidden_size, experts.intermediate_size, experts.group_size
+    dt = experts.gate_up_scales.dtype
+    parts = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not (_mma_linear(parts[0], H, I, G, dt) and _mma_linear(parts[1], H, I, G, dt)
+            and _mma_linear(parts[2], I, H, G, dt)):
+        return (f"the shared expert is not three bias-free ForgeAWQLinear on the mma layout with one routed expert's "
+                f"shapes (hidden {H}, intermediate {I}, group {G}, {dt} scales)")
+    if not _is_silu(getattr(shared, "act_fn", None)):
+        return "the shared expert's activation is not SiLU"
+    return None
+
+
+@torch.no_grad()
+def shared_gate_up(shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight_mma [2I / 64, H * 8], scales [H / G, 2I], qzeros [H / G, 2I / 8]): gate rows then up rows, the
+    experts' gate_up order. The mma layout keeps 64 output columns per row of qweight, and AWQ's scales and zero
+    words run along the output columns, so concatenating along them is exact."""
+    g, u = shared.gate_proj, shared.up_proj
+    return (torch.cat([g.qweight, u.qweight], 0), torch.cat([g.scales, u.scales], 1),
+            torch.cat([g.qzeros, u.qzeros], 1))
