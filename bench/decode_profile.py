@@ -5,7 +5,8 @@
 Same model and compile settings as bench/decode_e2e.py (CUDA graphs). Each variant is warmed up, then profiled
 (torch.profiler, CUDA activity) for one generate() of 1 new token (prefill only) and one of 1 + --steps new tokens;
 per-step kernel time = the difference / --steps, so the eager prefill cancels out. "busy" is the sum of kernel
-times per step; the step's wall time comes from two timed generate() calls the same way. The idle time in gaps
+times per step; the step's wall time comes from two timed generate() calls the same way. "GPU step alone": the
+compiled forward of one decode step captured in a CUDA graph and replayed, so no host time is in it. The idle time in gaps
 longer than 20 us between kernels is the GPU waiting on the host (generate's Python between graph replays); the
 rest of wall - busy is the short gaps between the kernels of a graph. Device only.
 """
@@ -88,6 +89,39 @@ def profile_variant(gen, batch, steps, cc, top):
     return ms_step, busy, per_step, fams, (idlen - idle1) / steps
 
 
+@torch.no_grad()
+def graph_step_ms(model, batch: int, prompt_len: int = 32, replays: int = 50) -> float:
+    """GPU time of one decode step with no host in the loop: the compiled forward (inductor, default mode) of one new
+    token against a static cache, captured in a CUDA graph and replayed (each replay rewrites the same cache slot)."""
+    from transformers import StaticCache
+
+    dev = torch.device("cuda")
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + 8)
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt_len), device=dev)
+    model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device=dev), use_cache=True)
+    pos = torch.tensor([prompt_len], device=dev)
+    kw = dict(input_ids=ids[:, -1:].clone(), past_key_values=cache, cache_position=pos,
+              position_ids=pos.expand(batch, 1).clone(), use_cache=True)
+    fwd = torch.compile(model.forward, dynamic=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fwd(**kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd(**kw)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -126,6 +160,12 @@ def main() -> int:
         print(f"\n## {v}, batch {args.batch}: {ms_step:.3f} ms/step wall, {busy / 1e3:.3f} ms/step of kernels "
               f"({sum(c for _, c in per_step.values()):.0f} kernels per step), {idle / 1e3:.3f} ms/step idle in gaps "
               f"> {GAP_US:.0f} us (profiled; {time.time() - t0:.0f} s)\n")
+        try:
+            reset_dynamo(model)
+            gms = graph_step_ms(model, args.batch)
+            print(f"GPU step alone (compiled forward replayed in one CUDA graph, no generate loop): {gms:.3f} ms\n")
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"GPU step alone: FAILED: {type(e).__name__}: {str(e).strip()[:300]}\n")
         rows = [[f, f"{us / 1e3:.3f}", f"{cnt:.1f}", f"{100 * us / busy:.0f}%"]
                 for f, (us, cnt) in sorted(fams.items(), key=lambda kv: -kv[1][0])]
         print(markdown_table(["family", "ms/step", "kernels/step", "share"], rows))

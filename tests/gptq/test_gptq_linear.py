@@ -258,7 +258,7 @@ def test_cuda_mma_layout(m):
     import torchforge.ops.awq_mma as awq_mma
 
     calls, real = [], awq_mma.launch_awq_mma_cuda
-    awq_mma.launch_awq_mma_cuda = lambda *a: calls.append(1) or real(*a)
+    awq_mma.launch_awq_mma_cuda = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
         out = mod(x)
     finally:
