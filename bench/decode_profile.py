@@ -5,10 +5,10 @@
 Same model and compile settings as bench/decode_e2e.py (CUDA graphs). Each variant is warmed up, then profiled
 (torch.profiler, CUDA activity) for one generate() of 1 new token (prefill only) and one of 1 + --steps new tokens;
 per-step kernel time = the difference / --steps, so the eager prefill cancels out. "busy" is the sum of kernel
-times per step; the step's wall time comes from two timed generate() calls the same way. "GPU step alone": the
-compiled forward of one decode step captured in a CUDA graph and replayed, so no host time is in it. The idle time in gaps
-longer than 20 us between kernels is the GPU waiting on the host (generate's Python between graph replays); the
-rest of wall - busy is the short gaps between the kernels of a graph. Device only.
+times per step; the step's wall time comes from two timed generate() calls the same way. The trace is cut at gaps longer
+than 20 us between kernels: those are the GPU waiting on the host (generate's Python between graph replays), and
+"GPU span" is the rest, the time per step the GPU needs with the host out of the way (kernels and the short gaps
+between a graph's kernels): what a step would take if the host kept up. Device only.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def family(name: str) -> str:
 
 
 def kernel_times(gen: Generator, batch: int, n: int, cc) -> tuple[dict[str, tuple[float, int]], float]:
-    """{kernel name: (total us, count)} of the CUDA kernels of one generate() of n new tokens, and the total of the
-    idle gaps longer than GAP_US between kernels (the GPU waiting for the host between graph replays)."""
+    """{kernel name: (total us, count)} of the CUDA kernels of one generate() of n new tokens, and the GPU span: first
+    kernel start to last kernel end less the gaps longer than GAP_US (the GPU waiting for the host)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -63,7 +63,8 @@ def kernel_times(gen: Generator, batch: int, n: int, cc) -> tuple[dict[str, tupl
         if end is not None and a - end > GAP_US:
             idle += a - end
         end = b if end is None else max(end, b)
-    return {k: (v[0], v[1]) for k, v in out.items()}, idle
+    total = end - spans[0][0] if spans else 0.0
+    return {k: (v[0], v[1]) for k, v in out.items()}, total - idle
 
 
 GAP_US = 20.0
@@ -75,7 +76,7 @@ def profile_variant(gen, batch, steps, cc, top):
     for n in (1, steps + 1):
         walls[n] = min(gen.run(batch, n, cc)[0] for _ in range(2))
     ms_step = (walls[steps + 1] - walls[1]) / steps * 1e3
-    (t1, idle1), (tn, idlen) = kernel_times(gen, batch, 1, cc), kernel_times(gen, batch, steps + 1, cc)
+    (t1, span1), (tn, spann) = kernel_times(gen, batch, 1, cc), kernel_times(gen, batch, steps + 1, cc)
     per_step = {}
     for name, (us, cnt) in tn.items():
         us0, cnt0 = t1.get(name, (0.0, 0))
@@ -86,40 +87,7 @@ def profile_variant(gen, batch, steps, cc, top):
     for name, (us, cnt) in per_step.items():
         fams[family(name)][0] += us
         fams[family(name)][1] += cnt
-    return ms_step, busy, per_step, fams, (idlen - idle1) / steps
-
-
-@torch.no_grad()
-def graph_step_ms(model, batch: int, prompt_len: int = 32, replays: int = 50) -> float:
-    """GPU time of one decode step with no host in the loop: the compiled forward (inductor, default mode) of one new
-    token against a static cache, captured in a CUDA graph and replayed (each replay rewrites the same cache slot)."""
-    from transformers import StaticCache
-
-    dev = torch.device("cuda")
-    cache = StaticCache(config=model.config, max_cache_len=prompt_len + 8)
-    ids = torch.randint(1, model.config.vocab_size, (batch, prompt_len), device=dev)
-    model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device=dev), use_cache=True)
-    pos = torch.tensor([prompt_len], device=dev)
-    kw = dict(input_ids=ids[:, -1:].clone(), past_key_values=cache, cache_position=pos,
-              position_ids=pos.expand(batch, 1).clone(), use_cache=True)
-    fwd = torch.compile(model.forward, dynamic=False)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fwd(**kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd(**kw)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    return ms_step, busy, per_step, fams, (spann - span1) / steps
 
 
 def main() -> int:
@@ -156,16 +124,10 @@ def main() -> int:
             gen.drop_caches()
             print(f"use_mma_layout: {torchforge.use_mma_layout(model)} modules switched")
             mma = True
-        ms_step, busy, per_step, fams, idle = profile_variant(gen, args.batch, args.steps, cc, args.top)
+        ms_step, busy, per_step, fams, span = profile_variant(gen, args.batch, args.steps, cc, args.top)
         print(f"\n## {v}, batch {args.batch}: {ms_step:.3f} ms/step wall, {busy / 1e3:.3f} ms/step of kernels "
-              f"({sum(c for _, c in per_step.values()):.0f} kernels per step), {idle / 1e3:.3f} ms/step idle in gaps "
-              f"> {GAP_US:.0f} us (profiled; {time.time() - t0:.0f} s)\n")
-        try:
-            reset_dynamo(model)
-            gms = graph_step_ms(model, args.batch)
-            print(f"GPU step alone (compiled forward replayed in one CUDA graph, no generate loop): {gms:.3f} ms\n")
-        except Exception as e:  # noqa: BLE001 - report and go on
-            print(f"GPU step alone: FAILED: {type(e).__name__}: {str(e).strip()[:300]}\n")
+              f"({sum(c for _, c in per_step.values()):.0f} kernels per step), GPU span {span / 1e3:.3f} ms/step "
+              f"({time.time() - t0:.0f} s)\n")
         rows = [[f, f"{us / 1e3:.3f}", f"{cnt:.1f}", f"{100 * us / busy:.0f}%"]
                 for f, (us, cnt) in sorted(fams.items(), key=lambda kv: -kv[1][0])]
         print(markdown_table(["family", "ms/step", "kernels/step", "share"], rows))

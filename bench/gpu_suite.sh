@@ -51,7 +51,7 @@ case " $SUITE " in *" sanitize "*)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_mma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_mma_cuda.py tests/ops/test_awq_mma_moe.py -m "not slow" \
-      -k "${SANITIZE_MMA_K:-1-True-dtype1 or 2-False-dtype0 or independent or opcheck or grouped or direct or bf16_scales}"
+      -k "${SANITIZE_MMA_K:-1-True-dtype1 or 2-False-dtype0 or independent or opcheck or grouped or direct or bf16_scales or tickets}"
     # the Hopper kernel (csrc/awq_wgmma.cu: bulk copies, mbarriers, wgmma): every block shape once, K slices, tails
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_wgmma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \

@@ -181,3 +181,39 @@ def test_cuda_out_of_range_expert_gives_nan_rows(rows):
     rows_nan = part.isnan().all(-1).any(0)
     assert rows_nan.tolist() == [r in (1, 3) for r in range(rows)]
     assert torch.isfinite(part[:, [r for r in range(rows) if r not in (1, 3)]]).all()
+
+
+@pytest.mark.parametrize("device,T,k", [
+    ("cpu", 3, 3),
+    pytest.param("cuda", 2, 9, marks=[pytest.mark.cuda, cuda]),   # 18 routed rows > 8 experts: sorted
+    pytest.param("cuda", 1, 5, marks=[pytest.mark.cuda, cuda]),   # direct: one row per block
+    pytest.param("cuda", 40, 5, marks=[pytest.mark.cuda, cuda]),  # sorted blocks of 16
+])
+def test_grouped_shared_expert_equals_stacked(device, T, k):
+    """A shared expert passed on its own (`shared=`, routed as expert id E) gives what the same expert stacked as row
+    E of the experts gives, bit for bit: the kernel only reads its words from another address."""
+    E, G = 7, 64
+    gu, down = _experts(E + 1, G, device, seed=k)
+    mgu, mdn = awq_to_mma_layout(gu[0]), awq_to_mma_layout(down[0])
+    g = torch.Generator().manual_seed(T)
+    routed = torch.randint(0, E, (T, k - 1), generator=g)
+    ids = torch.cat([routed, torch.full((T, 1), E)], 1).reshape(-1).to(device)  # every token also picks E
+    w = torch.rand(T, k, generator=g).to(device)
+    x = torch.randn(T, H, device=device).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    h_all = awq_mma_moe_gate_up_silu(x, ids, mgu, gu[1], gu[2], G, k)
+    out_all = awq_mma_moe_down_combine(h_all, ids, w, mdn, down[1], down[2], G)
+    split = lambda q, t: ((q[:E], t[1][:E], t[2][:E]), (q[E], t[1][E], t[2][E]))  # noqa: E731
+    (gq, gs, gz), gu_shared = split(mgu, gu)
+    (dq, ds, dz), dn_shared = split(mdn, down)
+    h = awq_mma_moe_gate_up_silu(x, ids, gq.contiguous(), gs.contiguous(), gz.contiguous(), G, k,
+                                 tuple(t.contiguous() for t in gu_shared))
+    out = awq_mma_moe_down_combine(h, ids, w, dq.contiguous(), ds.contiguous(), dz.contiguous(), G,
+                                   tuple(t.contiguous() for t in dn_shared))
+    assert torch.equal(h, h_all) and torch.equal(out, out_all)
+    if device == "cpu":
+        args = (gq.contiguous(), gs.contiguous(), gz.contiguous(), G)
+        torch.library.opcheck(torch.ops.torchforge.awq_mma_moe_gate_up_silu,
+                              (x, ids, *args, k, *(t.contiguous() for t in gu_shared)))
+    with pytest.raises(ValueError, match="shared_scales must be one expert of the stacked tensor"):
+        awq_mma_moe_gate_up_silu(x, ids, gq.contiguous(), gs.contiguous(), gz.contiguous(), G, k,
+                                 (gu_shared[0].contiguous(), gs[:2].contiguous(), gu_shared[2].contiguous()))
