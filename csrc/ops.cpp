@@ -266,8 +266,10 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
     tickets = *tickets_in;
     TORCH_CHECK(tickets.scalar_type() == at::kInt && tickets.is_contiguous() && tickets.device() == x.device(),
                 "awq_mma_cuda: tickets must be a contiguous int32 tensor of zeros on x's device");
-  } else {
-    tickets = at::zeros({splits > 1 ? tiles : 1}, x.options().dtype(at::kInt));
+  } else if (splits > 1) {
+    tickets = at::zeros({tiles}, x.options().dtype(at::kInt));
+  } else {  // one slice never takes a ticket: no memset
+    tickets = at::empty({1}, x.options().dtype(at::kInt));
   }
   at::Tensor partial = at::empty({splits > 1 ? splits * M * N : 1}, x.options().dtype(at::kFloat));
   const cudaError_t err = awq_mma_launch(

@@ -102,6 +102,11 @@ def test_mma_layout_runs_the_same_and_exports_awq():
     model.float()  # any move or cast re-zeroes them
     assert int(model[0].mma_tickets.count_nonzero()) == 0
     meta.to_empty(device="cpu")
+    with torch.inference_mode():  # buffers made in inference mode: casts and moves outside it still work
+        inf = ForgeAWQLinear.from_linear(torch.nn.Linear(128, 64), group_size=64)
+        assert inf.use_mma_layout()
+    inf.half()
+    assert int(inf.mma_tickets.count_nonzero()) == 0
     assert meta.mma_tickets.device.type == "cpu" and int(meta.mma_tickets.count_nonzero()) == 0
 
 

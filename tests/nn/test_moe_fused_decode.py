@@ -41,9 +41,47 @@ def test_fused_decode_equals_the_block(arch, router):
     for T in (1, 7):
         x = torch.randn(2, T, cfg.hidden_size)
         torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-6)
-    with torch.enable_grad():  # autograd: the unfused path (the fused ops have no backward)
-        x = torch.randn(3, cfg.hidden_size)
-        torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-6)
+
+
+
+@torch.no_grad()
+def test_when_the_block_runs_unfused(monkeypatch):
+    """Autograd, prefill-size token counts and a hooked router (router statistics) keep the unfused path or HF's
+    router call, with the same results."""
+    from torchforge.nn.moe_fused_decode import FUSED_DECODE_MAX_TOKENS
+
+    block, cfg = quantized_block("deepseek_v3")
+    fused, _ = fused_copy(block)
+    x = torch.randn(3, cfg.hidden_size)
+    expected = block(x)
+    real = fused._forward_fused
+    monkeypatch.setattr(fused, "_forward_fused", lambda *a: pytest.fail("fused path taken"))
+    with torch.enable_grad():  # the fused ops have no backward
+        torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-6)
+    big = torch.randn(FUSED_DECODE_MAX_TOKENS + 1, cfg.hidden_size)
+    torch.testing.assert_close(fused(big), block(big), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(fused, "_forward_fused", real)
+    seen = []
+    handle = fused.gate.register_forward_hook(lambda mod, inp, out: seen.append(out[2].shape))
+    try:
+        torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-6)
+    finally:
+        handle.remove()
+    assert seen == [(3, cfg.num_experts_per_tok)]  # the hook saw HF's router output
+
+
+@torch.no_grad()
+def test_pruned_block_folds_the_shared_expert():
+    from torchforge.nn import PrunedMoE
+
+    block, cfg = quantized_block("deepseek_v3")
+    row = torch.tensor([0, 1, -1, 2, 3, -1, 4, 5], dtype=torch.int32)  # 6 of 8 experts kept, 3 per group
+    for mode in ("reroute", "drop"):
+        pruned = PrunedMoE.from_block(block, row, mode=mode)
+        fused, ok = fused_copy(pruned)
+        assert ok and not fused.fused_router  # PrunedMoE keeps its own routing
+        x = torch.randn(5, cfg.hidden_size)
+        torch.testing.assert_close(fused(x), pruned(x), rtol=1e-5, atol=1e-6)
 
 
 @torch.no_grad()
@@ -87,3 +125,20 @@ def test_fused_decode_on_cuda_compiles_and_matches():
         out, ref = fused(x), block(x)
         assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
     check_compile_and_cuda_graph(fused, torch.randn(2, 256, device="cuda", dtype=torch.bfloat16))
+
+
+@torch.no_grad()
+def test_transformers_output_capture_hook_does_not_count():
+    """transformers installs an output-capture hook on every router at the first forward (inactive unless router
+    logits are requested); that alone must not turn the fused routing off."""
+    from torchforge.nn.moe_fused_decode import router_is_hooked
+
+    model = models.build("deepseek_v3")
+    model(torch.randint(0, 96, (1, 4)), output_router_logits=True)  # installs the capture hooks
+    gate = models.moe_blocks(model)[0][1].gate
+    names = [getattr(h, "__name__", "") for h in gate._forward_hooks.values()]
+    assert names == ["output_capturing_hook"]
+    assert not router_is_hooked(gate)
+    handle = gate.register_forward_pre_hook(lambda *a: None)
+    assert router_is_hooked(gate)
+    handle.remove()

@@ -126,6 +126,8 @@ def test_kept_tickets_stay_zero(m):
         assert torch.equal(launch_awq_mma_cuda(x, mma, s, z, 128, splits=4, tickets=tickets), fresh)
         assert int(tickets.count_nonzero()) == 0
     _check(fresh, x, qw, s, z, 128)
+    small = torch.zeros(1, dtype=torch.int32, device="cuda")  # too few tickets: the op takes fresh ones
+    assert torch.equal(launch_awq_mma_cuda(x, mma, s, z, 128, splits=4, tickets=small), fresh)
 
 
 def test_awq_mma_linear_dispatch(monkeypatch):

@@ -121,12 +121,6 @@ class ForgeAWQExperts(nn.Module):
         self.weight_layout = "mma"
         return True
 
-    def runs_fused_mma(self, top_k_weights: torch.Tensor | None = None) -> bool:
-        """Whether forward takes the mma-layout ops with fused epilogues (SiLU experts, no autograd through the
-        router weights): the only path that accepts a `shared` expert."""
-        needs_grad = torch.is_grad_enabled() and (top_k_weights is None or top_k_weights.requires_grad)
-        return self.weight_layout == "mma" and _is_silu(self.act_fn) and not needs_grad
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 shared: tuple | None = None) -> torch.Tensor:
         """HF's experts call. `shared` (mma path only, see ForgeMoE.use_fused_decode): ((qweight, scales, qzeros) of
@@ -137,7 +131,7 @@ class ForgeAWQExperts(nn.Module):
         fused = _is_silu(self.act_fn) and not (torch.is_grad_enabled() and top_k_weights.requires_grad)
         if shared is not None and not (fused and self.weight_layout == "mma"):
             raise ValueError("ForgeAWQExperts: a shared expert is only taken on the mma layout with SiLU experts and "
-                             "no autograd through the router weights (runs_fused_mma()); add it separately")
+                             "no autograd through the router weights; add it separately")
         if fused and self.weight_layout == "mma":
             gate_up, down = shared if shared is not None else (None, None)
             h = awq_mma_moe_gate_up_silu(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,

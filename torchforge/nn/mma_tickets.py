@@ -3,6 +3,7 @@
 after every move, because `to_empty()` would leave garbage (and a non-zero ticket a wrong result)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from torchforge.ops.awq_mma_cuda import mma_tickets
@@ -17,4 +18,5 @@ def add_mma_tickets(module: nn.Module) -> None:
 def rezero_mma_tickets(module: nn.Module) -> None:
     t = module._buffers.get("mma_tickets")
     if t is not None and t.device.type != "meta":
-        t.zero_()
+        # a new tensor, not zero_(): a buffer made under torch.inference_mode cannot be written in place outside it
+        module._buffers["mma_tickets"] = torch.zeros_like(t)

@@ -69,7 +69,9 @@ class ForgeMoE(nn.Module):
         (`torchforge::sigmoid_group_topk`). See torchforge/nn/moe_fused_decode.py. False, and nothing changed,
         where the block does not qualify (`fold_reason` says why). Same experts and weights as HF's router (up to
         float rounding of the scores); the expert outputs are summed in fp32 with the shared one and rounded once.
-        Taken only without autograd (inference); with it the block runs as before."""
+        Taken only without autograd (inference) and for decode batches (FUSED_DECODE_MAX_TOKENS); otherwise the
+        block runs as before. A hooked router (router statistics, a user's hook) is called as usual. The fused copy
+        of the shared gate_up follows `load_state_dict`; other in-place weight changes need this call again."""
         from torchforge.nn.moe_fused_decode import fold_reason, shared_gate_up
         from torchforge.nn.routing import router_family
 
@@ -87,8 +89,10 @@ class ForgeMoE(nn.Module):
         return True
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        from torchforge.nn.moe_fused_decode import router_is_hooked
+
         E = self.experts.num_experts
-        if self.fused_router:
+        if self.fused_router and not router_is_hooked(self.gate):
             from torchforge.ops.sigmoid_group_topk import sigmoid_group_topk
 
             g = self.gate
@@ -107,7 +111,7 @@ class ForgeMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        if self.fused_decode and not torch.is_grad_enabled():
+        if self.fused_decode and not torch.is_grad_enabled() and x.shape[0] <= _fused_max_tokens():
             return self._forward_fused(x).reshape(shape)
         ids, weights = self.remap(*self.route(x))
         out = self.experts(x, ids, weights)
@@ -118,6 +122,12 @@ class ForgeMoE(nn.Module):
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             out = out + s
         return out.reshape(shape)
+
+
+def _fused_max_tokens() -> int:
+    from torchforge.nn.moe_fused_decode import FUSED_DECODE_MAX_TOKENS
+
+    return FUSED_DECODE_MAX_TOKENS
 
 
 def _refresh_fused_shared(module: ForgeMoE, incompatible_keys) -> None:

@@ -15,6 +15,10 @@ from torch import nn
 from torchforge.nn.awq_experts import ForgeAWQExperts, _is_silu
 from torchforge.nn.awq_linear import ForgeAWQLinear
 
+# Tokens up to which a block takes the fused path: decode batches. Beyond, the shared expert's rows would go through
+# the grouped decode kernel in blocks of 16 instead of the dense prefill kernels (wgmma, dequantize + cuBLAS).
+FUSED_DECODE_MAX_TOKENS = 128
+
 
 def _mma_linear(m, in_features: int, out_features: int, group_size: int, scales_dtype) -> bool:
     return (isinstance(m, ForgeAWQLinear) and m.weight_layout == "mma" and m.bias is None
@@ -52,3 +56,15 @@ def shared_gate_up(shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
     g, u = shared.gate_proj, shared.up_proj
     return (torch.cat([g.qweight, u.qweight], 0), torch.cat([g.scales, u.scales], 1),
             torch.cat([g.qzeros, u.qzeros], 1))
+
+
+def router_is_hooked(gate: nn.Module) -> bool:
+    """Whether someone watches the router's forward (torchforge's own router statistics, a user's hook), in which
+    case the block calls it instead of the fused routing op. transformers' output-capture hook, which it installs
+    on every router and which only records when router logits are requested, does not count: with
+    `output_router_logits=True` a fused block records none (call `use_fused_decode` after such runs, or not at all)."""
+    from torch.nn.modules import module as nn_module
+
+    hooks = [*gate._forward_hooks.values(), *gate._forward_pre_hooks.values(),
+             *nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
+    return any(getattr(h, "__name__", "") != "output_capturing_hook" for h in hooks)

@@ -50,7 +50,8 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
     if wgmma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
         return launch_awq_wgmma_cuda(x, qweight_mma, scales, qzeros, group_size, bias)
     if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
-        ok = tickets is not None and tickets.device == x.device and tickets.dtype == torch.int32
+        ok = (tickets is not None and tickets.device == x.device and tickets.dtype == torch.int32
+              and tickets.is_contiguous())
         return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias, tickets=tickets if ok else None)
     if use_triton(x) and group_size % 64 == 0:
         w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype)

@@ -90,8 +90,9 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
     if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
         x2 = x2.contiguous()
     s, c = mma_cuda_config(x2.shape[0], k, n, group_size)
+    extra = (tickets,) if tickets is not None else ()  # (an extension built before `tickets` still runs)
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits or s,
-                                            item_chunks or c, tickets)
+                                            item_chunks or c, *extra)
     return out.reshape(*x.shape[:-1], n)
 
 
