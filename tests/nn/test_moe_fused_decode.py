@@ -129,15 +129,15 @@ def test_fused_decode_on_cuda_compiles_and_matches():
 
 @torch.no_grad()
 def test_transformers_output_capture_hook_does_not_count():
-    """transformers installs an output-capture hook on every router at the first forward (inactive unless router
-    logits are requested); that alone must not turn the fused routing off."""
+    """transformers (5.23) installs an output-capture hook on every router once router logits are requested, and
+    keeps it (inactive) afterwards; that alone must not turn the fused routing off."""
     from torchforge.nn.moe_fused_decode import router_is_hooked
 
     model = models.build("deepseek_v3")
     model(torch.randint(0, 96, (1, 4)), output_router_logits=True)  # installs the capture hooks
     gate = models.moe_blocks(model)[0][1].gate
     names = [getattr(h, "__name__", "") for h in gate._forward_hooks.values()]
-    assert names == ["output_capturing_hook"]
+    assert set(names) <= {"output_capturing_hook"}  # transformers 5.23 installs it here; 5.17 installs none
     assert not router_is_hooked(gate)
     handle = gate.register_forward_pre_hook(lambda *a: None)
     assert router_is_hooked(gate)
