@@ -170,14 +170,22 @@ def test_cuda_module_compile_and_graph():
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("rows", [4, 40])  # direct mode (rows <= experts), sorted blocks of 16
-def test_cuda_out_of_range_expert_gives_nan_rows(rows):
+@pytest.mark.parametrize("shared", [False, True])
+def test_cuda_out_of_range_expert_gives_nan_rows(rows, shared):
+    """Ids outside the experts come out NaN; with a shared expert id E is one (rows 0 and 2 pick it), E + 1 is not."""
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
 
-    gu, _ = _experts(4, 128, "cuda")
+    gu, _ = _experts(5, 128, "cuda")
+    mma = awq_to_mma_layout(gu[0])
     ids = torch.arange(rows, device="cuda") % 4
-    ids[1], ids[3] = 7, -1  # not experts
+    ids[1], ids[3] = (5 if shared else 7), -1  # not experts
+    extra = None
+    if shared:
+        ids[0] = ids[2] = 4
+        extra = (mma[4].contiguous(), gu[1][4].contiguous(), gu[2][4].contiguous())
     part = launch_awq_mma_moe_cuda(torch.randn(rows, H, device="cuda", dtype=torch.bfloat16), ids,
-                                   awq_to_mma_layout(gu[0]), gu[1], gu[2], 128, 1)
+                                   mma[:4].contiguous(), gu[1][:4].contiguous(), gu[2][:4].contiguous(), 128, 1,
+                                   extra)
     rows_nan = part.isnan().all(-1).any(0)
     assert rows_nan.tolist() == [r in (1, 3) for r in range(rows)]
     assert torch.isfinite(part[:, [r for r in range(rows) if r not in (1, 3)]]).all()
