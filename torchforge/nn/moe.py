@@ -5,6 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchforge.nn.moe_fused_decode import (
+    FUSED_DECODE_MAX_TOKENS,
+    fold_reason,
+    router_is_hooked,
+    shared_gate_up,
+)
+
 # Attribute names HF transformers 5 uses for an always-on shared expert MLP.
 _SHARED_NAMES = ("shared_experts", "shared_expert")
 
@@ -72,7 +79,6 @@ class ForgeMoE(nn.Module):
         Taken only without autograd (inference) and for decode batches (FUSED_DECODE_MAX_TOKENS); otherwise the
         block runs as before. A hooked router (router statistics, a user's hook) is called as usual. The fused copy
         of the shared gate_up follows `load_state_dict`; other in-place weight changes need this call again."""
-        from torchforge.nn.moe_fused_decode import fold_reason, shared_gate_up
         from torchforge.nn.routing import router_family
 
         if fold_reason(self.experts, self.shared, self.shared_expert_gate) is not None:
@@ -89,8 +95,6 @@ class ForgeMoE(nn.Module):
         return True
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        from torchforge.nn.moe_fused_decode import router_is_hooked
-
         E = self.experts.num_experts
         if self.fused_router and not router_is_hooked(self.gate):
             from torchforge.ops.sigmoid_group_topk import sigmoid_group_topk
@@ -111,7 +115,7 @@ class ForgeMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        if self.fused_decode and not torch.is_grad_enabled() and x.shape[0] <= _fused_max_tokens():
+        if self.fused_decode and not torch.is_grad_enabled() and x.shape[0] <= FUSED_DECODE_MAX_TOKENS:
             return self._forward_fused(x).reshape(shape)
         ids, weights = self.remap(*self.route(x))
         out = self.experts(x, ids, weights)
@@ -124,16 +128,8 @@ class ForgeMoE(nn.Module):
         return out.reshape(shape)
 
 
-def _fused_max_tokens() -> int:
-    from torchforge.nn.moe_fused_decode import FUSED_DECODE_MAX_TOKENS
-
-    return FUSED_DECODE_MAX_TOKENS
-
-
 def _refresh_fused_shared(module: ForgeMoE, incompatible_keys) -> None:
     """load_state_dict post-hook: the fused copy of the shared expert's gate_up follows newly loaded weights."""
-    from torchforge.nn.moe_fused_decode import shared_gate_up
-
     q, s, z = shared_gate_up(module.shared)
     module.fused_shared_gate_up_qweight, module.fused_shared_gate_up_scales = q, s
     module.fused_shared_gate_up_qzeros = z
