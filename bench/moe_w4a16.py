@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--gemv-sweep", action="store_true",
                     help="only time the grouped GEMV kernel's configs (and the grouped GEMM) on random AWQ experts")
     ap.add_argument("--gemv-m", default="1,8", help="tokens for --gemv-sweep (x top-8 routed rows)")
+    ap.add_argument("--mma-block-rows", default="",
+                    help="e.g. 8,16: also time the mma layout with these rows per sorted block (MOE_SORTED_BLOCK_ROWS)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/moe_w4a16.py: no CUDA device; nothing to measure")
@@ -208,6 +210,21 @@ def main() -> int:
         floor_ms = ids.unique().numel() * per_expert_int4 / bw / 1e6
         row += [g_hf, g_m, g_hf / g_m, floor_ms / g_m, f"{rel:.1e}"]
         torch.cuda.empty_cache()
+    if args.mma_block_rows:
+        import torchforge.ops.awq_mma_cuda as mma_cuda
+
+        default, brows = mma_cuda.MOE_SORTED_BLOCK_ROWS, []
+        for M in map(int, args.m.split(",")):
+            torch.manual_seed(M)
+            x, ids, w = routed_batch(M, H, E, K)
+            for b in map(int, args.mma_block_rows.split(",")):
+                mma_cuda.MOE_SORTED_BLOCK_ROWS = b
+                with torch.no_grad():
+                    brows.append([M, b, bench_graph_ms(lambda: q(x, ids, w))])
+            mma_cuda.MOE_SORTED_BLOCK_ROWS = default
+        print("mma layout, rows per sorted block (decode batches with no more routed rows than experts take one row "
+              "per block whatever the setting):")
+        print(markdown_table(["M tokens", "rows per block", "graph ms"], brows))
     if args.sweep:
         print("grouped GEMM tile sweep (CUDA graph ms; BLOCK_M from moe_block_m):")
         print(markdown_table(["M", "GEMM", "BLOCK_N", "BLOCK_K", "warps", "stages", "ms"], sweep(q, E, H, I, K)))

@@ -121,6 +121,27 @@ def test_cuda_grouped_kernel_matches_oracle(T, k, E, G, dtype):
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("block_rows", [8, 16])
+def test_cuda_sorted_blocks_of_8_or_16(block_rows, monkeypatch):
+    """Sorted routed rows in blocks of 8 (one MMA tile) or 16 (two): the same sums (MOE_SORTED_BLOCK_ROWS)."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+
+    monkeypatch.setattr(mma_cuda, "MOE_SORTED_BLOCK_ROWS", block_rows)
+    T, k, E, G = 40, 8, 16, 128
+    gu, down = _experts(E, G, "cuda", seed=3)
+    g = torch.Generator().manual_seed(3)
+    ids, w = torch.randint(0, E, (T * k,), generator=g).cuda(), torch.rand(T, k, generator=g).cuda()
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, awq_to_mma_layout(gu[0]), gu[1], gu[2], G, k)
+    h, out = _run(x, ids, w, gu, down, G, k)
+    h_ref, out_ref = _oracle(x, ids, w, gu, down, k, G)
+    assert torch.isfinite(part).all()  # every routed row written
+    assert ((h.double() - h_ref).norm() / h_ref.norm()) < 1e-2
+    assert ((out.double() - out_ref).norm() / out_ref.norm()) < 1e-2
+
+
+@pytest.mark.cuda
+@cuda
 @pytest.mark.parametrize("T", [1, 40])  # direct (one row per block) and sorted blocks of 16
 def test_cuda_grouped_kernel_bf16_scales(T):
     """Experts whose scales were cast to bf16 (model.to(bfloat16)) stay on the grouped kernel, bf16 x only."""

@@ -167,12 +167,19 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
             and qweight_mma.device == x.device and _aligned16(qweight_mma))
 
 
+# Rows per block when the routed rows are sorted by expert (more rows than experts): 16 (two 8-row MMA tiles) is what
+# every measurement so far used. The kernel also takes 8, which halves the MMA work of blocks that hold only a few
+# rows (decode batches of 16+ tokens over many experts); `bench/moe_w4a16.py --mma-block-rows 8,16` times both.
+MOE_SORTED_BLOCK_ROWS = 16
+
+
 def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
                             group_size: int, x_row_div: int, shared: Optional[tuple[Tensor, Tensor, Tensor]] = None
                             ) -> Tensor:
     """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
     `[E, N / 64, K * 8]`. While there are no more routed rows than experts (decode) each row is a block of its own;
-    beyond, rows are sorted by expert on the device into blocks of 16 (moe_align). No host sync either way.
+    beyond, rows are sorted by expert on the device into blocks of MOE_SORTED_BLOCK_ROWS (moe_align). No host sync
+    either way.
     `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones."""
     from torchforge.ops.moe_align import moe_align
 
@@ -183,7 +190,7 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
         sorted_rows = torch.empty(0, dtype=torch.int32, device=x.device)
         block_expert = expert_ids.reshape(-1).to(torch.int32)
     else:
-        sorted_rows, block_expert = moe_align(expert_ids, num_experts, 16)
+        sorted_rows, block_expert = moe_align(expert_ids, num_experts, MOE_SORTED_BLOCK_ROWS)
     # K slices by the dense kernel's rule, on the (upper bound of the) number of row blocks
     item_chunks = 2 if group_size % 128 == 0 else 1
     tiles = block_expert.numel() * (n // 64)
