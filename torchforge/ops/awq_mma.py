@@ -134,7 +134,7 @@ def _awq_mma_moe_gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor
     _check_gate_up(x, expert_ids, _awq_view(qweight_mma), scales, qzeros, group_size, top_k)
     has = _check_shared(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
     shared = (shared_qweight, shared_scales, shared_qzeros) if has else None
-    if mma_moe_cuda_ok(x, qweight_mma, scales, group_size):
+    if mma_moe_cuda_ok(x, qweight_mma, scales, group_size, shared):
         part = launch_awq_mma_moe_cuda(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared)
         return launch_silu_mul_reduce(part, x.dtype)
     q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
@@ -165,7 +165,7 @@ def _awq_mma_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qw
     _check_combine(h, expert_ids, weights, _awq_view(qweight_mma), scales, qzeros, group_size)
     has = _check_shared(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
     shared = (shared_qweight, shared_scales, shared_qzeros) if has else None
-    if mma_moe_cuda_ok(h, qweight_mma, scales, group_size):
+    if mma_moe_cuda_ok(h, qweight_mma, scales, group_size, shared):
         part = launch_awq_mma_moe_cuda(h, expert_ids, qweight_mma, scales, qzeros, group_size, 1, shared)
         return launch_combine_reduce(part, weights, h.dtype)
     q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)

@@ -158,13 +158,15 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     return out.reshape(*x.shape[:-1], n)
 
 
-def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: int) -> bool:
-    """Whether the grouped CUDA kernel takes this MoE call."""
+def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: int,
+                    shared: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> bool:
+    """Whether the grouped CUDA kernel takes this MoE call (with `shared`: one more expert's tensors)."""
     from torchforge.ops._ext import has_cuda_ext
 
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0 and has_cuda_ext()
             and x.numel() < _MAX_X_NUMEL and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and _scales_ok(x, scales)
-            and qweight_mma.device == x.device and _aligned16(qweight_mma))
+            and qweight_mma.device == x.device and _aligned16(qweight_mma)
+            and (shared is None or (all(t.is_contiguous() for t in shared) and _aligned16(shared[0]))))
 
 
 # Rows per block when the routed rows are sorted by expert (more rows than experts): 16 (two 8-row MMA tiles) is what
