@@ -142,3 +142,22 @@ def test_transformers_output_capture_hook_does_not_count():
     handle = gate.register_forward_pre_hook(lambda *a: None)
     assert router_is_hooked(gate)
     handle.remove()
+
+
+@torch.no_grad()
+def test_whole_model_after_use_mma_layout_generates_the_same():
+    """torchforge.quantize then use_mma_layout on a tiny DeepSeek-V3: every MoE block fused, logits as before, and the
+    greedy tokens of HF generate unchanged."""
+    import torchforge
+
+    model = models.build("deepseek_v3", moe_intermediate_size=64, intermediate_size=128, q_lora_rank=64,
+                         kv_lora_rank=64, v_head_dim=32)
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 64})
+    ids = torch.randint(0, 96, (2, 6))
+    logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    torchforge.use_mma_layout(model)
+    blocks = [m for _, m in models.moe_blocks(model)]
+    assert blocks and all(isinstance(b, ForgeMoE) and b.fused_decode and b.fused_router for b in blocks)
+    torch.testing.assert_close(model(ids).logits, logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
