@@ -122,7 +122,8 @@ def main() -> int:
                     help="only time the grouped GEMV kernel's configs (and the grouped GEMM) on random AWQ experts")
     ap.add_argument("--gemv-m", default="1,8", help="tokens for --gemv-sweep (x top-8 routed rows)")
     ap.add_argument("--mma-block-rows", default="",
-                    help="e.g. 8,16: also time the mma layout with these rows per sorted block (MOE_SORTED_BLOCK_ROWS)")
+                    help="e.g. 8,16: also time the mma layout with these rows per sorted block (MOE_SORTED_BLOCK_ROWS; "
+                         "default: moe_sorted_block_rows)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/moe_w4a16.py: no CUDA device; nothing to measure")

@@ -246,3 +246,14 @@ def test_grouped_shared_expert_equals_stacked(device, T, k):
     with pytest.raises(ValueError, match="shared_scales must be one expert of the stacked tensor"):
         awq_mma_moe_gate_up_silu(x, ids, gq.contiguous(), gs.contiguous(), gz.contiguous(), G, k,
                                  (gu_shared[0].contiguous(), gs[:2].contiguous(), gu_shared[2].contiguous()))
+
+
+def test_sorted_block_rows_rule(monkeypatch):
+    """Blocks of 8 rows up to 8 routed rows per expert, 16 beyond (H100 sweep in awq_mma_cuda.py); the module-level
+    override wins."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+
+    assert [mma_cuda.moe_sorted_block_rows(r, 256) for r in (257, 512, 2048, 2049, 4096)] == [8, 8, 8, 16, 16]
+    assert mma_cuda.moe_sorted_block_rows(128, 64) == 8  # decode batch 16, top-8 over 64 experts
+    monkeypatch.setattr(mma_cuda, "MOE_SORTED_BLOCK_ROWS", 16)
+    assert mma_cuda.moe_sorted_block_rows(512, 256) == 16

@@ -169,10 +169,22 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
             and (shared is None or (all(t.is_contiguous() for t in shared) and _aligned16(shared[0]))))
 
 
-# Rows per block when the routed rows are sorted by expert (more rows than experts): 16 (two 8-row MMA tiles) is what
-# every measurement so far used. The kernel also takes 8, which halves the MMA work of blocks that hold only a few
-# rows (decode batches of 16+ tokens over many experts); `bench/moe_w4a16.py --mma-block-rows 8,16` times both.
-MOE_SORTED_BLOCK_ROWS = 16
+# Rows per block when the routed rows are sorted by expert (more rows than experts). H100, one DeepSeek-V3 layer (256
+# experts, top-8), `bench/moe_w4a16.py --mma-block-rows 8,16`, CUDA-graph ms (BENCHMARKS.md, ninth session):
+#   tokens        64     128    256    512
+#   8 rows       2.063  2.428  2.766  4.224
+#   16 rows      2.451  2.750  3.026  3.895
+# Blocks of 8 (one MMA tile) halve the MMA work of blocks holding a few rows; past about 8 routed rows per expert the
+# second tile is mostly full and blocks of 16 dequantize each expert's weight half as often.
+# MOE_SORTED_BLOCK_ROWS, when set, overrides the rule (benchmarks, tests).
+MOE_SORTED_BLOCK_ROWS: Optional[int] = None
+
+
+def moe_sorted_block_rows(rows: int, num_experts: int) -> int:
+    """Rows per sorted block for `rows` routed rows over `num_experts` experts."""
+    if MOE_SORTED_BLOCK_ROWS is not None:
+        return MOE_SORTED_BLOCK_ROWS
+    return 8 if rows <= 8 * num_experts else 16
 
 
 def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
@@ -180,7 +192,7 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
                             ) -> Tensor:
     """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
     `[E, N / 64, K * 8]`. While there are no more routed rows than experts (decode) each row is a block of its own;
-    beyond, rows are sorted by expert on the device into blocks of MOE_SORTED_BLOCK_ROWS (moe_align). No host sync
+    beyond, rows are sorted by expert on the device into blocks of moe_sorted_block_rows (moe_align). No host sync
     either way.
     `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones."""
     from torchforge.ops.moe_align import moe_align
@@ -192,7 +204,7 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
         sorted_rows = torch.empty(0, dtype=torch.int32, device=x.device)
         block_expert = expert_ids.reshape(-1).to(torch.int32)
     else:
-        sorted_rows, block_expert = moe_align(expert_ids, num_experts, MOE_SORTED_BLOCK_ROWS)
+        sorted_rows, block_expert = moe_align(expert_ids, num_experts, moe_sorted_block_rows(rows, num_experts))
     # K slices by the dense kernel's rule, on the (upper bound of the) number of row blocks
     item_chunks = 2 if group_size % 128 == 0 else 1
     tiles = block_expert.numel() * (n // 64)
