@@ -4,6 +4,8 @@
 #   device run:  bash bench/gpu_suite.sh        (carry .whl: wheels missing on the device, e.g. expecttest)
 #   decode only: SUITE=bench BENCHES=decode bash bench/gpu_suite.sh   (DECODE_ARGS: e.g. "--batches 1")
 #   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernels' tests)
+#   some tests: SUITE=tests TESTS="tests/ops/x.py ..." (PYTEST_ARGS too); W4A16_ARGS / DECODE_ARGS / MOE_ARGS pass
+#   arguments to the benchmarks
 set -uo pipefail
 OUT=${OUT:-/tmp/torchforge-out}
 mkdir -p "$OUT"
@@ -15,7 +17,15 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
 start=$(date +%s)
-python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; }
+# The build takes about 3 minutes of a 10-minute call. SAVE_EXT=1 copies the built extension to $OUT; a later call
+# with csrc/ unchanged can carry it back (carry torchforge/_C*.so) and skip the build with PREBUILT=1.
+if [ -n "${PREBUILT:-}" ] && ls torchforge/_C*.so >/dev/null 2>&1; then
+  echo "PREBUILT: using the carried $(ls torchforge/_C*.so), no build"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; }
+  [ -n "${SAVE_EXT:-}" ] && cp torchforge/_C*.so "$OUT/" 2>/dev/null
+fi
 echo "build: $(( $(date +%s) - start )) s; extension: $(python3 -c 'from torchforge.ops._ext import has_cuda_ext; print(has_cuda_ext())')"
 step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail
   local name=$1; shift
@@ -24,13 +34,13 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail
   echo "== $name: rc=$rc, $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 SUITE=${SUITE:-tests bench demo}
-case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 -p no:cacheprovider tests ${PYTEST_ARGS:-} ;; esac
+case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 -p no:cacheprovider ${TESTS:-tests} ${PYTEST_ARGS:-} ;; esac
 case " $SUITE " in *" bench "*)
   for b in ${BENCHES:-w4a16 quantize moe gptq nvfp4}; do
     case $b in
       w4a16) TAIL=22 step bench_w4a16_linear python3 bench/w4a16_linear.py ${W4A16_ARGS:-} ;;
       quantize) TAIL=12 step bench_awq_quantize python3 bench/awq_quantize.py ;;
-      moe) TAIL=10 step bench_moe_w4a16 python3 bench/moe_w4a16.py ;;
+      moe) TAIL=${MOE_TAIL:-10} step bench_moe_w4a16 python3 bench/moe_w4a16.py ${MOE_ARGS:-} ;;
       gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
       nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6
       decode) TAIL=30 step bench_decode_e2e python3 bench/decode_e2e.py ${DECODE_ARGS:-} ;;  # end-to-end generate, bf16 vs W4A16 (not in the default list: ~4 min)

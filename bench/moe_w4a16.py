@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--gemv-sweep", action="store_true",
                     help="only time the grouped GEMV kernel's configs (and the grouped GEMM) on random AWQ experts")
     ap.add_argument("--gemv-m", default="1,8", help="tokens for --gemv-sweep (x top-8 routed rows)")
+    ap.add_argument("--mma-warps", default="", help="e.g. 4,8: also time the grouped mma kernel with these warps per "
+                    "block (MOE_WARPS; default: mma_cuda_warps)")
     ap.add_argument("--mma-block-rows", default="",
                     help="e.g. 8,16: also time the mma layout with these rows per sorted block (MOE_SORTED_BLOCK_ROWS; "
                          "default: moe_sorted_block_rows)")
@@ -211,21 +213,25 @@ def main() -> int:
         floor_ms = ids.unique().numel() * per_expert_int4 / bw / 1e6
         row += [g_hf, g_m, g_hf / g_m, floor_ms / g_m, f"{rel:.1e}"]
         torch.cuda.empty_cache()
-    if args.mma_block_rows:
+    if args.mma_block_rows or args.mma_warps:
         import torchforge.ops.awq_mma_cuda as mma_cuda
 
-        default, brows = mma_cuda.MOE_SORTED_BLOCK_ROWS, []
+        def settings(arg):  # None: the library's rule
+            return [int(v) for v in arg.split(",")] if arg else [None]
+
+        brows = []
         for M in map(int, args.m.split(",")):
             torch.manual_seed(M)
             x, ids, w = routed_batch(M, H, E, K)
-            for b in map(int, args.mma_block_rows.split(",")):
-                mma_cuda.MOE_SORTED_BLOCK_ROWS = b
-                with torch.no_grad():
-                    brows.append([M, b, bench_graph_ms(lambda: q(x, ids, w))])
-            mma_cuda.MOE_SORTED_BLOCK_ROWS = default
-        print("mma layout, rows per sorted block (decode batches with no more routed rows than experts take one row "
-              "per block whatever the setting):")
-        print(markdown_table(["M tokens", "rows per block", "graph ms"], brows))
+            for b in settings(args.mma_block_rows):
+                for wp in settings(args.mma_warps):
+                    mma_cuda.MOE_SORTED_BLOCK_ROWS, mma_cuda.MOE_WARPS = b, wp
+                    with torch.no_grad():
+                        brows.append([M, b or "rule", wp or "rule", bench_graph_ms(lambda: q(x, ids, w))])
+        mma_cuda.MOE_SORTED_BLOCK_ROWS = mma_cuda.MOE_WARPS = None
+        print("mma layout, rows per sorted block and warps per block of the grouped kernel (decode batches with no "
+              "more routed rows than experts take one row per block whatever the setting):")
+        print(markdown_table(["M tokens", "rows per block", "warps", "graph ms"], brows))
     if args.sweep:
         print("grouped GEMM tile sweep (CUDA graph ms; BLOCK_M from moe_block_m):")
         print(markdown_table(["M", "GEMM", "BLOCK_N", "BLOCK_K", "warps", "stages", "ms"], sweep(q, E, H, I, K)))

@@ -95,7 +95,7 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
     configured), with fp16 scales and with bf16 ones (as after `model.to(torch.bfloat16)`), against bf16, tinygemm
     and the AWQ-layout op as dispatched (`w4a16_linear`), in the same run."""
     import torchforge
-    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_config
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_config, mma_cuda_warps
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.awq_reference import awq_dequantize_ref
 
@@ -112,19 +112,23 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
             default = mma_cuda_config(M, IC, OC, G)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            default_warps = mma_cuda_warps(-(-M // 16) * (OC // 64) * default[0], sms)
             chunks = default[1]
-            configs = [(s, sc) for s in sorted({1, 2, 3, 4, 6, 8, default[0]})] + [(default[0], sc.bfloat16())]
-            for splits, scales in configs:
+            configs = [(s, w_, sc) for s in sorted({1, 2, 3, 4, 6, 8, default[0]}) for w_ in (4, 8)]
+            configs.append((default[0], default_warps, sc.bfloat16()))
+            for splits, warps, scales in configs:
                 if splits > IC // (64 * chunks):
                     continue
-                f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=chunks)  # noqa: E731
+                f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=chunks,  # noqa: E731
+                                                warps=warps)
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                out.append([shape, M, str(scales.dtype).removeprefix("torch."), splits,
-                            "*" if splits == default[0] else "", t, wbytes / t / 1e6, t_op, t_tg, t_bf16,
-                            t_bf16 / t, t_tg / t, f"{rel:.1e}"])
+                out.append([shape, M, str(scales.dtype).removeprefix("torch."), splits, warps,
+                            "*" if (splits, warps) == (default[0], default_warps) else "", t, wbytes / t / 1e6, t_op,
+                            t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
-    out.sort(key=lambda r: (r[0], r[1], r[5]))
+    out.sort(key=lambda r: (r[0], r[1], r[6]))
     return out
 
 
@@ -291,7 +295,7 @@ def main() -> int:
         print(f"device: {device_line()}")
         print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
-        print(markdown_table(["W", "M", "scales", "splits", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
+        print(markdown_table(["W", "M", "scales", "splits", "warps", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.wgmma_sweep:

@@ -20,9 +20,10 @@
 //   gives c + q exactly. The MMA sums x (c + q) per group; an MMA with all-ones A gives sum x for
 //   each row of x in the same fragment positions; and once per group, in fp32:
 //   acc += s * (sum x (c + q) - (c + z) sum x). No per-weight subtract or multiply.
-// * Block = 8 warps on 64 output columns and 16 rows of x; the warps (and with splits > 1 the
-//   blocks along grid.z) take work items of 1 or 2 chunks (64 or 128 k, inside one quantization
-//   group) in turn: 4 or 8 x 16 B in flight per thread. Warps are summed through shared memory;
+// * Block = 8 warps (or 4, where that keeps every block resident: mma_cuda_warps) on 64 output columns and 16 rows
+//   of x; the warps (and with splits > 1 the blocks along grid.z) take work items of 1 or 2 chunks (64 or 128 k,
+//   inside one quantization group) in turn: 4 or 8 x 16 B in flight per thread. Warps are summed through shared
+//   memory;
 //   K slices as in awq_gemv.cu: the last block of a tile to finish (atomic ticket, reset for the
 //   next launch) adds them in slice order. Tried and dropped on the H100: requesting the next
 //   item's words before computing on this one (register double buffer): 3-15% slower; blocks of
@@ -46,14 +47,16 @@
 namespace torchforge {
 namespace awq_mma_detail {
 
-template <typename T, typename S, int NT, int CPG>
-__global__ void __launch_bounds__(kThreads, 2)
+// W warps per block (8, or 4 for the decode sizes: see mma_cuda_config); 16 warps per SM either way (<= 128 registers).
+template <typename T, typename S, int NT, int CPG, int W>
+__global__ void __launch_bounds__(32 * W, 16 / W)
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                    float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
                    int chunks_per_group, int splits) {
   using Tr = Traits<T>;
-  __shared__ float red[kWarps * kRows * kPad];
+  constexpr int kBlockThreads = 32 * W;
+  __shared__ float red[W * kRows * kPad];
   __shared__ bool is_last;
   const int mc = blockIdx.x;  // fastest: blocks on the same columns run together and share the weight in L2
   const int cb = blockIdx.y;
@@ -62,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int g = lane / 4, t = lane % 4;
   const int chunks = K / 64;
   const int items = chunks / CPG;
-  const int workers = splits * kWarps;
+  const int workers = splits * W;
 
   const uint4* wbase = qw + static_cast<size_t>(cb) * chunks * 128 + lane;  // 4 k-steps x 32 lanes per chunk
   const uint4* xb = reinterpret_cast<const uint4*>(x + 16 * t);
@@ -74,28 +77,28 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * kWarps + warp, workers,
+  accumulate<T, S, NT, CPG>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
                          chunks_per_group, g);
   stash<NT>(red, acc, warp, g, t);
   __syncthreads();
 
   constexpr int kOut = NT * 8 * kCols;  // outputs of this block (rows x columns)
-  constexpr int kPer = kOut / kThreads;
+  constexpr int kPer = kOut / kBlockThreads;
   float sum[kPer];
 #pragma unroll
   for (int r = 0; r < kPer; ++r) {
-    const int idx = threadIdx.x + r * kThreads;
+    const int idx = threadIdx.x + r * kBlockThreads;
     const int row = idx / kCols, col = idx % kCols;
     float v = 0.0f;
 #pragma unroll
-    for (int wi = 0; wi < kWarps; ++wi) v += red[(wi * kRows + row) * kPad + col];
+    for (int wi = 0; wi < W; ++wi) v += red[(wi * kRows + row) * kPad + col];
     sum[r] = v;
   }
   const int tile = cb * gridDim.x + mc;
   if (splits == 1) {
 #pragma unroll
     for (int r = 0; r < kPer; ++r) {
-      const int idx = threadIdx.x + r * kThreads;
+      const int idx = threadIdx.x + r * kBlockThreads;
       const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
       if (m < M) out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? sum[r] + Tr::to_f(bias[n]) : sum[r]);
     }
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 #pragma unroll
   for (int r = 0; r < kPer; ++r) {
-    const int idx = threadIdx.x + r * kThreads;
+    const int idx = threadIdx.x + r * kBlockThreads;
     const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
     if (m < M) partial[(static_cast<size_t>(slice) * M + m) * N + n] = sum[r];
   }
@@ -115,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __threadfence();
 #pragma unroll
   for (int r = 0; r < kPer; ++r) {
-    const int idx = threadIdx.x + r * kThreads;
+    const int idx = threadIdx.x + r * kBlockThreads;
     const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
     if (m < M) {
       float total = 0.0f;
@@ -127,12 +130,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 
-template <typename T, typename S, int NT, int CPG>
+template <typename T, typename S, int NT, int CPG, int W>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    cudaStream_t stream) {
   const dim3 grid((M + kRows - 1) / kRows, N / kCols, splits);
-  awq_mma_kernel<T, S, NT, CPG><<<grid, kThreads, 0, stream>>>(
+  awq_mma_kernel<T, S, NT, CPG, W><<<grid, 32 * W, 0, stream>>>(
       static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
       reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets,
       M, N, K, group_size / 64, splits);
@@ -143,23 +146,26 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
 
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype: scales (0 = bf16 with bf16 x, 1 = fp16). The caller
 // (ops.cpp) has checked shapes, alignment, N % 64 == 0, group_size a multiple of 64 * item_chunks (1 or 2),
-// K % group_size == 0, 1 <= splits <= K / (64 * item_chunks);
+// K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block;
 // `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1).
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                           int64_t splits, int64_t item_chunks, cudaStream_t stream) {
+                           int64_t splits, int64_t item_chunks, int64_t warps, cudaStream_t stream) {
   using namespace awq_mma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int g = static_cast<int>(group_size), s = static_cast<int>(splits);
-  if (item_chunks != 1 && item_chunks != 2) return cudaErrorInvalidValue;
+  if ((item_chunks != 1 && item_chunks != 2) || (warps != 4 && warps != 8)) return cudaErrorInvalidValue;
   return dispatch_dtypes(dtype, scale_dtype, [&](auto t, auto sv) {
     using T = decltype(t);
     using S = decltype(sv);
     const bool one_tile = m <= 8;  // one 8-row MMA tile of x is enough
     auto run = [&](auto nt, auto cpg) {
-      return launch<T, S, decltype(nt)::value, decltype(cpg)::value>(x, qweight, scales, qzeros, bias, out, partial,
-                                                                    tickets, m, n, k, g, s, stream);
+      constexpr int NT = decltype(nt)::value, CPG = decltype(cpg)::value;
+      return warps == 4 ? launch<T, S, NT, CPG, 4>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
+                                                   g, s, stream)
+                        : launch<T, S, NT, CPG, 8>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
+                                                   g, s, stream);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;

@@ -16,15 +16,17 @@ namespace awq_mma_detail {
 // is routed row b alone, with expert block_expert[b] = expert_ids[b]; no sort, one 8-row MMA tile.
 // With shared_qw (and shared_sc, shared_qz: one expert's tensors) expert id E is a shared expert stored apart from
 // the E routed ones: the caller routes every token to it as one more pick, so it costs no launch of its own.
-template <typename T, typename S, int NT, int CPG>
-__global__ void __launch_bounds__(kThreads, 2)
+// W warps per block, 8 or 4 as in awq_mma.cu (mma_cuda_warps): 16 warps per SM either way.
+template <typename T, typename S, int NT, int CPG, int W>
+__global__ void __launch_bounds__(32 * W, 16 / W)
     awq_mma_moe_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                        const uint32_t* __restrict__ qz, const uint4* __restrict__ shared_qw,
                        const S* __restrict__ shared_sc, const uint32_t* __restrict__ shared_qz,
                        const int32_t* __restrict__ sorted_rows, const int32_t* __restrict__ block_expert,
                        float* __restrict__ partial, int R, int N, int K, int E, int x_row_div, int chunks_per_group,
                        int splits) {
-  __shared__ float red[kWarps * kRows * kPad];
+  constexpr int kBlockThreads = 32 * W;
+  __shared__ float red[W * kRows * kPad];
   const int b = blockIdx.x;
   const int cb = blockIdx.y;
   const int slice = blockIdx.z;
@@ -33,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool shared = e == E && shared_qw != nullptr;  // expert id E: the shared expert, stored on its own
   if (!shared && (e < 0 || e >= E)) {  // expert ids out of range come out as NaN rows (no host sync to check the ids): in
     // direct mode this block's row; sorted, the real rows of moe_align's bucket for them (past the end: none)
-    for (int i = threadIdx.x; i < NT * 8 * kCols; i += kThreads) {
+    for (int i = threadIdx.x; i < NT * 8 * kCols; i += kBlockThreads) {
       const int row = i / kCols;
       const int r = direct ? (row == 0 ? b : R) : sorted_rows[b * NT * 8 + row];
       if (r >= 0 && r < R)
@@ -58,31 +60,31 @@ __global__ void __launch_bounds__(kThreads, 2)
     xoff[j] = (r >= 0 && r < R ? r / x_row_div : 0) * (K / 8);
   }
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG>(acc, wbase, sce, qze, xb, xoff, N, cb, items, slice * kWarps + warp, splits * kWarps,
+  accumulate<T, S, NT, CPG>(acc, wbase, sce, qze, xb, xoff, N, cb, items, slice * W + warp, splits * W,
                          chunks_per_group, g);
   stash<NT>(red, acc, warp, g, t);
   __syncthreads();
-  constexpr int kPer = NT * 8 * kCols / kThreads;
+  constexpr int kPer = NT * 8 * kCols / kBlockThreads;
 #pragma unroll
   for (int q = 0; q < kPer; ++q) {
-    const int idx = threadIdx.x + q * kThreads;
+    const int idx = threadIdx.x + q * kBlockThreads;
     const int row = idx / kCols, col = idx % kCols;
     const int r = direct ? (row == 0 ? b : R) : sorted_rows[b * NT * 8 + row];
     if (r < 0 || r >= R) continue;
     float v = 0.0f;
 #pragma unroll
-    for (int wi = 0; wi < kWarps; ++wi) v += red[(wi * kRows + row) * kPad + col];
+    for (int wi = 0; wi < W; ++wi) v += red[(wi * kRows + row) * kPad + col];
     partial[(static_cast<size_t>(slice) * R + r) * N + cb * kCols + col] = v;
   }
 }
 
-template <typename T, typename S, int NT, int CPG>
+template <typename T, typename S, int NT, int CPG, int W>
 cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const int32_t* sqw,
                        const void* ssc, const int32_t* sqz, const int32_t* rows, const int32_t* block_expert,
                        float* partial, int R, int N, int K, int E, int B, int x_row_div, int group_size, int splits,
                        cudaStream_t stream) {
   const dim3 grid(B, N / kCols, splits);
-  awq_mma_moe_kernel<T, S, NT, CPG><<<grid, kThreads, 0, stream>>>(
+  awq_mma_moe_kernel<T, S, NT, CPG, W><<<grid, 32 * W, 0, stream>>>(
       static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
       reinterpret_cast<const uint32_t*>(qz), reinterpret_cast<const uint4*>(sqw), static_cast<const S*>(ssc),
       reinterpret_cast<const uint32_t*>(sqz), rows, block_expert, partial, R, N, K, E, x_row_div, group_size / 64,
@@ -93,25 +95,29 @@ cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const i
 }  // namespace awq_mma_detail
 
 // Grouped (MoE) launcher; dtype and scale_dtype as in awq_mma_launch. The caller has checked shapes and alignment;
-// block_rows (8 or 16) = sorted_rows.numel() / B; partial holds splits * R * N floats.
+// block_rows (8 or 16) = sorted_rows.numel() / B; partial holds splits * R * N floats; warps 4 or 8 per block.
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
                                const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
                                const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
                                int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
-                               int64_t item_chunks, cudaStream_t stream) {
+                               int64_t item_chunks, int64_t warps, cudaStream_t stream) {
   using namespace awq_mma_detail;
   const int r = static_cast<int>(R), n = static_cast<int>(N), k = static_cast<int>(K), e = static_cast<int>(E);
   const int b = static_cast<int>(B), xd = static_cast<int>(x_row_div), g = static_cast<int>(group_size);
   const int s = static_cast<int>(splits);
-  if ((block_rows != 8 && block_rows != 16) || (item_chunks != 1 && item_chunks != 2)) return cudaErrorInvalidValue;
+  if ((block_rows != 8 && block_rows != 16) || (item_chunks != 1 && item_chunks != 2) || (warps != 4 && warps != 8))
+    return cudaErrorInvalidValue;
   return dispatch_dtypes(dtype, scale_dtype, [&](auto t, auto sv) {
     using T = decltype(t);
     using S = decltype(sv);
     auto run = [&](auto nt, auto cpg) {
-      return launch_moe<T, S, decltype(nt)::value, decltype(cpg)::value>(
-          x, qweight, scales, qzeros, shared_qweight, shared_scales, shared_qzeros, sorted_rows, block_expert,
-          partial, r, n, k, e, b, xd, g, s, stream);
+      constexpr int NT = decltype(nt)::value, CPG = decltype(cpg)::value;
+      auto go = [&](auto kernel_launch) {
+        return kernel_launch(x, qweight, scales, qzeros, shared_qweight, shared_scales, shared_qzeros, sorted_rows,
+                             block_expert, partial, r, n, k, e, b, xd, g, s, stream);
+      };
+      return warps == 4 ? go(launch_moe<T, S, NT, CPG, 4>) : go(launch_moe<T, S, NT, CPG, 8>);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;

@@ -37,14 +37,14 @@ cudaError_t awq_gemv_launch(int dtype, int rows, const void* x, const int32_t* q
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                           int64_t splits, int64_t item_chunks, cudaStream_t stream);
+                           int64_t splits, int64_t item_chunks, int64_t warps, cudaStream_t stream);
 
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
                                const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
                                const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
                                int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
-                               int64_t item_chunks, cudaStream_t stream);
+                               int64_t item_chunks, int64_t warps, cudaStream_t stream);
 
 // csrc/awq_wgmma.cu (sm_90a)
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m);
@@ -250,10 +250,12 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
 // dtype. Optional `tickets`: int32 zeros, at least ceil(M / 16) * N / 64 of them, used with K slices and left zero.
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
-                        int64_t splits, int64_t item_chunks, const c10::optional<at::Tensor>& tickets_in) {
+                        int64_t splits, int64_t item_chunks, const c10::optional<at::Tensor>& tickets_in,
+                        int64_t warps) {
   at::Tensor b;
   const void* bias_ptr =
       check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b);
+  TORCH_CHECK(warps == 4 || warps == 8, "awq_mma_cuda: warps must be 4 or 8, got " + i2s(warps));
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
@@ -275,7 +277,7 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const cudaError_t err = awq_mma_launch(
       dtype_code(x), dtype_code(scales), x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
-      reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks,
+      reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks, warps,
       c10::cuda::getCurrentCUDAStream());
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -295,8 +297,9 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
                             int64_t num_rows, int64_t x_row_div, int64_t group_size, int64_t splits,
                             int64_t item_chunks, const c10::optional<at::Tensor>& shared_qweight,
                             const c10::optional<at::Tensor>& shared_scales,
-                            const c10::optional<at::Tensor>& shared_qzeros) {
+                            const c10::optional<at::Tensor>& shared_qzeros, int64_t warps) {
   const std::string op = "awq_mma_moe_cuda: ";
+  TORCH_CHECK(warps == 4 || warps == 8, op + "warps must be 4 or 8, got " + i2s(warps));
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda() && sorted_rows.is_cuda() &&
                   block_expert.is_cuda(),
               op + "all tensors must be CUDA tensors");
@@ -368,7 +371,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
       shared ? shared_scales->data_ptr() : nullptr, shared ? shared_qzeros->data_ptr<int32_t>() : nullptr,
       direct ? nullptr : sorted_rows.data_ptr<int32_t>(),
       block_expert.data_ptr<int32_t>(), partial.data_ptr<float>(), num_rows, N, K, E, B, x_row_div, group_size,
-      splits, item_chunks, c10::cuda::getCurrentCUDAStream());
+      splits, item_chunks, warps, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return partial;
@@ -425,11 +428,11 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int rows) -> Tensor");
   m.def(
       "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int item_chunks, Tensor? tickets=None) -> Tensor");
+      "int splits, int item_chunks, Tensor? tickets=None, int warps=8) -> Tensor");
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks, "
-      "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None) -> Tensor");
+      "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=8) -> Tensor");
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int block_m, int tile_set, int group_m) -> Tensor");

@@ -44,7 +44,8 @@ def _check(out, x, qw, s, z, G, b=None):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("item_chunks", [1, 2])
-def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, item_chunks):
+@pytest.mark.parametrize("warps", [4, 8])
+def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, item_chunks, warps):
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
 
     if G % (64 * item_chunks):
@@ -52,11 +53,13 @@ def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, i
     qw, mma, s, z = _case(k, n, G, sym, seed=k + n + m)
     x = torch.randn(m, k, device="cuda").to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if with_bias else None
-    out = launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, item_chunks=item_chunks)
+    run = lambda splits: launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, item_chunks=item_chunks,  # noqa: E731
+                                             warps=warps)
+    out = run(splits)
     _check(out, x, qw, s, z, G, b)
-    assert torch.equal(out, launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, item_chunks=item_chunks))
+    assert torch.equal(out, run(splits))  # deterministic
     if splits > 1:  # the K slices change only the fp32 summation order
-        one = launch_awq_mma_cuda(x, mma, s, z, G, b, splits=1, item_chunks=item_chunks)
+        one = run(1)
         assert ((one.float() - out.float()).norm() / one.float().norm()) < 1e-2
 
 
@@ -98,6 +101,9 @@ def test_opcheck_and_errors():
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 2))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1, torch.zeros(8, dtype=torch.int32, device="cuda")))
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 2, None, 4))
+    with pytest.raises(RuntimeError, match="warps must be 4 or 8, got 6"):
+        op(x, mma, s, z, 128, None, 1, 1, None, 6)
     with pytest.raises(RuntimeError, match="group_size must be a multiple of 64 \\* item_chunks = 128, got 64"):
         op(x, mma, s, z, 64, None, 1, 2)
     with pytest.raises(RuntimeError, match="item_chunks must be 1 or 2, got 4"):

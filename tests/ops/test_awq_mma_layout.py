@@ -129,6 +129,18 @@ def test_cuda_config_follows_the_sweep():
     assert mma_cuda_config(1, 128, 576, 128) == (1, 2)      # one item: one slice
 
 
+def test_mma_cuda_warps_rule():
+    """4-warp blocks only where a few 8-warp ones would be left for a second wave (132 SMs)."""
+    from torchforge.ops.awq_mma_cuda import mma_cuda_warps
+
+    assert mma_cuda_warps(288, 132) == 4   # 18432x7168 up to 16 rows
+    assert mma_cuda_warps(264, 132) == 8   # 16896x7168: one full wave of 8-warp blocks
+    assert mma_cuda_warps(336, 132) == 4   # 7168x7168 at 48 rows (a tie on the H100)
+    assert mma_cuda_warps(448, 132) == 8   # 7168x7168 at 64 rows
+    assert mma_cuda_warps(576, 132) == 8   # 18432x7168 at 32 rows
+    assert mma_cuda_warps(112, 132) == 8   # 7168x7168
+
+
 def test_wgmma_config_follows_the_sweep():
     """wgmma_cuda_config's choices (csrc/awq_wgmma.cu, BENCHMARKS.md seventh session), and the dispatch range."""
     from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M, WGMMA_MIN_M, wgmma_cuda_config, wgmma_cuda_ok

@@ -122,12 +122,16 @@ def test_cuda_grouped_kernel_matches_oracle(T, k, E, G, dtype):
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("block_rows", [8, 16])
-def test_cuda_sorted_blocks_of_8_or_16(block_rows, monkeypatch):
-    """Sorted routed rows in blocks of 8 (one MMA tile) or 16 (two): the same sums (MOE_SORTED_BLOCK_ROWS)."""
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("T", [2, 40])  # direct (16 routed rows, 16 experts) and sorted
+def test_cuda_sorted_blocks_of_8_or_16(block_rows, warps, T, monkeypatch):
+    """Sorted routed rows in blocks of 8 (one MMA tile) or 16 (two), blocks of 4 or 8 warps: the same sums
+    (MOE_SORTED_BLOCK_ROWS, MOE_WARPS)."""
     import torchforge.ops.awq_mma_cuda as mma_cuda
 
     monkeypatch.setattr(mma_cuda, "MOE_SORTED_BLOCK_ROWS", block_rows)
-    T, k, E, G = 40, 8, 16, 128
+    monkeypatch.setattr(mma_cuda, "MOE_WARPS", warps)
+    k, E, G = 8, 16, 128
     gu, down = _experts(E, G, "cuda", seed=3)
     g = torch.Generator().manual_seed(3)
     ids, w = torch.randint(0, E, (T * k,), generator=g).cuda(), torch.rand(T, k, generator=g).cuda()

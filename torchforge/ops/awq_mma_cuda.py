@@ -11,9 +11,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda", "mma_moe_cuda_ok",
-           "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config", "wgmma_cuda_ok",
-           "launch_awq_wgmma_cuda", "register_fake"]
+__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
+           "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config",
+           "wgmma_cuda_ok", "launch_awq_wgmma_cuda", "register_fake"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
 # rows, because on the DeepSeek-V3 shapes (BENCHMARKS.md, sixth session) the kernel beat the AWQ layout's Triton
@@ -34,6 +34,20 @@ def mma_cuda_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int]:
     items = k // (64 * item_chunks)
     tiles = -(-m // 16) * (n // 64)
     return (1 if tiles >= 96 else max(1, min(4, items))), item_chunks
+
+
+def mma_cuda_warps(blocks: int, sms: int) -> int:
+    """Warps per block of the dense CUDA kernel for a grid of `blocks` (row blocks x column blocks x K slices) on a
+    device with `sms` SMs. Blocks of 8 warps fit 2 per SM, of 4 warps 4 per SM (<= 128 registers). Where a few 8-warp
+    blocks would be left for a second wave, each latency bound on its own (a warp has one item of words in flight),
+    4-warp blocks all start at once instead. H100, bf16 x, CUDA-graph ms, 8 against 4 warps (BENCHMARKS.md, ninth
+    session):
+    - 18432x7168, 288 blocks (up to 16 rows): 0.031 / 0.028 at M = 1, 0.037 / 0.036 at M = 16;
+    - 7168x7168, 336 blocks (M = 48): 0.032 / 0.032;
+    - 16896x7168, 264 blocks (one full wave of 8-warp blocks): 0.023 / 0.025 at M = 1;
+    - 7168x7168, 448 blocks (M = 64): 0.038 / 0.039; 18432x7168, 576 blocks (M = 32): 0.051 / 0.060;
+    - 7168x7168, 112 blocks (M <= 16): 0.014 / 0.019 at M = 1."""
+    return 4 if 2 * sms < blocks <= 3 * sms else 8
 
 
 _MAX_X_NUMEL = 1 << 34  # ops.cpp: the kernels address x in 32-bit uint4 offsets
@@ -81,18 +95,22 @@ def mma_tickets(n: int, device=None) -> Tensor:
 
 def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                         bias: Optional[Tensor] = None, *, splits: Optional[int] = None,
-                        item_chunks: Optional[int] = None, tickets: Optional[Tensor] = None) -> Tensor:
+                        item_chunks: Optional[int] = None, tickets: Optional[Tensor] = None,
+                        warps: Optional[int] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype, W in the mma layout `[N / 64, K * 8]`. `tickets`: see
-    `mma_tickets` (None: the op allocates zeroed ones)."""
+    `mma_tickets` (None: the op allocates zeroed ones). `warps` per block: 4 or 8 (None: mma_cuda_warps)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
         x2 = x2.contiguous()
     s, c = mma_cuda_config(x2.shape[0], k, n, group_size)
-    extra = (tickets,) if tickets is not None else ()  # (an extension built before `tickets` still runs)
-    out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits or s,
-                                            item_chunks or c, *extra)
+    splits = splits or s
+    if warps is None:
+        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
+        warps = mma_cuda_warps(-(-x2.shape[0] // 16) * (n // 64) * splits, sms)
+    out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits,
+                                            item_chunks or c, tickets, warps)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -178,6 +196,11 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
 # second tile is mostly full and blocks of 16 dequantize each expert's weight half as often.
 # MOE_SORTED_BLOCK_ROWS, when set, overrides the rule (benchmarks, tests).
 MOE_SORTED_BLOCK_ROWS: Optional[int] = None
+# Warps per block of the grouped kernel: 4. Its grids run many waves of blocks of unequal work (experts hit by
+# more or fewer rows, empty padding blocks), which finer blocks balance better. H100, one DeepSeek-V3 layer, CUDA-graph
+# ms, 4 against 8 warps (BENCHMARKS.md, ninth session): 0.075 / 0.075 at 1 token, 0.472 / 0.479 at 8, 0.905 / 0.928 at
+# 16, 2.019 / 2.064 at 64, 3.708 / 3.885 at 512. Set MOE_WARPS to override (benchmarks, tests).
+MOE_WARPS: Optional[int] = None
 
 
 def moe_sorted_block_rows(rows: int, num_experts: int) -> int:
@@ -210,9 +233,10 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     tiles = block_expert.numel() * (n // 64)
     splits = 1 if tiles >= 96 else max(1, min(4, k // (64 * item_chunks)))
     x2 = x.contiguous() if not _aligned16(x) or not x.is_contiguous() else x
+    warps = MOE_WARPS or 4
     return torch.ops.torchforge.awq_mma_moe_cuda(x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(),
                                                  sorted_rows, block_expert, rows, x_row_div, group_size, splits,
-                                                 item_chunks, *(shared or (None, None, None)))
+                                                 item_chunks, *(shared or (None, None, None)), warps)
 
 
 _registered = False
@@ -225,7 +249,8 @@ def register_fake() -> None:
         return
 
     @torch.library.register_fake("torchforge::awq_mma_cuda")
-    def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None):
+    def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None, warps=8):
+        torch._check(warps in (4, 8), lambda: f"awq_mma_cuda: warps must be 4 or 8, got {warps}")
         torch._check(x.dim() == 2 and qweight.dim() == 2,
                      lambda: f"awq_mma_cuda: x and qweight must be 2-D, got {tuple(x.shape)} and {tuple(qweight.shape)}")
         torch._check(qweight.shape[1] == x.shape[1] * 8,
@@ -249,7 +274,8 @@ def register_fake() -> None:
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
         @torch.library.register_fake("torchforge::awq_mma_moe_cuda")
         def _(x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, splits,
-              item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None):
+              item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None, warps=8):
+            torch._check(warps in (4, 8), lambda: f"awq_mma_moe_cuda: warps must be 4 or 8, got {warps}")
             torch._check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
                          lambda: f"awq_mma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "
                                  f"{tuple(qweight.shape)}")
