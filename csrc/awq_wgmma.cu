@@ -188,6 +188,14 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
   const uint32_t z_bytes = min(kBlockCols, N - n0) / 8 * 4u;
   const uint32_t stage_bytes = St::kX + valid_cbs * 2048u + s_bytes + z_bytes;
   const T* x_tiles = x + static_cast<size_t>(mb) * chunks * (BM * 64);
+  // Quantization group of chunk c as a high multiply by ceil(2^32 / d), d = chunks_per_group > 1: exact while c d <
+  // 2^32 (c < K / 64 and d <= K / 64). ncu (ninth session) had the loop's two runtime divisions per chunk, MUFU.RCP
+  // sequences, among its busiest instructions.
+  const uint32_t group_mul =
+      chunks_per_group > 1 ? static_cast<uint32_t>((0x100000000ull + chunks_per_group - 1) / chunks_per_group) : 0u;
+  auto group_of = [&](int c) {
+    return chunks_per_group > 1 ? static_cast<int>(__umulhi(static_cast<uint32_t>(c), group_mul)) : c;
+  };
   auto load_stage = [&](int c, int st) {
     const uint32_t base = smem_base + st * St::kBytes;
     const uint32_t bar = bar_base + st * 8;
@@ -195,7 +203,7 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
     ptx::bulk_copy(base, x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
     for (int i = 0; i < valid_cbs; ++i)
       ptx::bulk_copy(base + St::kX + i * 2048, qw + (static_cast<size_t>(4 * cbg + i) * chunks + c) * 128, 2048, bar);
-    const int group = c / chunks_per_group;
+    const int group = group_of(c);
     ptx::bulk_copy(base + St::kX + St::kW, sc + static_cast<size_t>(group) * N + n0, s_bytes, bar);
     ptx::bulk_copy(base + St::kX + St::kW + St::kS, qz + static_cast<size_t>(group) * (N / 8) + n0 / 8, z_bytes, bar);
   };
@@ -232,7 +240,7 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
     if (tid == 0 && c + kLook < c_end) load_stage(c + kLook, (it + kLook) % kStages);
 
     const uint8_t* stage = smem + st * St::kBytes;
-    if (c == c_begin || c % chunks_per_group == 0) {  // scales and zero points of this lane's columns
+    if (c == c_begin || group_of(c) * chunks_per_group == c) {  // scales and zero points of this lane's columns
       const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
       const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
 #pragma unroll
