@@ -149,7 +149,7 @@ def test_wgmma_config_follows_the_sweep():
     assert wgmma_cuda_config(192, 7168, 18432) == (64, 4, 1, 8)   # 3 blocks of 64 rows pad less than 2 of 128
     assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8)   # 56 blocks of 128 rows: one of 256, 4x the columns
     assert wgmma_cuda_config(512, 7168, 7168) == (128, 2, 1, 8)
-    assert (WGMMA_MIN_M, WGMMA_MAX_M) == (129, 192)
+    assert (WGMMA_MIN_M, WGMMA_MAX_M) == (129, 256)
     x = torch.randn(200, 64)
     qw, s, z = awq_quantize(torch.randn(64, 64), 64)
     assert not wgmma_cuda_ok(x, awq_to_mma_layout(qw), s, z, 64, None)  # CPU tensors: never

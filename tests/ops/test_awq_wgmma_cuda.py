@@ -126,6 +126,17 @@ def test_awq_mma_linear_dispatch(monkeypatch):
     assert calls == [1]
     expected = big.double() @ dequant_independent(qw, s, z, 128).T.double()
     assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
+    # wide matrices (WGMMA_WIDE_N columns) take it from WGMMA_WIDE_MIN_M rows, narrower ones do not
+    from torchforge.ops.awq_mma_cuda import WGMMA_WIDE_MIN_M, WGMMA_WIDE_N
+
+    qw, mma, s, z = _case(256, WGMMA_WIDE_N, 128, seed=5)
+    x = torch.randn(WGMMA_WIDE_MIN_M, 256, device="cuda", dtype=torch.bfloat16)
+    out = awq_mma_linear(x, mma, s, z, 128)
+    assert calls == [1, 1]
+    expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
+    assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
+    awq_mma_linear(x[:-1], mma, s, z, 128)  # one row fewer: the decode kernel
+    assert calls == [1, 1]
 
 
 def test_compile_and_cuda_graph():

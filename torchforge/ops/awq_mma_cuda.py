@@ -115,17 +115,24 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 
 
 # ------------------------------------------------------------------ prefill on Hopper: csrc/awq_wgmma.cu
-# Rows of x the warpgroup-MMA kernel takes (sm_90 devices). H100 sweeps of 2026-11-22 (BENCHMARKS.md, seventh
-# session; bf16 x, 18432x7168 / 7168x7168, against the mma layout's other paths in the same run):
-# - 192 rows: 0.203 / 0.098 ms against 0.299 / 0.102 for dequantize + cuBLAS. It also needs no dequantized bf16 copy
-#   of the weight (264 MB for 18432x7168).
-# - 256 rows: 0.268 / 0.100 against 0.228 / 0.095: dequantize + cuBLAS wins, after this session's faster
-#   dequantization kernel.
-# - 128 rows: the decode kernel wins on 7168x7168 (0.067 against 0.098 ms), though not on 18432x7168 (0.165
-#   against 0.134).
-# - The kernel reaches 41-46% of the tensor peak at large M; cuBLAS about 70%.
+# Rows of x the warpgroup-MMA kernel takes (sm_90 devices). H100 sweep of the ninth session (BENCHMARKS.md; bf16 x,
+# 18432x7168 / 7168x7168, ms, against the mma layout's other paths in the same run), after the kernel lost its
+# per-chunk divisions (6-20% faster):
+#   rows                  96             128            256            384            512
+#   wgmma          0.115 / 0.080  0.118 / 0.081  0.237 / 0.083  0.237 / 0.122  0.351 / 0.122
+#   decode kernel  0.132 / 0.055  0.175 / 0.067        -              -              -
+#   dequant+cuBLAS 0.220 / 0.090  0.215 / 0.089  0.228 / 0.094  0.287 / 0.109  0.328 / 0.124
+# - 129-256 rows: wgmma (at 256 rows 4% slower than dequantize + cuBLAS on 18432x7168, 12% faster on 7168x7168, and
+#   without a dequantized bf16 copy of the weight: 264 MB for 18432x7168).
+# - 97-128 rows on wide matrices (WGMMA_WIDE_N output columns or more): wgmma, whose 128-row blocks dequantize each
+#   weight once where the decode kernel does it 8 times; on 7168x7168 the decode kernel's 8 row blocks x 112 column
+#   blocks fill the GPU better.
+# - From 384 rows the two paths trade places by shape; cuBLAS reaches about 70% of the tensor peak at large M, this
+#   kernel 49%.
 WGMMA_MIN_M = 129
-WGMMA_MAX_M = 192
+WGMMA_MAX_M = 256
+WGMMA_WIDE_MIN_M = 97
+WGMMA_WIDE_N = 16384
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
@@ -147,7 +154,7 @@ def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int]:
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                   bias: Optional[Tensor]) -> bool:
     """Whether the Hopper kernel takes this call: the decode kernel's conditions, an sm_90 device, and
-    WGMMA_MIN_M..WGMMA_MAX_M rows."""
+    WGMMA_MIN_M..WGMMA_MAX_M rows (from WGMMA_WIDE_MIN_M with WGMMA_WIDE_N output columns or more)."""
     from torchforge.ops._ext import has_cuda_ext
 
     # has_cuda_ext() first: it loads the extension, which registers the op
@@ -155,7 +162,8 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
             and hasattr(torch.ops.torchforge, "awq_wgmma_cuda")):
         return False
     m = x.numel() // x.shape[-1]
-    return (WGMMA_MIN_M <= m <= WGMMA_MAX_M and torch.cuda.get_device_capability(x.device) == (9, 0)
+    min_m = WGMMA_WIDE_MIN_M if qweight_mma.shape[0] * 64 >= WGMMA_WIDE_N else WGMMA_MIN_M
+    return (min_m <= m <= WGMMA_MAX_M and torch.cuda.get_device_capability(x.device) == (9, 0)
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
             and _aligned16(scales, qzeros))  # bulk copies
 
