@@ -17,14 +17,18 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
 start=$(date +%s)
-# The build takes about 3 minutes of a 10-minute call. SAVE_EXT=1 copies the built extension to $OUT; a later call
-# with csrc/ unchanged can carry it back (carry torchforge/_C*.so) and skip the build with PREBUILT=1.
-if [ -n "${PREBUILT:-}" ] && ls torchforge/_C*.so >/dev/null 2>&1; then
-  echo "PREBUILT: using the carried $(ls torchforge/_C*.so), no build"
+# The build takes about 3 minutes of a 10-minute call. SAVE_EXT=1 copies the built extension and a hash of the
+# sources it was built from to $OUT; a later call can carry both back (torchforge/_C*.so, torchforge/_C.sources)
+# and skip the build with PREBUILT=1, which builds anyway if csrc/ or setup.py changed since.
+sources_hash() { cat setup.py csrc/* | sha256sum | cut -d' ' -f1; }
+if [ -n "${PREBUILT:-}" ] && ls torchforge/_C*.so >/dev/null 2>&1 \
+    && [ "$(cat torchforge/_C.sources 2>/dev/null)" = "$(sources_hash)" ]; then
+  echo "PREBUILT: using the carried $(ls torchforge/_C*.so), built from these sources; no build"
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
+  [ -n "${PREBUILT:-}" ] && echo "PREBUILT: no carried extension built from these sources; building"
   python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; }
-  [ -n "${SAVE_EXT:-}" ] && cp torchforge/_C*.so "$OUT/" 2>/dev/null
+  if [ -n "${SAVE_EXT:-}" ]; then cp torchforge/_C*.so "$OUT/" 2>/dev/null; sources_hash > "$OUT/_C.sources"; fi
 fi
 echo "build: $(( $(date +%s) - start )) s; extension: $(python3 -c 'from torchforge.ops._ext import has_cuda_ext; print(has_cuda_ext())')"
 step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail

@@ -6,7 +6,8 @@ Columns: bf16 F.linear; torchforge's dispatched op (AWQ layout) (the CUDA GEMV o
 dequant + cuBLAS beyond); each path forced (the split-K and tiled kernels are the fp32 paths now); tinygemm (`torch._weight_int4pack_mm`) where this torch has it; the ratio
 bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + scales + qzeros); then `mma layout`:
 `awq_mma_linear` on the same weight in the mma layout (what a ForgeAWQLinear runs after `use_mma_layout()`: the
-CUDA tensor-core kernel up to 128 rows, on Hopper the wgmma kernel for 129-192, Triton dequantize + cuBLAS beyond) with
+CUDA tensor-core kernel up to 128 rows, on Hopper the wgmma kernel for 129-256 (97-256 on wide matrices), Triton
+dequantize + cuBLAS beyond) with
 its ratios; and the GPTQ layout's own
 Triton kernel (`w4a16_gptq_linear`, what a ForgeGPTQLinear runs before `use_mma_layout()`) on the same numbers.
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
@@ -293,7 +294,7 @@ def main() -> int:
     if args.mma_cuda_sweep:
         crows = mma_cuda_sweep(args.shapes, args.mma_cuda_sweep)
         print(f"device: {device_line()}")
-        print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits; "
+        print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits and warps; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
         print(markdown_table(["W", "M", "scales", "splits", "warps", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))

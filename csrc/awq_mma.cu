@@ -47,7 +47,8 @@
 namespace torchforge {
 namespace awq_mma_detail {
 
-// W warps per block (8, or 4 for the decode sizes: see mma_cuda_config); 16 warps per SM either way (<= 128 registers).
+// W warps per block (8, or 4 where that keeps every block resident: mma_cuda_warps); 16 warps per SM either way
+// (<= 128 registers).
 template <typename T, typename S, int NT, int CPG, int W>
 __global__ void __launch_bounds__(32 * W, 16 / W)
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,

@@ -13,8 +13,6 @@ namespace awq_mma_detail {
 
 using ptx::ld_stream;
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int kCols = 64;  // output columns of one layout column block: 4 MMA tiles of 16
 
 template <typename T>
@@ -190,12 +188,12 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
   }
 }
 
-// Both kernels: 8 warps split K on one column block and 16 rows of x, then sum through shared memory
+// Both kernels: 4 or 8 warps split K on one column block and 16 rows of x, then sum through shared memory
 // red[warp][row][column].
 constexpr int kRows = 16;  // rows of x per block: 2 MMA tiles of 8
 constexpr int kPad = kCols + 4;
 
-// C fragments of the 8 warps -> red: element e is column 16 i + g + 8 (e / 2), row 8 j + 2 t + (e % 2).
+// C fragments of the block's warps -> red: element e is column 16 i + g + 8 (e / 2), row 8 j + 2 t + (e % 2).
 template <int NT>
 __device__ __forceinline__ void stash(float* red, const float (&acc)[4][NT][4], int warp, int g, int t) {
 #pragma unroll

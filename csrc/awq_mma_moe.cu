@@ -16,7 +16,8 @@ namespace awq_mma_detail {
 // is routed row b alone, with expert block_expert[b] = expert_ids[b]; no sort, one 8-row MMA tile.
 // With shared_qw (and shared_sc, shared_qz: one expert's tensors) expert id E is a shared expert stored apart from
 // the E routed ones: the caller routes every token to it as one more pick, so it costs no launch of its own.
-// W warps per block, 8 or 4 as in awq_mma.cu (mma_cuda_warps): 16 warps per SM either way.
+// W warps per block, 4 or 8 as in awq_mma.cu: 16 warps per SM either way. launch_awq_mma_moe_cuda passes 4 (the
+// op's schema default is 8, what it ran before warps became an argument).
 template <typename T, typename S, int NT, int CPG, int W>
 __global__ void __launch_bounds__(32 * W, 16 / W)
     awq_mma_moe_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,

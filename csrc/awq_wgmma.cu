@@ -1,5 +1,5 @@
-// W4A16 for prefill-sized batches on Hopper's warpgroup MMA (sm_90a; any M, dispatched for 129-192 rows, see
-// torchforge/ops/awq_mma_cuda.py), from the same mma layout as the decode kernel (awq_mma.cu; built once at load
+// W4A16 for prefill-sized batches on Hopper's warpgroup MMA (sm_90a; any M, dispatched for 129-256 rows, from 97
+// on wide matrices, see torchforge/ops/awq_mma_cuda.py), from the same mma layout as the decode kernel (awq_mma.cu; built once at load
 // time by torchforge.ops.awq_mma_layout):
 //
 //   out[m, n] = sum_k x[m, k] * (q[k, n] - z[k / G, n]) * s[k / G, n]  (+ bias[n])
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
   const uint32_t stage_bytes = St::kX + valid_cbs * 2048u + s_bytes + z_bytes;
   const T* x_tiles = x + static_cast<size_t>(mb) * chunks * (BM * 64);
   // Quantization group of chunk c as a high multiply by ceil(2^32 / d), d = chunks_per_group > 1: exact while c d <
-  // 2^32 (c < K / 64 and d <= K / 64). ncu (ninth session) had the loop's two runtime divisions per chunk, MUFU.RCP
+  // 2^32, which ops.cpp checks ((K / 64) (group_size / 64) < 2^32). ncu (ninth session) had the loop's two runtime divisions per chunk, MUFU.RCP
   // sequences, among its busiest instructions.
   const uint32_t group_mul =
       chunks_per_group > 1 ? static_cast<uint32_t>((0x100000000ull + chunks_per_group - 1) / chunks_per_group) : 0u;

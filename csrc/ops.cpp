@@ -400,6 +400,10 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
               op + "needs an sm_90 (Hopper) GPU, got sm_" + i2s(major * 10 + minor) + ": use awq_mma_cuda");
   TORCH_CHECK(aligned16(scales) && aligned16(qzeros), op + "scales and qzeros must be 16-byte aligned");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
+  // the kernel finds a chunk's quantization group by a high multiply, exact while chunks x chunks per group < 2^32
+  TORCH_CHECK((K / 64) * (group_size / 64) < (int64_t{1} << 32),
+              op + "(K / 64) * (group_size / 64) must be < 2^32, got K = " + i2s(K) + ", group_size = " +
+                  i2s(group_size) + ": use awq_mma_cuda");
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const int64_t tiles = awq_wgmma_tiles(M, N, block_m, tile_set);

@@ -29,7 +29,7 @@ def _check(out, x, qw, s, z, G, b=None):
 
 
 @pytest.mark.parametrize("k,n,G,m,splits,sym", [
-    (128, 64, 128, 1, 1, True),       # one block, one group: 7 of 8 warps idle
+    (128, 64, 128, 1, 1, True),       # one block, one group: all warps but one idle
     (384, 192, 64, 3, 2, False),   # 3 blocks of columns; 6 groups over 16 warps
     (1024, 256, 128, 8, 1, True),     # one 8-row tile of x
     (1024, 256, 128, 9, 1, False),    # two tiles, the second with one row

@@ -129,6 +129,8 @@ def test_cuda_sorted_blocks_of_8_or_16(block_rows, warps, T, monkeypatch):
     (MOE_SORTED_BLOCK_ROWS, MOE_WARPS)."""
     import torchforge.ops.awq_mma_cuda as mma_cuda
 
+    if T == 2 and block_rows == 16:
+        pytest.skip("direct mode (one row per block) ignores the sorted block size: the 8-row case covers it")
     monkeypatch.setattr(mma_cuda, "MOE_SORTED_BLOCK_ROWS", block_rows)
     monkeypatch.setattr(mma_cuda, "MOE_WARPS", warps)
     k, E, G = 8, 16, 128

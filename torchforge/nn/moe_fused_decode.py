@@ -16,7 +16,7 @@ from torchforge.nn.awq_experts import ForgeAWQExperts, _is_silu
 from torchforge.nn.awq_linear import ForgeAWQLinear
 
 # Tokens up to which a block takes the fused path: decode batches. Beyond, the shared expert's rows would go through
-# the grouped decode kernel in blocks of 16 instead of the dense prefill kernels (wgmma, dequantize + cuBLAS).
+# the grouped decode kernel in sorted blocks of 8 or 16 rows instead of the dense prefill kernels (wgmma, dequantize + cuBLAS).
 FUSED_DECODE_MAX_TOKENS = 128
 
 

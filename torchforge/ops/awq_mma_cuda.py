@@ -6,6 +6,7 @@ models call.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -13,7 +14,8 @@ from torch import Tensor
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
            "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config",
-           "wgmma_cuda_ok", "launch_awq_wgmma_cuda", "register_fake"]
+           "wgmma_cuda_ok", "launch_awq_wgmma_cuda", "register_fake", "WGMMA_WIDE_MIN_M", "WGMMA_WIDE_N",
+           "moe_sorted_block_rows", "MOE_SORTED_BLOCK_ROWS", "MOE_WARPS"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
 # rows, because on the DeepSeek-V3 shapes (BENCHMARKS.md, sixth session) the kernel beat the AWQ layout's Triton
@@ -34,6 +36,12 @@ def mma_cuda_config(m: int, k: int, n: int, group_size: int) -> tuple[int, int]:
     items = k // (64 * item_chunks)
     tiles = -(-m // 16) * (n // 64)
     return (1 if tiles >= 96 else max(1, min(4, items))), item_chunks
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: Optional[int]) -> int:
+    device = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def mma_cuda_warps(blocks: int, sms: int) -> int:
@@ -107,8 +115,7 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
     s, c = mma_cuda_config(x2.shape[0], k, n, group_size)
     splits = splits or s
     if warps is None:
-        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
-        warps = mma_cuda_warps(-(-x2.shape[0] // 16) * (n // 64) * splits, sms)
+        warps = mma_cuda_warps(-(-x2.shape[0] // 16) * (n // 64) * splits, _sm_count(x2.device.index))
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits,
                                             item_chunks or c, tickets, warps)
     return out.reshape(*x.shape[:-1], n)
@@ -142,7 +149,8 @@ def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int]:
     per SM at 254 registers), except where those would leave more than half of the 132 SMs idle at up to 256 rows
     (7168x7168 at M = 256: 56 blocks): then single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the
     columns (0.100 against 0.133 ms); blocks of 64 rows x 4 tile sets where they pad less. No K slices: their fp32
-    partials cost more than the idle SMs in every swept case from 128 rows."""
+    partials cost more than the idle SMs in every swept case from 128 rows (seventh session; the wide-matrix range
+    from 97 rows takes the same rule)."""
     groups = -(-(n // 64) // 4)
     if m <= 256 and groups * -(-m // 128) < 60:
         return 256, 1, 1, 8
@@ -164,6 +172,7 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
     m = x.numel() // x.shape[-1]
     min_m = WGMMA_WIDE_MIN_M if qweight_mma.shape[0] * 64 >= WGMMA_WIDE_N else WGMMA_MIN_M
     return (min_m <= m <= WGMMA_MAX_M and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32  # ops.cpp: the kernel's group by high multiply
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
             and _aligned16(scales, qzeros))  # bulk copies
 
