@@ -133,7 +133,7 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
     return out
 
 
-def wgmma_sweep(shapes: str, ms: str) -> list:
+def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False) -> list:
     """The extension's Hopper kernel on the mma layout (csrc/awq_wgmma.cu) over (block_m, tile_set, splits), against
     bf16, the decode mma kernel (up to 128 rows), the mma layout's dequantize + cuBLAS and tinygemm in the same run."""
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, wgmma_cuda_config
@@ -164,14 +164,18 @@ def wgmma_sweep(shapes: str, ms: str) -> list:
                     blocks = -(-(OC // 64) // 4) * (1 if tw == 2 else 4 // tw) * -(-M // bm)
                     if splits == 1 or blocks * splits <= 4 * 264:
                         configs.add((bm, tw, splits, 8))
-            for cfg in sorted(configs):
-                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg)  # noqa: E731
+            runs = [(cfg, False) for cfg in sorted(configs)]
+            if producer_warp:  # the warp-specialized kernel (not with (128, 2) blocks)
+                runs += [(cfg, True) for cfg in sorted(configs) if cfg[0] != 128]
+            for cfg, ws in runs:
+                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, producer_warp=ws)  # noqa: E731
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                out.append([shape, M, *cfg[:3], "*" if cfg == default else "", t, 2 * M * OC * IC / t / 1e9,
+                out.append([shape, M, *cfg[:3], "ws" if ws else "", "*" if cfg == default and not ws else "", t,
+                            2 * M * OC * IC / t / 1e9,
                             wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
-    out.sort(key=lambda r: (r[0], r[1], r[6]))
+    out.sort(key=lambda r: (r[0], r[1], r[7]))
     return out
 
 
@@ -279,6 +283,8 @@ def main() -> int:
                     help="M list: time the extension's Hopper kernel (csrc/awq_wgmma.cu) over its configurations, "
                          "then stop")
     ap.add_argument("--best", action="store_true", help="with --wgmma-sweep: print only the fastest configuration per M")
+    ap.add_argument("--wgmma-ws", action="store_true",
+                    help="with --wgmma-sweep: also time the warp-specialized kernel (producer_warp)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
@@ -300,13 +306,13 @@ def main() -> int:
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.wgmma_sweep:
-        wrows = wgmma_sweep(args.shapes, args.wgmma_sweep)
+        wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws)
         if args.best:
-            wrows = [r for i, r in enumerate(wrows) if i == 0 or r[:2] != wrows[i - 1][:2] or r[5] == "*"]
+            wrows = [r for i, r in enumerate(wrows) if i == 0 or r[:2] != wrows[i - 1][:2] or r[6] == "*"]
         print(f"device: {device_line()}")
         print("\nHopper W4A16 kernel on the mma layout (csrc/awq_wgmma.cu), CUDA graph, bf16 x, fp16 scales; * = default; "
               "bf16, the decode kernel (csrc/awq_mma.cu), dequantize + cuBLAS and tinygemm in the same run:")
-        print(markdown_table(["W", "M", "block_m", "tile_set", "splits", "default", "ms", "TFLOP/s", "int4 GB/s",
+        print(markdown_table(["W", "M", "block_m", "tile_set", "splits", "kernel", "default", "ms", "TFLOP/s", "int4 GB/s",
                               "bf16 ms", "decode kernel ms", "dequant+cuBLAS ms", "tinygemm ms", "bf16/ms", "rel err"],
                              wrows))
         return 0

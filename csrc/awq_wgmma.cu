@@ -1,6 +1,6 @@
 // W4A16 for prefill-sized batches on Hopper's warpgroup MMA (sm_90a; any M, dispatched for 129-256 rows, from 97
-// on wide matrices, see torchforge/ops/awq_mma_cuda.py), from the same mma layout as the decode kernel (awq_mma.cu; built once at load
-// time by torchforge.ops.awq_mma_layout):
+// on wide matrices, see torchforge/ops/awq_mma_cuda.py), from the same mma layout as the decode kernel (awq_mma.cu;
+// built once at load time by torchforge.ops.awq_mma_layout):
 //
 //   out[m, n] = sum_k x[m, k] * (q[k, n] - z[k / G, n]) * s[k / G, n]  (+ bias[n])
 //
@@ -58,7 +58,7 @@ using awq_mma_detail::Traits;
 template <int TW>
 constexpr int kGroups = TW == 2 ? 2 : 1;
 template <int TW>
-constexpr int kThreads = 128 * kGroups<TW>;
+constexpr int kThreads = 128 * kGroups<TW>;  // the consumer warpgroups (+ one producer warp with WS)
 constexpr int kLook = 2;             // chunks copied ahead of the one being computed
 constexpr int kStages = kLook + 2;  // + the chunk computed + the previous one, whose wgmmas may be in flight
 constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
@@ -142,8 +142,13 @@ __device__ __forceinline__ void lds_words(uint32_t (&w)[TW], const uint8_t* p, i
 template <int BM, int TW>
 constexpr int kMinBlocks = 1;
 
-template <typename T, typename S, int BM, int TW>
-__global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
+// WS (warp specialized; prepared in the ninth session, NOT YET RUN ON A GPU, so not dispatched): one more warp in
+// the block issues the bulk copies of every stage as soon as the consumers release it, on a second mbarrier per
+// stage ("empty"; each consumer warp arrives once its wgmmas on the stage have retired). The block barrier per chunk,
+// 19.5% of the stall samples in ncu, goes away, and the two warpgroups no longer wait for each other. 288 threads
+// cap the registers at 224: (64, 2), (64, 4) and (256, 1) only.
+template <typename T, typename S, int BM, int TW, bool WS>
+__global__ void __launch_bounds__(kThreads<TW> + (WS ? 32 : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                      float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
@@ -158,8 +163,11 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   __shared__ bool is_last;
-  __shared__ alignas(8) uint64_t bars[kStages];  // per stage: the bulk copies of its chunk have landed
+  // per stage: the bulk copies of its chunk have landed ("full"); with WS also the consumers released it ("empty")
+  __shared__ alignas(8) uint64_t bars[2 * kStages];
   const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  const uint32_t empty_base = bar_base + kStages * 8;
+  constexpr int kConsumerWarps = kThreads<TW> / 32;
 
   const int tid = threadIdx.x, warp = tid / 32 % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -189,8 +197,8 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
   const uint32_t stage_bytes = St::kX + valid_cbs * 2048u + s_bytes + z_bytes;
   const T* x_tiles = x + static_cast<size_t>(mb) * chunks * (BM * 64);
   // Quantization group of chunk c as a high multiply by ceil(2^32 / d), d = chunks_per_group > 1: exact while c d <
-  // 2^32, which ops.cpp checks ((K / 64) (group_size / 64) < 2^32). ncu (ninth session) had the loop's two runtime divisions per chunk, MUFU.RCP
-  // sequences, among its busiest instructions.
+  // 2^32, which ops.cpp checks ((K / 64) (group_size / 64) < 2^32). ncu (ninth session) had the loop's two runtime
+  // divisions per chunk, MUFU.RCP sequences, among its busiest instructions.
   const uint32_t group_mul =
       chunks_per_group > 1 ? static_cast<uint32_t>((0x100000000ull + chunks_per_group - 1) / chunks_per_group) : 0u;
   auto group_of = [&](int c) {
@@ -209,9 +217,29 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
   };
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
+    if constexpr (WS)
+      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kConsumerWarps);
     ptx::mbar_fence_init();
   }
   __syncthreads();
+  if constexpr (WS) {
+    if (tid >= kThreads<TW>) {  // the producer warp: fill stage it % kStages once its previous fill is released
+      if (lane == 0)
+        for (int c = c_begin; c < c_end; ++c) {
+          const int it = c - c_begin;
+          if (it >= kStages) ptx::mbar_wait(empty_base + it % kStages * 8, (it / kStages - 1) & 1);
+          load_stage(c, it % kStages);
+        }
+      return;  // the consumers sync among themselves from here on (consumer_sync)
+    }
+  }
+  // A barrier of the consumer threads only (with WS the producer warp has left).
+  auto consumer_sync = [] {
+    if constexpr (WS)
+      asm volatile("bar.sync 1, %0;" ::"n"(kThreads<TW>) : "memory");
+    else
+      __syncthreads();
+  };
 
   float acc[TW][BM / 2];
 #pragma unroll
@@ -219,7 +247,7 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
 #pragma unroll
     for (int e = 0; e < BM / 2; ++e) acc[i][e] = 0.0f;
 
-  if (tid == 0)
+  if (!WS && tid == 0)
     for (int i = 0; i < kLook; ++i)
       if (c_begin + i < c_end) load_stage(c_begin + i, i);
 
@@ -234,10 +262,12 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
     const int it = c - c_begin;
     const int st = it % kStages;
     ptx::mbar_wait(bar_base + st * 8, (it / kStages) & 1);  // chunk c has landed (its (it / kStages)-th fill)
-    // Every warp has retired chunk c - 2's wgmmas (the wait after chunk c - 1's) and read its words and scales: that
-    // stage is free for chunk c + kLook.
-    __syncthreads();
-    if (tid == 0 && c + kLook < c_end) load_stage(c + kLook, (it + kLook) % kStages);
+    if constexpr (!WS) {
+      // Every warp has retired chunk c - 2's wgmmas (the wait after chunk c - 1's) and read its words and scales:
+      // that stage is free for chunk c + kLook.
+      __syncthreads();
+      if (tid == 0 && c + kLook < c_end) load_stage(c + kLook, (it + kLook) % kStages);
+    }
 
     const uint8_t* stage = smem + st * St::kBytes;
     if (c == c_begin || group_of(c) * chunks_per_group == c) {  // scales and zero points of this lane's columns
@@ -278,6 +308,10 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
         wgmma::mma_rs<BM, T>(acc[i], a[s][i][0], a[s][i][1], a[s][i][2], a[s][i][3], desc + 2 * s);
     wgmma::commit();
     wgmma::wait<1>();
+    if constexpr (WS) {  // chunk c - 1's wgmmas have retired and its words and scales were read: release its stage
+      __syncwarp();
+      if (it > 0 && lane == 0) ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
+    }
   };
   uint32_t a0[4][TW][4], a1[4][TW][4];
   int c = c_begin;
@@ -316,9 +350,9 @@ __global__ void __launch_bounds__(kThreads<TW>, (kMinBlocks<BM, TW>))
   const int slice = blockIdx.z;
   for_each([&](float v, int m, int n) { partial[(static_cast<size_t>(slice) * M + m) * N + n] = v; });
   __threadfence();  // this block's partials are visible before its ticket is taken
-  __syncthreads();
+  consumer_sync();
   if (tid == 0) is_last = atomicAdd(&tickets[pid], 1u) == static_cast<unsigned>(splits - 1);
-  __syncthreads();
+  consumer_sync();
   if (!is_last) return;
   __threadfence();
   for_each([&](float, int m, int n) {
@@ -356,11 +390,11 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
   reinterpret_cast<uint4*>(img)[piece] = v;
 }
 
-template <typename T, typename S, int BM, int TW>
+template <typename T, typename S, int BM, int TW, bool WS>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    int group_m, cudaStream_t stream) {
-  auto kernel = awq_wgmma_kernel<T, S, BM, TW>;
+  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS>;
   constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
   int dev = 0;
@@ -375,7 +409,8 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
                                                                                     static_cast<T*>(x_image), M, K);
   const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<TW>));
   const dim3 grid(ncols * ((M + BM - 1) / BM), 1, splits);
-  kernel<<<grid, kThreads<TW>, smem, stream>>>(static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
+  kernel<<<grid, kThreads<TW> + (WS ? 32 : 0), smem, stream>>>(
+      static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
                                            static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
                                            static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N,
                                            K, group_size / 64, splits, group_m);
@@ -397,11 +432,11 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 // (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
 // alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 1 <= splits <= K / 64, that the device is an
 // sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...)
-// zeros and `partial` splits * M * N floats (splits > 1).
+// zeros and `partial` splits * M * N floats (splits > 1); producer_warp (WS, not with (128, 2)): see the kernel.
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                             int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m,
+                             int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
                              cudaStream_t stream) {
   using namespace awq_wgmma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
@@ -409,15 +444,24 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
   return awq_mma_detail::dispatch_dtypes(dtype, scale_dtype, [&](auto tv, auto sv) {
     using T = decltype(tv);
     using S = decltype(sv);
-    auto run = [&](auto bm, auto tw) {
-      return launch<T, S, decltype(bm)::value, decltype(tw)::value>(x, x_image, qweight, scales, qzeros, bias, out,
-                                                                   partial, tickets, m, n, k, gs, s, gm, stream);
+    auto run = [&](auto bm, auto tw, auto ws) {
+      return launch<T, S, decltype(bm)::value, decltype(tw)::value, decltype(ws)::value>(
+          x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, gs, s, gm, stream);
     };
     using std::integral_constant;
-    if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});
-    if (block_m == 64 && tile_set == 2) return run(integral_constant<int, 64>{}, integral_constant<int, 2>{});
-    if (block_m == 128 && tile_set == 2) return run(integral_constant<int, 128>{}, integral_constant<int, 2>{});
-    if (block_m == 256 && tile_set == 1) return run(integral_constant<int, 256>{}, integral_constant<int, 1>{});
+    using Off = std::false_type;
+    using On = std::true_type;
+    if (block_m == 64 && tile_set == 4)
+      return producer_warp ? run(integral_constant<int, 64>{}, integral_constant<int, 4>{}, On{})
+                           : run(integral_constant<int, 64>{}, integral_constant<int, 4>{}, Off{});
+    if (block_m == 64 && tile_set == 2)
+      return producer_warp ? run(integral_constant<int, 64>{}, integral_constant<int, 2>{}, On{})
+                           : run(integral_constant<int, 64>{}, integral_constant<int, 2>{}, Off{});
+    if (block_m == 256 && tile_set == 1)
+      return producer_warp ? run(integral_constant<int, 256>{}, integral_constant<int, 1>{}, On{})
+                           : run(integral_constant<int, 256>{}, integral_constant<int, 1>{}, Off{});
+    if (block_m == 128 && tile_set == 2 && !producer_warp)  // 254 registers: no room for a 9th warp
+      return run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, Off{});
     return cudaErrorInvalidValue;
   });
 }

@@ -81,6 +81,25 @@ def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, s
         assert ((one.float() - out.float()).norm() / one.float().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("shape", [(64, 4), (64, 2), (256, 1)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_producer_warp_gives_the_same_bits(shape, splits):
+    """The warp-specialized kernel (a producer warp, full and empty mbarriers per stage) runs the same wgmmas in the
+    same order as the default one: the same bits. 112 chunks wrap the stage ring many times; K slices start mid-ring;
+    640 columns leave a partial group of column blocks; two row blocks, the second partial."""
+    qw, mma, s, z = _case(7168, 640, 128, sym=False, seed=7)
+    x = torch.randn(shape[0] + 5, 7168, device="cuda", dtype=torch.bfloat16)
+    base = _run(x, mma, s, z, 128, shape=shape, splits=splits)
+    expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
+    assert ((base.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    ws = op(x, mma, s, z, 128, None, splits, shape[0], shape[1], 8, True)
+    assert torch.equal(ws, base)
+    assert torch.equal(op(x, mma, s, z, 128, None, splits, shape[0], shape[1], 8, True), base)  # tickets reset
+    with pytest.raises(RuntimeError, match=r"producer_warp needs block_m 64 or 256"):
+        op(x, mma, s, z, 128, None, 1, 128, 2, 8, True)
+
+
 def test_rows_of_x_are_independent():
     """Row i of a 200-row call equals the same row inside another block of rows (no leakage between row blocks)."""
     qw, mma, s, z = _case(1024, 256, 128, seed=3)

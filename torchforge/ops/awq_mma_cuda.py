@@ -179,17 +179,19 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                           bias: Optional[Tensor] = None, *,
-                          config: Optional[tuple[int, int, int, int]] = None) -> Tensor:
+                          config: Optional[tuple[int, int, int, int]] = None, producer_warp: bool = False) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
-    (block_m, tile_set, splits, group_m), else wgmma_cuda_config."""
+    (block_m, tile_set, splits, group_m), else wgmma_cuda_config. `producer_warp`: the warp-specialized kernel
+    (csrc/awq_wgmma.cu, WS; prepared in the ninth session, not yet run on a GPU, never dispatched)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
         x2 = x2.contiguous()
     block_m, tile_set, splits, group_m = config or wgmma_cuda_config(x2.shape[0], k, n)
+    extra = (True,) if producer_warp else ()
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
-                                              tile_set, group_m)
+                                              tile_set, group_m, *extra)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -279,13 +281,16 @@ def register_fake() -> None:
 
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda"):
         @torch.library.register_fake("torchforge::awq_wgmma_cuda")
-        def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m):
+        def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False):
             torch._check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
                          lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
                                  f"{tuple(x.shape)} and {tuple(qweight.shape)}")
             torch._check((block_m, tile_set) in _WGMMA_SHAPES,
                          lambda: f"awq_wgmma_cuda: (block_m, tile_set) must be one of {_WGMMA_SHAPES}, got "
                                  f"({block_m}, {tile_set})")
+            torch._check(not (producer_warp and block_m == 128),
+                         lambda: "awq_wgmma_cuda: producer_warp needs block_m 64 or 256 ((128, 2) blocks leave no "
+                                 "registers for a 9th warp)")
             return x.new_empty((x.shape[0], qweight.shape[0] * 64))
 
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
