@@ -70,6 +70,6 @@ case " $SUITE " in *" sanitize "*)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_wgmma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_wgmma_cuda.py -m "not slow" \
-      -k "${SANITIZE_WGMMA_K:-bit_exact and (dtype0 or dtype2) or 1024-320 or independent or opcheck}"
+      -k "${SANITIZE_WGMMA_K:-bit_exact and (dtype0 or dtype2) or 1024-320 or independent or opcheck or producer_warp}"
   done ;;
 esac
