@@ -145,8 +145,10 @@ constexpr int kMinBlocks = 1;
 // WS (warp specialized; prepared in the ninth session, NOT YET RUN ON A GPU, so not dispatched): one more warp in
 // the block issues the bulk copies of every stage as soon as the consumers release it, on a second mbarrier per
 // stage ("empty"; each consumer warp arrives once its wgmmas on the stage have retired). The block barrier per chunk,
-// 19.5% of the stall samples in ncu, goes away, and the two warpgroups no longer wait for each other. 288 threads
-// cap the registers at 224: (64, 2), (64, 4) and (256, 1) only.
+// 19.5% of the stall samples in ncu, goes away, and the two warpgroups no longer wait for each other. ptxas sizes a
+// 288-thread block's registers as for 384 threads: 168 (a few spills for (64, 2), inside the loop with fp16 scales
+// and bf16 x); (64, 4) at 255 fits one block per SM instead of two; (128, 2) is refused. A producer warpgroup with
+// setmaxnreg would lift this.
 template <typename T, typename S, int BM, int TW, bool WS>
 __global__ void __launch_bounds__(kThreads<TW> + (WS ? 32 : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
@@ -164,7 +166,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? 32 : 0), (kMinBlocks<BM, 
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   __shared__ bool is_last;
   // per stage: the bulk copies of its chunk have landed ("full"); with WS also the consumers released it ("empty")
-  __shared__ alignas(8) uint64_t bars[2 * kStages];
+  __shared__ alignas(8) uint64_t bars[WS ? 2 * kStages : kStages];
   const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
   const uint32_t empty_base = bar_base + kStages * 8;
   constexpr int kConsumerWarps = kThreads<TW> / 32;
@@ -309,6 +311,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? 32 : 0), (kMinBlocks<BM, 
     wgmma::commit();
     wgmma::wait<1>();
     if constexpr (WS) {  // chunk c - 1's wgmmas have retired and its words and scales were read: release its stage
+      wgmma::fence_proxy_async();  // this lane's shared loads of it before the producer's bulk copy (async proxy)
       __syncwarp();
       if (it > 0 && lane == 0) ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
     }
