@@ -189,9 +189,8 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
         x2 = x2.contiguous()
     block_m, tile_set, splits, group_m = config or wgmma_cuda_config(x2.shape[0], k, n)
-    extra = (True,) if producer_warp else ()
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
-                                              tile_set, group_m, *extra)
+                                              tile_set, group_m, producer_warp)
     return out.reshape(*x.shape[:-1], n)
 
 
