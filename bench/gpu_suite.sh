@@ -3,7 +3,8 @@
 # tests, run the benchmarks and the demo. Logs go under $OUT (the device tool brings them back).
 #   device run:  bash bench/gpu_suite.sh        (carry .whl: wheels missing on the device, e.g. expecttest)
 #   decode only: SUITE=bench BENCHES=decode bash bench/gpu_suite.sh   (DECODE_ARGS: e.g. "--batches 1")
-#   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernels' tests)
+#   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernels' tests; SANITIZE_SETS
+#                picks some of "quantize mma wgmma")
 #   some tests: SUITE=tests TESTS="tests/ops/x.py ..." (PYTEST_ARGS too); W4A16_ARGS / DECODE_ARGS / MOE_ARGS pass
 #   arguments to the benchmarks
 set -uo pipefail
@@ -34,7 +35,7 @@ echo "build: $(( $(date +%s) - start )) s; extension: $(python3 -c 'from torchfo
 step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail
   local name=$1; shift
   local t0=$(date +%s)
-  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  timeout "${STEP_TIMEOUT:-0}" "$@" > "$OUT/$name.log" 2>&1; local rc=$?  # STEP_TIMEOUT: a hung kernel ends the step (rc 124), not the call
   echo "== $name: rc=$rc, $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 SUITE=${SUITE:-tests bench demo}
@@ -56,18 +57,19 @@ case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
 # the Hopper wgmma kernel); PyTorch's caching allocator is turned off so
 # that out-of-bounds accesses inside a cached block are caught too.
 case " $SUITE " in *" sanitize "*)
+  sets=" ${SANITIZE_SETS:-quantize mma wgmma} "  # which of the three groups below
   for tool in memcheck racecheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
+    [[ $sets == *" quantize "* ]] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_quantize_cuda.py tests/ops/test_awq_gemv_cuda.py -m "not slow" \
       -k "${SANITIZE_K:-296x384 or 2x264x320 or ties or tiny or huge or matches or errors}"
     # the mma-layout kernels (dense and grouped): one parametrization in four of the dense matrix cases
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_mma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
+    [[ $sets == *" mma "* ]] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_mma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_mma_cuda.py tests/ops/test_awq_mma_moe.py -m "not slow" \
       -k "${SANITIZE_MMA_K:-1-True-dtype1 or 2-False-dtype0 or independent or opcheck or grouped or direct or bf16_scales or tickets}"
     # the Hopper kernel (csrc/awq_wgmma.cu: bulk copies, mbarriers, wgmma): every block shape once, K slices, tails
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_wgmma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
+    [[ $sets == *" wgmma "* ]] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_wgmma_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_wgmma_cuda.py -m "not slow" \
       -k "${SANITIZE_WGMMA_K:-bit_exact and (dtype0 or dtype2) or 1024-320 or independent or opcheck or producer_warp}"

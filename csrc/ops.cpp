@@ -379,7 +379,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 
 // Prefill form of awq_mma_cuda on Hopper's warpgroup MMA (csrc/awq_wgmma.cu, sm_90 devices only): same tensors and
 // result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
-// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (prepared, not yet run on a GPU).
+// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (dispatched for 129-256 rows).
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                           int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp) {
