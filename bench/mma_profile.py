@@ -17,7 +17,8 @@ def main() -> int:
     p.add_argument("--shape", default="18432x7168", help="OCxIC")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--wgmma", default="", help="block_m,tile_set,splits,group_m: run csrc/awq_wgmma.cu instead")
+    p.add_argument("--wgmma", default="", help="block_m,tile_set,splits,group_m[,ws]: run csrc/awq_wgmma.cu instead "
+                                            "(ws 1: the producer warp)")
     args = p.parse_args()
     from torchforge.ops._ext import has_cuda_ext
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda
@@ -34,7 +35,8 @@ def main() -> int:
     x = torch.randn(args.m, ic, device="cuda", dtype=torch.bfloat16)
     for _ in range(args.iters):
         if args.wgmma:
-            launch_awq_wgmma_cuda(x, mma, sc, qz, g, config=tuple(map(int, args.wgmma.split(","))))
+            bm, tw, splits, gm, *ws = map(int, args.wgmma.split(","))
+            launch_awq_wgmma_cuda(x, mma, sc, qz, g, config=(bm, tw, splits, gm, bool(ws and ws[0])))
         else:
             launch_awq_mma_cuda(x, mma, sc, qz, g)
     torch.cuda.synchronize()

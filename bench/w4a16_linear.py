@@ -163,15 +163,14 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False) -> list:
                 for splits in (1, 2, 3, 4, 6, 8):
                     blocks = -(-(OC // 64) // 4) * (1 if tw == 2 else 4 // tw) * -(-M // bm)
                     if splits == 1 or blocks * splits <= 4 * 264:
-                        configs.add((bm, tw, splits, 8))
-            runs = [(cfg, False) for cfg in sorted(configs)]
-            if producer_warp:  # the warp-specialized kernel (not with (128, 2) blocks)
-                runs += [(cfg, True) for cfg in sorted(configs) if cfg[0] != 128]
-            for cfg, ws in runs:
-                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, producer_warp=ws)  # noqa: E731
+                        configs.add((bm, tw, splits, 8, False))
+                        if producer_warp and bm != 128:  # the warp-specialized kernel (not with (128, 2) blocks)
+                            configs.add((bm, tw, splits, 8, True))
+            for cfg in sorted(configs):
+                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg)  # noqa: E731
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                out.append([shape, M, *cfg[:3], "ws" if ws else "", "*" if cfg == default and not ws else "", t,
+                out.append([shape, M, *cfg[:3], "ws" if cfg[4] else "", "*" if cfg == default else "", t,
                             2 * M * OC * IC / t / 1e9,
                             wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)

@@ -122,41 +122,42 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 
 
 # ------------------------------------------------------------------ prefill on Hopper: csrc/awq_wgmma.cu
-# Rows of x the warpgroup-MMA kernel takes (sm_90 devices). H100 sweep of the ninth session (BENCHMARKS.md; bf16 x,
-# 18432x7168 / 7168x7168, ms, against the mma layout's other paths in the same run), after the kernel lost its
+# Rows of x the warpgroup-MMA kernel takes (sm_90 devices). H100 sweeps (BENCHMARKS.md; bf16 x, 18432x7168 /
+# 7168x7168, ms, against the mma layout's other paths in the same run); ninth session, after the kernel lost its
 # per-chunk divisions (6-20% faster):
 #   rows                  96             128            256            384            512
 #   wgmma          0.115 / 0.080  0.118 / 0.081  0.237 / 0.083  0.237 / 0.122  0.351 / 0.122
 #   decode kernel  0.132 / 0.055  0.175 / 0.067        -              -              -
 #   dequant+cuBLAS 0.220 / 0.090  0.215 / 0.089  0.228 / 0.094  0.287 / 0.109  0.328 / 0.124
-# - 129-256 rows: wgmma (at 256 rows 4% slower than dequantize + cuBLAS on 18432x7168, 12% faster on 7168x7168, and
-#   without a dequantized bf16 copy of the weight: 264 MB for 18432x7168).
-# - 97-128 rows on wide matrices (WGMMA_WIDE_N output columns or more): wgmma, whose 128-row blocks dequantize each
-#   weight once where the decode kernel does it 8 times; on 7168x7168 the decode kernel's 8 row blocks x 112 column
+# tenth session, with the producer warp (WS) from 129 rows: 0.173-0.199 / 0.066-0.069 ms for 160-256 rows.
+# - 129-256 rows: wgmma, WS (at 256 rows 13% / 27% faster than dequantize + cuBLAS, and without a dequantized bf16
+#   copy of the weight: 264 MB for 18432x7168).
+# - 81-128 rows on wide matrices (WGMMA_WIDE_N output columns or more): wgmma, whose 128-row blocks dequantize each
+#   weight once where the decode kernel does it once per 16 rows (0.116 against 0.131 ms at 96 rows; the decode
+#   kernel's time steps up every 16 rows, 0.088 ms at 64); on 7168x7168 the decode kernel's row blocks x 112 column
 #   blocks fill the GPU better.
 # - From 384 rows the two paths trade places by shape; cuBLAS reaches about 70% of the tensor peak at large M, this
 #   kernel 49%.
 WGMMA_MIN_M = 129
 WGMMA_MAX_M = 256
-WGMMA_WIDE_MIN_M = 97
+WGMMA_WIDE_MIN_M = 81
 WGMMA_WIDE_N = 16384
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
-def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int]:
-    """(block_m, tile_set, splits, group_m) for x [m, k] and n output columns, from the H100 sweeps
-    (`bench/w4a16_linear.py --wgmma-sweep`, 2026-11-22): blocks of 128 rows x 2 tile sets in two warpgroups (one block
-    per SM at 254 registers), except where those would leave more than half of the 132 SMs idle at up to 256 rows
-    (7168x7168 at M = 256: 56 blocks): then single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the
-    columns (0.100 against 0.133 ms); blocks of 64 rows x 4 tile sets where they pad less. No K slices: their fp32
-    partials cost more than the idle SMs in every swept case from 128 rows (seventh session; the wide-matrix range
-    from 97 rows takes the same rule)."""
-    groups = -(-(n // 64) // 4)
-    if m <= 256 and groups * -(-m // 128) < 60:
-        return 256, 1, 1, 8
-    if 0 < m % 128 <= 64:  # blocks of 64 rows pad less (M = 192 on 18432x7168: 0.206 against 0.268 ms)
-        return 64, 4, 1, 8
-    return 128, 2, 1, 8
+def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int, bool]:
+    """(block_m, tile_set, splits, group_m, producer_warp) for x [m, k] and n output columns, from the H100 sweeps
+    (`bench/w4a16_linear.py --wgmma-sweep`): blocks of 128 rows x 2 tile sets in two warpgroups (one block per SM at
+    254 registers) up to 128 rows and from 257; from 129 to 256 rows the kernel with the producer warp (WS; tenth
+    session), on single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the columns (0.199 against 0.236
+    ms on 18432x7168 and 0.069 against 0.082 on 7168x7168 at M = 256), or up to 192 rows of a wide matrix on blocks
+    of 64 rows x 2 tile sets; blocks of 64 rows x 4 tile sets where they pad less past 256 rows. No K slices: their fp32 partials cost more than the idle SMs in every swept case from 128 rows
+    (seventh session; stream-K, tenth session, did not pay either: BENCHMARKS.md)."""
+    if 128 < m <= 256:  # 160 / 192 rows on 18432x7168: (64, 2) WS 0.177 / 0.179 ms against 0.195 / 0.197
+        return (64, 2, 1, 8, True) if n >= WGMMA_WIDE_N and m <= 192 else (256, 1, 1, 8, True)
+    if m > 256 and 0 < m % 128 <= 64:  # blocks of 64 rows pad less
+        return 64, 4, 1, 8, False
+    return 128, 2, 1, 8, False
 
 
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -179,18 +180,17 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                           bias: Optional[Tensor] = None, *,
-                          config: Optional[tuple[int, int, int, int]] = None, producer_warp: bool = False) -> Tensor:
+                          config: Optional[tuple[int, int, int, int, bool]] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
-    (block_m, tile_set, splits, group_m), else wgmma_cuda_config. `producer_warp`: the warp-specialized kernel
-    (csrc/awq_wgmma.cu, WS; prepared in the ninth session, not yet run on a GPU, never dispatched)."""
+    (block_m, tile_set, splits, group_m, producer_warp), else wgmma_cuda_config."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
         x2 = x2.contiguous()
-    block_m, tile_set, splits, group_m = config or wgmma_cuda_config(x2.shape[0], k, n)
+    block_m, tile_set, splits, group_m, ws = config or wgmma_cuda_config(x2.shape[0], k, n)
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
-                                              tile_set, group_m, producer_warp)
+                                              tile_set, group_m, ws)
     return out.reshape(*x.shape[:-1], n)
 
 
