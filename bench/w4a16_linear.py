@@ -164,7 +164,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False) -> list:
                     blocks = -(-(OC // 64) // 4) * (1 if tw == 2 else 4 // tw) * -(-M // bm)
                     if splits == 1 or blocks * splits <= 4 * 264:
                         configs.add((bm, tw, splits, 8, False))
-                        if producer_warp and bm != 128:  # the warp-specialized kernel (not with (128, 2) blocks)
+                        if producer_warp:  # the warp-specialized kernel
                             configs.add((bm, tw, splits, 8, True))
             for cfg in sorted(configs):
                 f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg)  # noqa: E731

@@ -1,4 +1,4 @@
-// W4A16 for prefill-sized batches on Hopper's warpgroup MMA (sm_90a; any M, dispatched for 129-256 rows, from 97
+// W4A16 for prefill-sized batches on Hopper's warpgroup MMA (sm_90a; any M, dispatched for 129-512 rows, from 65
 // on wide matrices, see torchforge/ops/awq_mma_cuda.py), from the same mma layout as the decode kernel (awq_mma.cu;
 // built once at load time by torchforge.ops.awq_mma_layout):
 //
@@ -58,7 +58,14 @@ using awq_mma_detail::Traits;
 template <int TW>
 constexpr int kGroups = TW == 2 ? 2 : 1;
 template <int TW>
-constexpr int kThreads = 128 * kGroups<TW>;  // the consumer warpgroups (+ one producer warp with WS)
+constexpr int kThreads = 128 * kGroups<TW>;  // the consumer warpgroups (+ the producer with WS)
+// WS producer: one warp beside one consumer warpgroup; a whole warpgroup beside two, which gives its registers to
+// them (setmaxnreg): ptxas caps a block of 288 or 384 threads at 168 registers, and two consumer warpgroups need
+// more (254 for (128, 2), 168 with spills and serialized wgmmas for (64, 2)). 384 x 168 = 128 x 24 + 256 x 240.
+template <int TW>
+constexpr int kProducerThreads = kGroups<TW> == 2 ? 128 : 32;
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
 constexpr int kLook = 2;             // chunks copied ahead of the one being computed
 constexpr int kStages = kLook + 2;  // + the chunk computed + the previous one, whose wgmmas may be in flight
 constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
@@ -142,16 +149,15 @@ __device__ __forceinline__ void lds_words(uint32_t (&w)[TW], const uint8_t* p, i
 template <int BM, int TW>
 constexpr int kMinBlocks = 1;
 
-// WS (warp specialized): one more warp in the block issues the bulk copies of every stage as soon as the consumers
+// WS (warp specialized): a producer (kProducerThreads) issues the bulk copies of every stage as soon as the consumers
 // release it, on a second mbarrier per stage ("empty"; every consumer thread arrives once its warpgroup's wgmmas on
 // the stage have retired). The block barrier per chunk, 19.5% of the stall samples in ncu, goes away, and the two
-// warpgroups no longer wait for each other. Dispatched from 129 to 256 rows (tenth session, H100: 0.199 against
-// 0.236 ms at M = 256 on 18432x7168, 0.069 against 0.082 on 7168x7168; no faster at 4096 rows). ptxas sizes a
-// 288-thread block's registers as for 384 threads: 168 (a few spills for (64, 2), inside the loop with fp16 scales
-// and bf16 x); (64, 4) at 255 fits one block per SM instead of two; (128, 2) is refused. A producer warpgroup with
-// setmaxnreg would lift this.
+// warpgroups no longer wait for each other. Every dispatched configuration is WS (tenth session, H100: 8-19% faster
+// on the same blocks; 0.199 against 0.236 ms at M = 256 on 18432x7168). With two consumer warpgroups the producer
+// is a warpgroup that drops to 24 registers (setmaxnreg) so that they get 240; with a producer warp, ptxas held
+// (64, 2) at 168 registers, with spills and serialized wgmmas, and (128, 2) could not have it at all.
 template <typename T, typename S, int BM, int TW, bool WS>
-__global__ void __launch_bounds__(kThreads<TW> + (WS ? 32 : 0), (kMinBlocks<BM, TW>))
+__global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                      float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
@@ -225,8 +231,9 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? 32 : 0), (kMinBlocks<BM, 
   }
   __syncthreads();
   if constexpr (WS) {
-    if (tid >= kThreads<TW>) {  // the producer warp: fill stage it % kStages once its previous fill is released
-      if (lane == 0)
+    if (tid >= kThreads<TW>) {  // the producer: fill stage it % kStages once its previous fill is released
+      if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+      if (tid == kThreads<TW>)
         for (int c = c_begin; c < c_end; ++c) {
           const int it = c - c_begin;
           if (it >= kStages) ptx::mbar_wait(empty_base + it % kStages * 8, (it / kStages - 1) & 1);
@@ -234,6 +241,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? 32 : 0), (kMinBlocks<BM, 
         }
       return;  // the consumers sync among themselves from here on (consumer_sync)
     }
+    if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
   }
   // A barrier of the consumer threads only (with WS the producer warp has left).
   auto consumer_sync = [] {
@@ -413,7 +421,7 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
                                                                                     static_cast<T*>(x_image), M, K);
   const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<TW>));
   const dim3 grid(ncols * ((M + BM - 1) / BM), 1, splits);
-  kernel<<<grid, kThreads<TW> + (WS ? 32 : 0), smem, stream>>>(
+  kernel<<<grid, kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
       static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
                                            static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
                                            static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N,
@@ -464,8 +472,9 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
     if (block_m == 256 && tile_set == 1)
       return producer_warp ? run(integral_constant<int, 256>{}, integral_constant<int, 1>{}, On{})
                            : run(integral_constant<int, 256>{}, integral_constant<int, 1>{}, Off{});
-    if (block_m == 128 && tile_set == 2 && !producer_warp)  // 254 registers: no room for a 9th warp
-      return run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, Off{});
+    if (block_m == 128 && tile_set == 2)
+      return producer_warp ? run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, On{})
+                           : run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, Off{});
     return cudaErrorInvalidValue;
   });
 }

@@ -379,7 +379,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 
 // Prefill form of awq_mma_cuda on Hopper's warpgroup MMA (csrc/awq_wgmma.cu, sm_90 devices only): same tensors and
 // result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
-// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (dispatched for 129-256 rows).
+// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses).
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                           int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp) {
@@ -391,8 +391,6 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
               op + "(block_m, tile_set) must be (64, 4), (64, 2), (128, 2) or (256, 1), got (" + i2s(block_m) + ", " +
                   i2s(tile_set) + ")");
   TORCH_CHECK(group_m >= 1, op + "group_m must be >= 1, got " + i2s(group_m));
-  TORCH_CHECK(!(producer_warp && block_m == 128),
-              op + "producer_warp needs block_m 64 or 256 ((128, 2) blocks leave no registers for a 9th warp)");
   group_m = std::min(group_m, (x.size(0) + block_m - 1) / block_m);  // more is the same raster; keeps 32-bit math
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   int major = 0, minor = 0;

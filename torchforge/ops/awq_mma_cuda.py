@@ -129,35 +129,34 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 #   wgmma          0.115 / 0.080  0.118 / 0.081  0.237 / 0.083  0.237 / 0.122  0.351 / 0.122
 #   decode kernel  0.132 / 0.055  0.175 / 0.067        -              -              -
 #   dequant+cuBLAS 0.220 / 0.090  0.215 / 0.089  0.228 / 0.094  0.287 / 0.109  0.328 / 0.124
-# tenth session, with the producer warp (WS) from 129 rows: 0.173-0.199 / 0.066-0.069 ms for 160-256 rows.
-# - 129-256 rows: wgmma, WS (at 256 rows 13% / 27% faster than dequantize + cuBLAS, and without a dequantized bf16
-#   copy of the weight: 264 MB for 18432x7168).
-# - 81-128 rows on wide matrices (WGMMA_WIDE_N output columns or more): wgmma, whose 128-row blocks dequantize each
-#   weight once where the decode kernel does it once per 16 rows (0.116 against 0.131 ms at 96 rows; the decode
-#   kernel's time steps up every 16 rows, 0.088 ms at 64); on 7168x7168 the decode kernel's row blocks x 112 column
-#   blocks fill the GPU better.
-# - From 384 rows the two paths trade places by shape; cuBLAS reaches about 70% of the tensor peak at large M, this
-#   kernel 49%.
+# tenth session, all WS (a producer warp or warpgroup): 0.095 / 0.065 ms at 128 rows, 0.173-0.199 / 0.066-0.069 for
+# 160-256, 0.295 / 0.107 at 512 (dequant+cuBLAS 0.316 / 0.123), 1.991 / 0.777 at 4096 (dequant+cuBLAS 1.664 / 0.664).
+# - 129-512 rows: wgmma (at 256 rows 13% / 27% faster than dequantize + cuBLAS, at 512 7% / 15%, and without a
+#   dequantized bf16 copy of the weight: 264 MB for 18432x7168). Past 512, dequantize + cuBLAS: cuBLAS reaches about
+#   70% of the tensor peak at large M, this kernel 55%.
+# - 65-128 rows on wide matrices (WGMMA_WIDE_N output columns or more): wgmma, whose 128-row blocks dequantize each
+#   weight once where the decode kernel does it once per 16 rows (its time steps up every 16 rows: 0.088 ms at 64,
+#   0.106 at 80, 0.131 at 96, against wgmma's 0.095 at 65-128); on 7168x7168 the decode kernel's row blocks x 112
+#   column blocks fill the GPU better.
 WGMMA_MIN_M = 129
-WGMMA_MAX_M = 256
-WGMMA_WIDE_MIN_M = 81
+WGMMA_MAX_M = 512
+WGMMA_WIDE_MIN_M = 65
 WGMMA_WIDE_N = 16384
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
 def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int, bool]:
     """(block_m, tile_set, splits, group_m, producer_warp) for x [m, k] and n output columns, from the H100 sweeps
-    (`bench/w4a16_linear.py --wgmma-sweep`): blocks of 128 rows x 2 tile sets in two warpgroups (one block per SM at
-    254 registers) up to 128 rows and from 257; from 129 to 256 rows the kernel with the producer warp (WS; tenth
-    session), on single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the columns (0.199 against 0.236
-    ms on 18432x7168 and 0.069 against 0.082 on 7168x7168 at M = 256), or up to 192 rows of a wide matrix on blocks
-    of 64 rows x 2 tile sets; blocks of 64 rows x 4 tile sets where they pad less past 256 rows. No K slices: their fp32 partials cost more than the idle SMs in every swept case from 128 rows
-    (seventh session; stream-K, tenth session, did not pay either: BENCHMARKS.md)."""
-    if 128 < m <= 256:  # 160 / 192 rows on 18432x7168: (64, 2) WS 0.177 / 0.179 ms against 0.195 / 0.197
+    (`bench/w4a16_linear.py --wgmma-sweep`, tenth session), all warp-specialized (WS): blocks of 128 rows x 2 tile
+    sets in two warpgroups, beside a producer warpgroup that hands them its registers, up to 128 and from 257 rows
+    (0.095 against 0.118 ms without WS at M = 128 on 18432x7168; 0.295 against 0.350 at 512); from 129 to 256 rows
+    single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the columns (0.199 ms on 18432x7168 and
+    0.069 on 7168x7168 at M = 256), or up to 192 rows of a wide matrix blocks of 64 rows x 2 tile sets. No K slices:
+    their fp32 partials cost more than the idle SMs in every swept case from 128 rows (seventh session; stream-K,
+    tenth session, did not pay either: BENCHMARKS.md)."""
+    if 128 < m <= 256:  # 160 / 192 rows on 18432x7168: (64, 2) 0.177 / 0.179 ms against 0.195 / 0.197
         return (64, 2, 1, 8, True) if n >= WGMMA_WIDE_N and m <= 192 else (256, 1, 1, 8, True)
-    if m > 256 and 0 < m % 128 <= 64:  # blocks of 64 rows pad less
-        return 64, 4, 1, 8, False
-    return 128, 2, 1, 8, False
+    return 128, 2, 1, 8, True
 
 
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -287,9 +286,6 @@ def register_fake() -> None:
             torch._check((block_m, tile_set) in _WGMMA_SHAPES,
                          lambda: f"awq_wgmma_cuda: (block_m, tile_set) must be one of {_WGMMA_SHAPES}, got "
                                  f"({block_m}, {tile_set})")
-            torch._check(not (producer_warp and block_m == 128),
-                         lambda: "awq_wgmma_cuda: producer_warp needs block_m 64 or 256 ((128, 2) blocks leave no "
-                                 "registers for a 9th warp)")
             return x.new_empty((x.shape[0], qweight.shape[0] * 64))
 
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
