@@ -145,14 +145,12 @@ def test_wgmma_config_follows_the_sweep():
     """wgmma_cuda_config's choices (csrc/awq_wgmma.cu, BENCHMARKS.md seventh session), and the dispatch range."""
     from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M, WGMMA_MIN_M, wgmma_cuda_config, wgmma_cuda_ok
 
-    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 1, 8, False)  # wide matrices from 81 rows
-    assert wgmma_cuda_config(160, 7168, 18432) == (64, 2, 1, 8, True)    # 129-192 on wide matrices: WS, 64 rows
-    assert wgmma_cuda_config(192, 7168, 7168) == (256, 1, 1, 8, True)    # else 129-256: WS blocks of 256 rows
+    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 1, 8, True)   # wide matrices from 65 rows
+    assert wgmma_cuda_config(160, 7168, 18432) == (64, 2, 1, 8, True)    # 129-192 on wide matrices: 64 rows
+    assert wgmma_cuda_config(192, 7168, 7168) == (256, 1, 1, 8, True)    # else 129-256: blocks of 256 rows
     assert wgmma_cuda_config(256, 7168, 18432) == (256, 1, 1, 8, True)
-    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8, True)
-    assert wgmma_cuda_config(320, 7168, 7168) == (64, 4, 1, 8, False)    # 5 blocks of 64 rows pad less than 3 of 128
-    assert wgmma_cuda_config(512, 7168, 7168) == (128, 2, 1, 8, False)
-    assert (WGMMA_MIN_M, WGMMA_MAX_M) == (129, 256)
+    assert wgmma_cuda_config(512, 7168, 7168) == (128, 2, 1, 8, True)    # 257-512: two warpgroups + producer
+    assert (WGMMA_MIN_M, WGMMA_MAX_M) == (129, 512)
     x = torch.randn(200, 64)
     qw, s, z = awq_quantize(torch.randn(64, 64), 64)
     assert not wgmma_cuda_ok(x, awq_to_mma_layout(qw), s, z, 64, None)  # CPU tensors: never

@@ -1,7 +1,7 @@
 """`awq_mma_linear`: W4A16 linear with the weight in the mma layout (`torchforge.ops.awq_mma_layout`).
 
 Dispatch: CUDA tensors with the compiled extension and 1..128 rows of x (decode) run the tensor-core kernel of
-csrc/awq_mma.cu; on an sm_90 (Hopper) GPU, 129..256 rows (from 81 for 16384 output columns or more) the
+csrc/awq_mma.cu; on an sm_90 (Hopper) GPU, 129..512 rows (from 65 for 16384 output columns or more) the
 warpgroup-MMA kernel of csrc/awq_wgmma.cu (WGMMA_MIN_M..WGMMA_MAX_M, WGMMA_WIDE_*). Other CUDA calls (prefill, fp32,
 no extension) dequantize the mma layout once with Triton and call cuBLAS. CPU tensors convert the weight back to
 vLLM's AWQ layout (exact) and run the reference.
