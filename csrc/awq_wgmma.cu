@@ -25,11 +25,12 @@
 //   position p = 16 s + 8 e + 2 t + h is k = 16 t + 4 s + 2 e + h. Each k-step is then 32 consecutive bytes of a
 //   128-byte row, and a stage is a handful of contiguous copies.
 // * Pipeline: per 64-k chunk, one stage of shared memory holds the x tile [BM rows x 128 B], the 4 column blocks'
-//   layout words (8 KB) and the chunk's group of scales and zero words. Thread 0 issues them as bulk copies (the TMA
-//   engine, no tensor map needed) kLook chunks ahead, completing on the stage's mbarrier, right after the block
-//   barrier of each chunk. A chunk's A fragments are all dequantized first, then its 4 x TW wgmmas go out as one
-//   commit group. The A registers are double-buffered across chunks, so the next chunk's barrier and dequantization
-//   run while this chunk's group is in flight.
+//   layout words (8 KB) and the chunk's group of scales and zero words, copied with bulk copies (the TMA engine, no
+//   tensor map needed) that complete on the stage's mbarrier. The dispatched kernel is warp specialized (WS, below):
+//   a producer issues each stage's copies once the consumers have released it. Without WS, thread 0 issues them
+//   kLook chunks ahead, right after the block barrier of each chunk. A chunk's A fragments are all dequantized
+//   first, then its 4 x TW wgmmas go out as one commit group. The A registers are double-buffered across chunks, so
+//   the next chunk's dequantization runs while this chunk's group is in flight.
 // * How it got here (H100, TFLOP/s at M = 4096 on 18432x7168; BENCHMARKS.md "seventh session"):
 //   - 327: every thread copied x with cp.async, 4 bytes at a time (the copies were 37% of the loop's 407 SASS
 //     instructions per chunk), and each k-step was its own commit group.
@@ -144,8 +145,8 @@ __device__ __forceinline__ void lds_words(uint32_t (&w)[TW], const uint8_t* p, i
   }
 }
 
-// Blocks per SM the registers are capped for: (64, 2) keeps 64 accumulators per thread (its main loop fits in 128
-// registers), and four warpgroups per SM hide the dequantization's latency better than two.
+// Blocks per SM the registers are capped for: one for every shape (each needs more than 128 registers a thread,
+// or with WS a 384-thread block at 168).
 template <int BM, int TW>
 constexpr int kMinBlocks = 1;
 
@@ -243,7 +244,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     }
     if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
   }
-  // A barrier of the consumer threads only (with WS the producer warp has left).
+  // A barrier of the consumer threads only (with WS the producer has left).
   auto consumer_sync = [] {
     if constexpr (WS)
       asm volatile("bar.sync 1, %0;" ::"n"(kThreads<TW>) : "memory");
@@ -429,6 +430,20 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   return cudaGetLastError();
 }
 
+// setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
+// with a producer warpgroup starts at 168 registers (384 x 168 = 128 x 24 + 256 x 240), as ptxas builds it today.
+// A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
+template <typename T, typename S, int BM, int TW>
+bool producer_pool_ok() {
+  static int regs = -1;  // one binary for every device; a racing first call stores the same value
+  if (regs < 0) {
+    cudaFuncAttributes attr{};
+    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true>) == cudaSuccess ? attr.numRegs : 0;
+  }
+  return regs * (kThreads<TW> + kProducerThreads<TW>) >=
+         kProducerThreads<TW> * kProducerRegs + kThreads<TW> * kConsumerRegs;
+}
+
 }  // namespace awq_wgmma_detail
 
 // Rows of the x image (M rounded up to whole blocks of block_m).
@@ -444,7 +459,7 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 // (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
 // alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 1 <= splits <= K / 64, that the device is an
 // sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...)
-// zeros and `partial` splits * M * N floats (splits > 1); producer_warp (WS, not with (128, 2)): see the kernel.
+// zeros and `partial` splits * M * N floats (splits > 1); producer_warp (WS): see the kernel and producer_pool_ok.
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
@@ -467,13 +482,15 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       return producer_warp ? run(integral_constant<int, 64>{}, integral_constant<int, 4>{}, On{})
                            : run(integral_constant<int, 64>{}, integral_constant<int, 4>{}, Off{});
     if (block_m == 64 && tile_set == 2)
-      return producer_warp ? run(integral_constant<int, 64>{}, integral_constant<int, 2>{}, On{})
+      return producer_warp && producer_pool_ok<T, S, 64, 2>()
+                 ? run(integral_constant<int, 64>{}, integral_constant<int, 2>{}, On{})
                            : run(integral_constant<int, 64>{}, integral_constant<int, 2>{}, Off{});
     if (block_m == 256 && tile_set == 1)
       return producer_warp ? run(integral_constant<int, 256>{}, integral_constant<int, 1>{}, On{})
                            : run(integral_constant<int, 256>{}, integral_constant<int, 1>{}, Off{});
     if (block_m == 128 && tile_set == 2)
-      return producer_warp ? run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, On{})
+      return producer_warp && producer_pool_ok<T, S, 128, 2>()
+                 ? run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, On{})
                            : run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, Off{});
     return cudaErrorInvalidValue;
   });

@@ -104,6 +104,19 @@ def test_producer_warp_gives_the_same_bits(shape, k, G, splits, scale_dtype):
     assert torch.equal(op(x, mma, s, z, G, None, splits, shape[0], shape[1], 8, True), base)  # tickets reset
 
 
+@pytest.mark.parametrize("shape", [(64, 2), (128, 2)])
+def test_producer_warpgroup_with_fp16_x(shape):
+    """fp16 x and scales through the two-warpgroup WS kernels (the producer warpgroup that hands its registers to the
+    consumers): the same bits as the default kernel, and the dequantized matmul within tolerance."""
+    qw, mma, s, z = _case(2048, 640, 128, sym=False, seed=11)
+    x = torch.randn(shape[0] + 9, 2048, device="cuda", dtype=torch.float16)
+    base = _run(x, mma, s, z, 128, shape=shape, splits=2)
+    expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
+    assert ((base.double() - expected).norm() / expected.norm()) < TOL[torch.float16]
+    ws = torch.ops.torchforge.awq_wgmma_cuda(x, mma, s, z, 128, None, 2, shape[0], shape[1], 8, True)
+    assert torch.equal(ws, base)
+
+
 def test_rows_of_x_are_independent():
     """Row i of a 200-row call equals the same row inside another block of rows (no leakage between row blocks)."""
     qw, mma, s, z = _case(1024, 256, 128, seed=3)
@@ -136,31 +149,32 @@ def test_opcheck_and_errors():
 def test_awq_mma_linear_dispatch(monkeypatch):
     import torchforge.ops.awq_mma as awq_mma
     from torchforge.ops.awq_mma import awq_mma_linear
-    from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M, WGMMA_MIN_M
+    from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M, WGMMA_MIN_M, WGMMA_WIDE_MIN_M, WGMMA_WIDE_N
 
     qw, mma, s, z = _case(1024, 512, 128, seed=4)
     calls = []
     real = awq_mma.launch_awq_wgmma_cuda
     monkeypatch.setattr(awq_mma, "launch_awq_wgmma_cuda", lambda *a: calls.append(1) or real(*a))
-    for rows in (WGMMA_MIN_M - 1, WGMMA_MAX_M + 1):  # the decode kernel; dequantize + cuBLAS
+    # the decode kernel; past 256 rows 512 columns make too few blocks (WGMMA_MIN_TILES): dequantize + cuBLAS
+    for rows in (WGMMA_MIN_M - 1, WGMMA_MAX_M, WGMMA_MAX_M + 1):
         awq_mma_linear(torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16), mma, s, z, 128)
     assert calls == []
-    big = torch.randn(2, WGMMA_MAX_M // 2, 1024, device="cuda", dtype=torch.bfloat16)  # WGMMA_MAX_M rows
+    big = torch.randn(2, 128, 1024, device="cuda", dtype=torch.bfloat16)  # 256 rows
     out = awq_mma_linear(big, mma, s, z, 128)
     assert calls == [1]
     expected = big.double() @ dequant_independent(qw, s, z, 128).T.double()
     assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
-    # wide matrices (WGMMA_WIDE_N columns) take it from WGMMA_WIDE_MIN_M rows, narrower ones do not
-    from torchforge.ops.awq_mma_cuda import WGMMA_WIDE_MIN_M, WGMMA_WIDE_N
-
+    # wide matrices (WGMMA_WIDE_N columns) take it from WGMMA_WIDE_MIN_M rows to WGMMA_MAX_M
     qw, mma, s, z = _case(256, WGMMA_WIDE_N, 128, seed=5)
-    x = torch.randn(WGMMA_WIDE_MIN_M, 256, device="cuda", dtype=torch.bfloat16)
-    out = awq_mma_linear(x, mma, s, z, 128)
-    assert calls == [1, 1]
-    expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
-    assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
-    awq_mma_linear(x[:-1], mma, s, z, 128)  # one row fewer: the decode kernel
-    assert calls == [1, 1]
+    for rows in (WGMMA_WIDE_MIN_M, WGMMA_MAX_M):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        out = awq_mma_linear(x, mma, s, z, 128)
+        expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
+        assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
+    assert calls == [1, 1, 1]
+    for rows in (WGMMA_WIDE_MIN_M - 1, WGMMA_MAX_M + 1):  # the decode kernel; dequantize + cuBLAS
+        awq_mma_linear(torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16), mma, s, z, 128)
+    assert calls == [1, 1, 1]
 
 
 def test_compile_and_cuda_graph():

@@ -14,7 +14,7 @@ from torch import Tensor
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
            "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config",
-           "wgmma_cuda_ok", "launch_awq_wgmma_cuda", "register_fake", "WGMMA_WIDE_MIN_M", "WGMMA_WIDE_N",
+           "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake", "WGMMA_WIDE_MIN_M", "WGMMA_WIDE_N",
            "moe_sorted_block_rows", "MOE_SORTED_BLOCK_ROWS", "MOE_WARPS"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
@@ -142,6 +142,10 @@ WGMMA_MIN_M = 129
 WGMMA_MAX_M = 512
 WGMMA_WIDE_MIN_M = 65
 WGMMA_WIDE_N = 16384
+# Past 256 rows the (128, 2) blocks were timed on 84 or more of them only (7168x7168 at 384 rows: 84 blocks, 0.105
+# against 0.112 ms for dequantize + cuBLAS); fewer leave SMs idle where cuBLAS would not (4096 columns at 512 rows:
+# 64 blocks on 132 SMs), so those calls stay with cuBLAS.
+WGMMA_MIN_TILES = 84
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
@@ -159,6 +163,16 @@ def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int, bool]
     return 128, 2, 1, 8, True
 
 
+def wgmma_rows_ok(m: int, n: int) -> bool:
+    """The row range of wgmma_cuda_ok for m rows of x and n output columns: WGMMA_MIN_M..WGMMA_MAX_M (from
+    WGMMA_WIDE_MIN_M with WGMMA_WIDE_N columns or more), and past 256 rows at least WGMMA_MIN_TILES blocks of 128 rows
+    x 256 columns."""
+    min_m = WGMMA_WIDE_MIN_M if n >= WGMMA_WIDE_N else WGMMA_MIN_M
+    if m > 256 and -(-n // 256) * -(-m // 128) < WGMMA_MIN_TILES:
+        return False
+    return min_m <= m <= WGMMA_MAX_M
+
+
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                   bias: Optional[Tensor]) -> bool:
     """Whether the Hopper kernel takes this call: the decode kernel's conditions, an sm_90 device, and
@@ -169,9 +183,8 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
     if not (x.is_cuda and x.dim() > 0 and x.shape[-1] > 0 and has_cuda_ext()
             and hasattr(torch.ops.torchforge, "awq_wgmma_cuda")):
         return False
-    m = x.numel() // x.shape[-1]
-    min_m = WGMMA_WIDE_MIN_M if qweight_mma.shape[0] * 64 >= WGMMA_WIDE_N else WGMMA_MIN_M
-    return (min_m <= m <= WGMMA_MAX_M and torch.cuda.get_device_capability(x.device) == (9, 0)
+    return (wgmma_rows_ok(x.numel() // x.shape[-1], qweight_mma.shape[0] * 64)
+            and torch.cuda.get_device_capability(x.device) == (9, 0)
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32  # ops.cpp: the kernel's group by high multiply
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
             and _aligned16(scales, qzeros))  # bulk copies
