@@ -430,11 +430,12 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   return cudaGetLastError();
 }
 
-// setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
+// Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
 // with a producer warpgroup starts at 168 registers (384 x 168 = 128 x 24 + 256 x 240), as ptxas builds it today.
 // A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
 template <typename T, typename S, int BM, int TW>
 bool producer_pool_ok() {
+  if constexpr (kGroups<TW> == 1) return true;  // a producer warp: no setmaxnreg
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
@@ -471,27 +472,19 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
   return awq_mma_detail::dispatch_dtypes(dtype, scale_dtype, [&](auto tv, auto sv) {
     using T = decltype(tv);
     using S = decltype(sv);
-    auto run = [&](auto bm, auto tw, auto ws) {
-      return launch<T, S, decltype(bm)::value, decltype(tw)::value, decltype(ws)::value>(
-          x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, gs, s, gm, stream);
+    auto run = [&](auto bm, auto tw) {
+      constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
+      if (producer_warp && producer_pool_ok<T, S, BM, TW>())
+        return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
+                                          gs, s, gm, stream);
+      return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
+                                         gs, s, gm, stream);
     };
     using std::integral_constant;
-    using Off = std::false_type;
-    using On = std::true_type;
-    if (block_m == 64 && tile_set == 4)
-      return producer_warp ? run(integral_constant<int, 64>{}, integral_constant<int, 4>{}, On{})
-                           : run(integral_constant<int, 64>{}, integral_constant<int, 4>{}, Off{});
-    if (block_m == 64 && tile_set == 2)
-      return producer_warp && producer_pool_ok<T, S, 64, 2>()
-                 ? run(integral_constant<int, 64>{}, integral_constant<int, 2>{}, On{})
-                           : run(integral_constant<int, 64>{}, integral_constant<int, 2>{}, Off{});
-    if (block_m == 256 && tile_set == 1)
-      return producer_warp ? run(integral_constant<int, 256>{}, integral_constant<int, 1>{}, On{})
-                           : run(integral_constant<int, 256>{}, integral_constant<int, 1>{}, Off{});
-    if (block_m == 128 && tile_set == 2)
-      return producer_warp && producer_pool_ok<T, S, 128, 2>()
-                 ? run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, On{})
-                           : run(integral_constant<int, 128>{}, integral_constant<int, 2>{}, Off{});
+    if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});
+    if (block_m == 64 && tile_set == 2) return run(integral_constant<int, 64>{}, integral_constant<int, 2>{});
+    if (block_m == 256 && tile_set == 1) return run(integral_constant<int, 256>{}, integral_constant<int, 1>{});
+    if (block_m == 128 && tile_set == 2) return run(integral_constant<int, 128>{}, integral_constant<int, 2>{});
     return cudaErrorInvalidValue;
   });
 }
