@@ -133,7 +133,7 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
     return out
 
 
-def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False) -> list:
+def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, stage_counts: str = "", only: str = "") -> list:
     """The extension's Hopper kernel on the mma layout (csrc/awq_wgmma.cu) over (block_m, tile_set, splits), against
     bf16, the decode mma kernel (up to 128 rows), the mma layout's dequantize + cuBLAS and tinygemm in the same run."""
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, wgmma_cuda_config
@@ -166,11 +166,18 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False) -> list:
                         configs.add((bm, tw, splits, 8, False))
                         if producer_warp:  # the warp-specialized kernel
                             configs.add((bm, tw, splits, 8, True))
-            for cfg in sorted(configs):
-                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg)  # noqa: E731
+            if only:  # e.g. "64x2,128x2": these (block_m, tile_set) only, and the default
+                keep = {tuple(map(int, o.split("x"))) for o in only.split(",")}
+                configs = {c for c in configs if c[:2] in keep or c == default}
+            # (config, stages): 0 = the kernel's default; with stage_counts every WS config also at those counts
+            runs = [(cfg, 0) for cfg in sorted(configs)]
+            runs += [(cfg, n) for cfg in sorted(configs) if cfg[4] for n in map(int, filter(None, stage_counts.split(",")))]
+            for cfg, n in runs:
+                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, stages=n)  # noqa: E731
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                out.append([shape, M, *cfg[:3], "ws" if cfg[4] else "", "*" if cfg == default else "", t,
+                kind = ("ws" if cfg[4] else "") + (f"/{n}" if n else "")
+                out.append([shape, M, *cfg[:3], kind, "*" if cfg == default and not n else "", t,
                             2 * M * OC * IC / t / 1e9,
                             wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
@@ -284,6 +291,11 @@ def main() -> int:
     ap.add_argument("--best", action="store_true", help="with --wgmma-sweep: print only the fastest configuration per M")
     ap.add_argument("--wgmma-ws", action="store_true",
                     help="with --wgmma-sweep: also time the warp-specialized kernel (producer_warp)")
+    ap.add_argument("--wgmma-stages", default="",
+                    help="with --wgmma-sweep: also time every WS configuration at these pipeline stage counts "
+                         "(kernel column: ws/N); the default count is the kernel's")
+    ap.add_argument("--wgmma-only", default="",
+                    help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
@@ -305,7 +317,7 @@ def main() -> int:
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.wgmma_sweep:
-        wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws)
+        wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws, args.wgmma_stages, args.wgmma_only)
         if args.best:
             wrows = [r for i, r in enumerate(wrows) if i == 0 or r[:2] != wrows[i - 1][:2] or r[6] == "*"]
         print(f"device: {device_line()}")
