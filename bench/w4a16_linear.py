@@ -133,7 +133,8 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
     return out
 
 
-def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, stage_counts: str = "", only: str = "") -> list:
+def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "",
+                split_counts: str = "1,2,3,4,6,8") -> list:
     """The extension's Hopper kernel on the mma layout (csrc/awq_wgmma.cu) over (block_m, tile_set, splits), against
     bf16, the decode mma kernel (up to 128 rows), the mma layout's dequantize + cuBLAS and tinygemm in the same run."""
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, wgmma_cuda_config
@@ -160,7 +161,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, stage_counts:
             for bm, tw in ((64, 4), (64, 2), (128, 2), (256, 1)):
                 if bm > 2 * M and bm > 64:
                     continue
-                for splits in (1, 2, 3, 4, 6, 8):
+                for splits in map(int, split_counts.split(",")):
                     blocks = -(-(OC // 64) // 4) * (1 if tw == 2 else 4 // tw) * -(-M // bm)
                     if splits == 1 or blocks * splits <= 4 * 264:
                         configs.add((bm, tw, splits, 8, False))
@@ -169,15 +170,11 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, stage_counts:
             if only:  # e.g. "64x2,128x2": these (block_m, tile_set) only, and the default
                 keep = {tuple(map(int, o.split("x"))) for o in only.split(",")}
                 configs = {c for c in configs if c[:2] in keep or c == default}
-            # (config, stages): 0 = the kernel's default; with stage_counts every WS config also at those counts
-            runs = [(cfg, 0) for cfg in sorted(configs)]
-            runs += [(cfg, n) for cfg in sorted(configs) if cfg[4] for n in map(int, filter(None, stage_counts.split(",")))]
-            for cfg, n in runs:
-                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, stages=n)  # noqa: E731
+            for cfg in sorted(configs):
+                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg)  # noqa: E731
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                kind = ("ws" if cfg[4] else "") + (f"/{n}" if n else "")
-                out.append([shape, M, *cfg[:3], kind, "*" if cfg == default and not n else "", t,
+                out.append([shape, M, *cfg[:3], "ws" if cfg[4] else "", "*" if cfg == default else "", t,
                             2 * M * OC * IC / t / 1e9,
                             wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
@@ -291,9 +288,7 @@ def main() -> int:
     ap.add_argument("--best", action="store_true", help="with --wgmma-sweep: print only the fastest configuration per M")
     ap.add_argument("--wgmma-ws", action="store_true",
                     help="with --wgmma-sweep: also time the warp-specialized kernel (producer_warp)")
-    ap.add_argument("--wgmma-stages", default="",
-                    help="with --wgmma-sweep: also time every WS configuration at these pipeline stage counts "
-                         "(kernel column: ws/N); the default count is the kernel's")
+    ap.add_argument("--wgmma-splits", default="1,2,3,4,6,8", help="with --wgmma-sweep: the K slice counts tried")
     ap.add_argument("--wgmma-only", default="",
                     help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
     args = ap.parse_args()
@@ -317,7 +312,8 @@ def main() -> int:
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.wgmma_sweep:
-        wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws, args.wgmma_stages, args.wgmma_only)
+        wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws, args.wgmma_only,
+                            args.wgmma_splits)
         if args.best:
             wrows = [r for i, r in enumerate(wrows) if i == 0 or r[:2] != wrows[i - 1][:2] or r[6] == "*"]
         print(f"device: {device_line()}")

@@ -67,7 +67,9 @@ template <int TW>
 constexpr int kProducerThreads = kGroups<TW> == 2 ? 128 : 32;
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
-constexpr int kBlockCols = 256;  // 4 warps x one 64-column layout block
+constexpr int kLook = 2;             // chunks copied ahead of the one being computed
+constexpr int kStages = kLook + 2;  // + the chunk computed + the previous one, whose wgmmas may be in flight
+constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
 
 template <int BM>
 struct Stage {
@@ -76,17 +78,8 @@ struct Stage {
   static constexpr int kS = kBlockCols * 2;  // scales of the chunk's group
   static constexpr int kZ = kBlockCols / 8 * 4;  // zero words
   static constexpr int kBytes = (kX + kW + kS + kZ + 1023) / 1024 * 1024;  // x stays 1024-byte aligned
-  // Stages in a ring: 227 KB of shared memory a block, less 1 KB to align the dynamic base and 1 KB for the static
-  // part (13 of 17 KB at BM = 64, 9 of 25 KB at 128, 5 of 41 KB at 256). The stage count is a launch argument.
-  static constexpr int kMaxStages = (227 * 1024 - 2048) / kBytes;
-  static constexpr int smem(int stages) { return stages * kBytes + 1024; }
+  static constexpr int kSmem = kStages * kBytes + 1024;  // + room to align the dynamic base
 };
-// Stages by default: without WS 4 (2 chunks copied ahead of the one computed and of the previous one, whose wgmmas
-// may be in flight: the refill protocol below needs 3 or more), with WS all that fit. A block keeps few loads in
-// flight otherwise: with 4 stages, 2, and at 64 rows a chunk took ~0.9 us a block (tenth session), about a load's
-// latency per 2 chunks, however many SMs ran.
-template <int BM, bool WS>
-constexpr int kDefaultStages = WS ? Stage<BM>::kMaxStages : 4;
 
 // Packed pairs of x's dtype.
 template <typename T>
@@ -169,7 +162,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                      float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                     int chunks_per_group, int splits, int group_m, int stages) {
+                     int chunks_per_group, int splits, int group_m) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using St = Stage<BM>;
   using P = Pair<T>;
@@ -181,9 +174,9 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   __shared__ bool is_last;
   // per stage: the bulk copies of its chunk have landed ("full"); with WS also the consumers released it ("empty")
-  __shared__ alignas(8) uint64_t bars[WS ? 2 * St::kMaxStages : St::kMaxStages];
+  __shared__ alignas(8) uint64_t bars[WS ? 2 * kStages : kStages];
   const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
-  const uint32_t empty_base = bar_base + stages * 8;
+  const uint32_t empty_base = bar_base + kStages * 8;
 
   const int tid = threadIdx.x, warp = tid / 32 % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -232,24 +225,21 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     ptx::bulk_copy(base + St::kX + St::kW + St::kS, qz + static_cast<size_t>(group) * (N / 8) + n0 / 8, z_bytes, bar);
   };
   if (tid == 0) {
-    for (int i = 0; i < stages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
+    for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
     if constexpr (WS)
-      for (int i = 0; i < stages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<TW>);
+      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<TW>);
     ptx::mbar_fence_init();
   }
   __syncthreads();
   if constexpr (WS) {
-    if (tid >= kThreads<TW>) {  // the producer: fill the ring's next stage once its previous fill is released
+    if (tid >= kThreads<TW>) {  // the producer: fill stage it % kStages once its previous fill is released
       if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-      if (tid == kThreads<TW>) {
-        int st = 0;
-        uint32_t round = 0;  // fills of stage st so far; the r-th (r >= 1) waits for release r - 1 (parity)
+      if (tid == kThreads<TW>)
         for (int c = c_begin; c < c_end; ++c) {
-          if (round > 0) ptx::mbar_wait(empty_base + st * 8, (round - 1) & 1);
-          load_stage(c, st);
-          if (++st == stages) st = 0, ++round;
+          const int it = c - c_begin;
+          if (it >= kStages) ptx::mbar_wait(empty_base + it % kStages * 8, (it / kStages - 1) & 1);
+          load_stage(c, it % kStages);
         }
-      }
       return;  // the consumers sync among themselves from here on (consumer_sync)
     }
     if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
@@ -268,9 +258,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
 #pragma unroll
     for (int e = 0; e < BM / 2; ++e) acc[i][e] = 0.0f;
 
-  const int look = stages - 2;  // without WS: chunks copied ahead
   if (!WS && tid == 0)
-    for (int i = 0; i < look; ++i)
+    for (int i = 0; i < kLook; ++i)
       if (c_begin + i < c_end) load_stage(c_begin + i, i);
 
   const int zshift = awq_shift(g);
@@ -280,16 +269,15 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   // while it runs, so chunks alternate between two buffers (the loop below is unrolled by two for that): the next
   // chunk's dequantization overlaps this chunk's wgmmas. (One commit group per k-step, waiting for the previous
   // k-step, left the tensor pipe 60% idle: ncu, 2026-11-22.)
-  // The ring: chunk c sits in stage st, filled for the phase-th time (parity); prev: chunk c - 1's stage.
-  int st = 0, prev = -1;
-  uint32_t phase = 0;
   auto chunk = [&](int c, uint32_t(&a)[4][TW][4]) {
-    ptx::mbar_wait(bar_base + st * 8, phase);  // chunk c has landed
+    const int it = c - c_begin;
+    const int st = it % kStages;
+    ptx::mbar_wait(bar_base + st * 8, (it / kStages) & 1);  // chunk c has landed (its (it / kStages)-th fill)
     if constexpr (!WS) {
       // Every warp has retired chunk c - 2's wgmmas (the wait after chunk c - 1's) and read its words and scales:
-      // that stage, st - 2 in the ring, is free for chunk c + look.
+      // that stage is free for chunk c + kLook.
       __syncthreads();
-      if (tid == 0 && c + look < c_end) load_stage(c + look, st >= 2 ? st - 2 : st + stages - 2);
+      if (tid == 0 && c + kLook < c_end) load_stage(c + kLook, (it + kLook) % kStages);
     }
 
     const uint8_t* stage = smem + st * St::kBytes;
@@ -335,10 +323,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       // Every consumer thread arrives for its own loads (one lane per warp after __syncwarp left compute-sanitizer's
       // racecheck reporting the producer's refill against the other lanes' loads, tenth session).
       wgmma::fence_proxy_async();  // this thread's shared loads of it before the producer's bulk copy (async proxy)
-      if (prev >= 0) ptx::mbar_arrive(empty_base + prev * 8);
+      if (it > 0) ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
     }
-    prev = st;
-    if (++st == stages) st = 0, phase ^= 1u;
   };
   uint32_t a0[4][TW][4], a1[4][TW][4];
   int c = c_begin;
@@ -420,16 +406,14 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
 template <typename T, typename S, int BM, int TW, bool WS>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
-                   int group_m, int stages, cudaStream_t stream) {
+                   int group_m, cudaStream_t stream) {
   auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS>;
-  if (stages == 0) stages = kDefaultStages<BM, WS>;
-  const int smem = Stage<BM>::smem(stages);
+  constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev >= 64 || !(attr_set >> dev & 1)) {  // once, for the most stages
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 Stage<BM>::smem(Stage<BM>::kMaxStages));
+  if (dev >= 64 || !(attr_set >> dev & 1)) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     if (dev < 64) attr_set |= 1ull << dev;
   }
@@ -442,7 +426,7 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
       static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
                                            static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
                                            static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N,
-                                           K, group_size / 64, splits, group_m, stages);
+                                           K, group_size / 64, splits, group_m);
   return cudaGetLastError();
 }
 
@@ -467,13 +451,6 @@ bool producer_pool_ok() {
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m) { return (M + block_m - 1) / block_m * block_m; }
 
 // Number of blocks along the columns x rows (the tickets the op allocates with splits > 1).
-// Most pipeline stages a block of block_m rows can have (shared memory); 0 for a block_m the kernel lacks.
-int64_t awq_wgmma_max_stages(int64_t block_m) {
-  using awq_wgmma_detail::Stage;
-  return block_m == 64 ? Stage<64>::kMaxStages : block_m == 128 ? Stage<128>::kMaxStages
-                                                : block_m == 256 ? Stage<256>::kMaxStages : 0;
-}
-
 int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set) {
   const int64_t sets = tile_set == 2 ? 1 : 4 / tile_set;  // tile sets on blocks of their own (kGroups)
   return (N / 64 + 3) / 4 * sets * ((M + block_m - 1) / block_m);
@@ -483,17 +460,15 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 // (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
 // alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 1 <= splits <= K / 64, that the device is an
 // sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...)
-// zeros and `partial` splits * M * N floats (splits > 1); producer_warp (WS): see the kernel and producer_pool_ok;
-// stages: 0 (kDefaultStages) or 3..awq_wgmma_max_stages(block_m).
+// zeros and `partial` splits * M * N floats (splits > 1); producer_warp (WS): see the kernel and producer_pool_ok.
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                             int64_t stages, cudaStream_t stream) {
+                             cudaStream_t stream) {
   using namespace awq_wgmma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int gs = static_cast<int>(group_size), s = static_cast<int>(splits), gm = static_cast<int>(group_m);
-  const int ns = static_cast<int>(stages);
   return awq_mma_detail::dispatch_dtypes(dtype, scale_dtype, [&](auto tv, auto sv) {
     using T = decltype(tv);
     using S = decltype(sv);
@@ -501,9 +476,9 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
       if (producer_warp && producer_pool_ok<T, S, BM, TW>())
         return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                          gs, s, gm, ns, stream);
+                                          gs, s, gm, stream);
       return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                         gs, s, gm, ns, stream);
+                                         gs, s, gm, stream);
     };
     using std::integral_constant;
     if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});

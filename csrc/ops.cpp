@@ -49,12 +49,11 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
 // csrc/awq_wgmma.cu (sm_90a)
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m);
 int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set);
-int64_t awq_wgmma_max_stages(int64_t block_m);
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                             int64_t stages, cudaStream_t stream);
+                             cudaStream_t stream);
 
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
@@ -380,12 +379,10 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 
 // Prefill form of awq_mma_cuda on Hopper's warpgroup MMA (csrc/awq_wgmma.cu, sm_90 devices only): same tensors and
 // result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
-// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses); stages:
-// shared-memory pipeline stages, 0 for the kernel's default (all that fit with producer_warp, else 4).
+// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses).
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
-                          int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                          int64_t stages) {
+                          int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp) {
   const std::string op = "awq_wgmma_cuda: ";
   at::Tensor b;
   const void* bias_ptr = check_mma_dense(op, x, qweight, scales, qzeros, group_size, bias, splits, 1, b);
@@ -394,10 +391,6 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
               op + "(block_m, tile_set) must be (64, 4), (64, 2), (128, 2) or (256, 1), got (" + i2s(block_m) + ", " +
                   i2s(tile_set) + ")");
   TORCH_CHECK(group_m >= 1, op + "group_m must be >= 1, got " + i2s(group_m));
-  const int64_t max_stages = awq_wgmma_max_stages(block_m);
-  TORCH_CHECK(stages == 0 || (stages >= 3 && stages <= max_stages),
-              op + "stages must be 0 (the default) or in [3, " + i2s(max_stages) + "] for block_m = " + i2s(block_m) +
-                  ", got " + i2s(stages));
   group_m = std::min(group_m, (x.size(0) + block_m - 1) / block_m);  // more is the same raster; keeps 32-bit math
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   int major = 0, minor = 0;
@@ -422,7 +415,7 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
       dtype_code(x), dtype_code(scales), x.data_ptr(), x_image.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, block_m, tile_set,
-      group_m, producer_warp, stages, c10::cuda::getCurrentCUDAStream());
+      group_m, producer_warp, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -446,7 +439,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=8) -> Tensor");
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int stages=0) -> Tensor");
+      "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {

@@ -192,10 +192,9 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                           bias: Optional[Tensor] = None, *,
-                          config: Optional[tuple[int, int, int, int, bool]] = None, stages: int = 0) -> Tensor:
+                          config: Optional[tuple[int, int, int, int, bool]] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
-    (block_m, tile_set, splits, group_m, producer_warp), else wgmma_cuda_config; stages: shared-memory pipeline
-    stages, 0 for the kernel's default."""
+    (block_m, tile_set, splits, group_m, producer_warp), else wgmma_cuda_config."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -203,7 +202,7 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
         x2 = x2.contiguous()
     block_m, tile_set, splits, group_m, ws = config or wgmma_cuda_config(x2.shape[0], k, n)
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
-                                              tile_set, group_m, ws, stages)
+                                              tile_set, group_m, ws)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -293,8 +292,7 @@ def register_fake() -> None:
 
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda"):
         @torch.library.register_fake("torchforge::awq_wgmma_cuda")
-        def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False,
-              stages=0):
+        def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False):
             torch._check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
                          lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
                                  f"{tuple(x.shape)} and {tuple(qweight.shape)}")
