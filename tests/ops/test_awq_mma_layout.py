@@ -142,25 +142,22 @@ def test_mma_cuda_warps_rule():
 
 
 def test_wgmma_config_follows_the_sweep():
-    """wgmma_cuda_config's choices (csrc/awq_wgmma.cu, BENCHMARKS.md tenth session), and the dispatch range."""
-    from torchforge.ops.awq_mma_cuda import (WGMMA_MAX_M, WGMMA_MIN_M, wgmma_cuda_config, wgmma_cuda_ok,
-                                             wgmma_rows_ok)
+    """wgmma_cuda_config's choices (the time model of awq_wgmma_cost; its table is pinned in test_awq_wgmma_cost),
+    and the dispatch range."""
+    from torchforge.ops.awq_mma_cuda import (WGMMA_MAX_M, WGMMA_MIN_M, WGMMA_WIDE_MIN_M, wgmma_cuda_config,
+                                             wgmma_cuda_ok, wgmma_rows_ok)
 
-    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 1, 8, True)   # wide matrices from 65 rows
-    assert wgmma_cuda_config(160, 7168, 18432) == (64, 2, 1, 8, True)    # 129-192 on wide matrices: 64 rows
-    assert wgmma_cuda_config(192, 7168, 7168) == (256, 1, 1, 8, True)    # else 129-256: blocks of 256 rows
-    assert wgmma_cuda_config(256, 7168, 18432) == (256, 1, 1, 8, True)
-    assert wgmma_cuda_config(512, 7168, 7168) == (128, 2, 1, 8, True)    # 257-512: two warpgroups + producer
-    assert (WGMMA_MIN_M, WGMMA_MAX_M) == (129, 512)
-    # the boundaries: blocks of 64 rows from 129 on wide matrices, 256 from 193, 128 from 257
-    assert [wgmma_cuda_config(m, 7168, 18432)[:2] for m in (128, 129, 192, 193, 256, 257)] == [
-        (128, 2), (64, 2), (64, 2), (256, 1), (256, 1), (128, 2)]
-    assert [wgmma_cuda_config(m, 7168, 7168)[:2] for m in (129, 256, 257)] == [(256, 1), (256, 1), (128, 2)]
-    # the rows taken: from 65 on wide matrices, 129 on others, to 512; past 256 only with 84 or more blocks
+    assert (WGMMA_MIN_M, WGMMA_MAX_M, WGMMA_WIDE_MIN_M) == (129, 512, 56)
+    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 1, 8, True)     # every configuration WS, no K slices
+    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 1, 8, True)
+    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8, True)
+    # the rows taken: from 56 on wide matrices, 129 on others, to 512, where the model has the kernel faster
     wide, narrow = 18432, 7168
-    assert [wgmma_rows_ok(m, wide) for m in (64, 65, 512, 513)] == [False, True, True, False]
-    assert [wgmma_rows_ok(m, narrow) for m in (128, 129, 384, 512)] == [False, True, True, True]
-    assert [wgmma_rows_ok(m, 4096) for m in (256, 257, 512)] == [True, False, False]  # 48 / 64 blocks: cuBLAS
+    assert [wgmma_rows_ok(m, 7168, wide) for m in (55, 56, 512, 513)] == [False, True, True, False]
+    assert [wgmma_rows_ok(m, 7168, narrow) for m in (128, 129, 384, 512)] == [False, True, True, True]
+    assert [wgmma_rows_ok(m, 4096, 4096) for m in (129, 256, 384)] == [False, False, False]  # cuBLAS
+    # the SM count enters: on 4x the SMs, (256, 1) blocks no longer need 3 rounds on 18432 columns at 256 rows
+    assert wgmma_cuda_config(256, 7168, 18432, sms=4 * 132)[:2] == (256, 1)
     x = torch.randn(200, 64)
     qw, s, z = awq_quantize(torch.randn(64, 64), 64)
     assert not wgmma_cuda_ok(x, awq_to_mma_layout(qw), s, z, 64, None)  # CPU tensors: never

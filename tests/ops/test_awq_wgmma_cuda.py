@@ -147,34 +147,36 @@ def test_opcheck_and_errors():
 
 
 def test_awq_mma_linear_dispatch(monkeypatch):
+    """awq_mma_linear takes the wgmma kernel exactly where wgmma_rows_ok (the row range and, from 129 rows, the time
+    model of awq_wgmma_cost) says so, and its result is right there."""
     import torchforge.ops.awq_mma as awq_mma
     from torchforge.ops.awq_mma import awq_mma_linear
-    from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M, WGMMA_MIN_M, WGMMA_WIDE_MIN_M, WGMMA_WIDE_N
+    from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M, WGMMA_WIDE_MIN_M, WGMMA_WIDE_N, wgmma_rows_ok
 
-    qw, mma, s, z = _case(1024, 512, 128, seed=4)
     calls = []
     real = awq_mma.launch_awq_wgmma_cuda
     monkeypatch.setattr(awq_mma, "launch_awq_wgmma_cuda", lambda *a: calls.append(1) or real(*a))
-    # the decode kernel; past 256 rows 512 columns make too few blocks (WGMMA_MIN_TILES): dequantize + cuBLAS
-    for rows in (WGMMA_MIN_M - 1, WGMMA_MAX_M, WGMMA_MAX_M + 1):
-        awq_mma_linear(torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16), mma, s, z, 128)
-    assert calls == []
-    big = torch.randn(2, 128, 1024, device="cuda", dtype=torch.bfloat16)  # 256 rows
-    out = awq_mma_linear(big, mma, s, z, 128)
-    assert calls == [1]
-    expected = big.double() @ dequant_independent(qw, s, z, 128).T.double()
-    assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
-    # wide matrices (WGMMA_WIDE_N columns) take it from WGMMA_WIDE_MIN_M rows to WGMMA_MAX_M
-    qw, mma, s, z = _case(256, WGMMA_WIDE_N, 128, seed=5)
-    for rows in (WGMMA_WIDE_MIN_M, WGMMA_MAX_M):
-        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
-        out = awq_mma_linear(x, mma, s, z, 128)
-        expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
-        assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
-    assert calls == [1, 1, 1]
-    for rows in (WGMMA_WIDE_MIN_M - 1, WGMMA_MAX_M + 1):  # the decode kernel; dequantize + cuBLAS
-        awq_mma_linear(torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16), mma, s, z, 128)
-    assert calls == [1, 1, 1]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [  # (k, n, rows): taken or not
+        (1024, 512, (128, 256, WGMMA_MAX_M)),  # the decode kernel; then too few blocks: dequantize + cuBLAS
+        (256, WGMMA_WIDE_N, (WGMMA_WIDE_MIN_M - 1, WGMMA_WIDE_MIN_M, 128, WGMMA_MAX_M + 1)),  # wide: from 56 rows
+        (4096, 14336, (160,)),  # 112 blocks of (128, 2): faster than dequantize + cuBLAS by the model
+    ]
+    expected_calls = 0
+    for k, n, rows in cases:
+        torch.manual_seed(k + n)
+        qw, s, z = awq_quantize(torch.randn(n, k, device="cuda") * 3, 128, symmetric=False)
+        mma = awq_to_mma_layout(qw)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = awq_mma_linear(x, mma, s, z, 128)
+            taken = wgmma_rows_ok(m, k, n, sms)
+            expected_calls += taken
+            assert len(calls) == expected_calls, (k, n, m)
+            if taken:
+                expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
+                assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
+    assert expected_calls == 3
 
 
 def test_compile_and_cuda_graph():

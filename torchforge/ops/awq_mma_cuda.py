@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_shape, dequant_cublas_time_us
+
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
            "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config",
            "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake", "WGMMA_WIDE_MIN_M", "WGMMA_WIDE_N",
@@ -122,69 +124,59 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 
 
 # ------------------------------------------------------------------ prefill on Hopper: csrc/awq_wgmma.cu
-# Rows of x the warpgroup-MMA kernel takes (sm_90 devices). H100 sweeps (BENCHMARKS.md; bf16 x, 18432x7168 /
-# 7168x7168, ms, against the mma layout's other paths in the same run); ninth session, after the kernel lost its
-# per-chunk divisions (6-20% faster):
-#   rows                  96             128            256            384            512
-#   wgmma          0.115 / 0.080  0.118 / 0.081  0.237 / 0.083  0.237 / 0.122  0.351 / 0.122
-#   decode kernel  0.132 / 0.055  0.175 / 0.067        -              -              -
-#   dequant+cuBLAS 0.220 / 0.090  0.215 / 0.089  0.228 / 0.094  0.287 / 0.109  0.328 / 0.124
-# tenth session, all WS (a producer warp or warpgroup): 0.095 / 0.065 ms at 128 rows, 0.173-0.199 / 0.066-0.069 for
-# 160-256, 0.295 / 0.107 at 512 (dequant+cuBLAS 0.316 / 0.123), 1.991 / 0.777 at 4096 (dequant+cuBLAS 1.664 / 0.664).
-# - 129-512 rows: wgmma (at 256 rows 13% / 27% faster than dequantize + cuBLAS, at 512 7% / 15%, and without a
-#   dequantized bf16 copy of the weight: 264 MB for 18432x7168). Past 512, dequantize + cuBLAS: cuBLAS reaches about
-#   70% of the tensor peak at large M, this kernel 55%.
-# - 65-128 rows on wide matrices (WGMMA_WIDE_N output columns or more): wgmma, whose 128-row blocks dequantize each
-#   weight once where the decode kernel does it once per 16 rows (its time steps up every 16 rows: 0.088 ms at 64,
-#   0.106 at 80, 0.131 at 96, against wgmma's 0.095 at 65-128); on 7168x7168 the decode kernel's row blocks x 112
-#   column blocks fill the GPU better.
+# Rows of x the warpgroup-MMA kernel may take (sm_90 devices), all in its warp-specialized (WS) form. Which block
+# shape, and from 129 rows whether to run it at all rather than dequantize + cuBLAS, comes from the time model in
+# awq_wgmma_cost (fitted on H100 sweeps of five matrix shapes, eleventh session). Past 512 rows dequantize + cuBLAS:
+# cuBLAS reaches about 70% of the tensor peak at large M, this kernel 55%.
+# - Wide matrices (WGMMA_WIDE_N output columns or more) from WGMMA_WIDE_MIN_M rows: the decode kernel dequantizes
+#   each weight once per 16 rows, the wgmma kernel once per block of 64 or 128. 18432x7168, ms (eleventh session):
+#     rows            48      56      64      72      96      128
+#     wgmma         0.077   0.078   0.078   0.093   0.094   0.095     (64, 2) up to 64 rows, then (128, 2)
+#     decode kernel 0.069   0.086   0.087   0.105   0.135   0.175
+#   On narrower matrices the decode kernel's row blocks x column blocks fill the GPU better up to 128 rows
+#   (7168x7168 at 128 rows: 0.067 ms against 0.075 for the best wgmma shape; 14336x4096 at 64: 0.041 against 0.047).
+# - From 129 rows (WGMMA_MIN_M) the model decides. It sends 4096-column matrices to cuBLAS up to 384 rows (4096x4096
+#   at 256 rows: 0.041 ms for wgmma, 0.035 for dequantize + cuBLAS; the row rule before took wgmma there) and takes
+#   (128, 2) blocks on 14336x4096 (0.059 against 0.078 ms for (256, 1) at 160 rows).
 WGMMA_MIN_M = 129
 WGMMA_MAX_M = 512
-WGMMA_WIDE_MIN_M = 65
+WGMMA_WIDE_MIN_M = 56
 WGMMA_WIDE_N = 16384
-# Past 256 rows the (128, 2) blocks were timed on 84 or more of them only (7168x7168 at 384 rows: 84 blocks, 0.105
-# against 0.112 ms for dequantize + cuBLAS); fewer leave SMs idle where cuBLAS would not (4096 columns at 512 rows:
-# 64 blocks on 132 SMs), so those calls stay with cuBLAS.
-WGMMA_MIN_TILES = 84
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
-def wgmma_cuda_config(m: int, k: int, n: int) -> tuple[int, int, int, int, bool]:
-    """(block_m, tile_set, splits, group_m, producer_warp) for x [m, k] and n output columns, from the H100 sweeps
-    (`bench/w4a16_linear.py --wgmma-sweep`, tenth session), all warp-specialized (WS): blocks of 128 rows x 2 tile
-    sets in two warpgroups, beside a producer warpgroup that hands them its registers, up to 128 and from 257 rows
-    (0.095 against 0.118 ms without WS at M = 128 on 18432x7168; 0.295 against 0.350 at 512); from 129 to 256 rows
-    single-warpgroup blocks of 256 rows x 1 tile set, 4x as many along the columns (0.199 ms on 18432x7168 and
-    0.069 on 7168x7168 at M = 256), or up to 192 rows of a wide matrix blocks of 64 rows x 2 tile sets. No K slices:
-    their fp32 partials cost more than the idle SMs in every swept case from 128 rows (seventh session; stream-K,
-    tenth session, did not pay either: BENCHMARKS.md)."""
-    if 128 < m <= 256:  # 160 / 192 rows on 18432x7168: (64, 2) 0.177 / 0.179 ms against 0.195 / 0.197
-        return (64, 2, 1, 8, True) if n >= WGMMA_WIDE_N and m <= 192 else (256, 1, 1, 8, True)
-    return 128, 2, 1, 8, True
+def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool]:
+    """(block_m, tile_set, splits, group_m, producer_warp) for x [m, k] and n output columns on `sms` SMs: the block
+    shape the time model (awq_wgmma_cost) finds fastest, warp-specialized, without K slices (their fp32 partials cost
+    more than the idle SMs in every swept case from 128 rows, seventh session; stream-K, tenth session, did not pay
+    either: BENCHMARKS.md)."""
+    (block_m, tile_set), _ = best_wgmma_shape(m, k, n, sms)
+    return block_m, tile_set, 1, 8, True
 
 
-def wgmma_rows_ok(m: int, n: int) -> bool:
-    """The row range of wgmma_cuda_ok for m rows of x and n output columns: WGMMA_MIN_M..WGMMA_MAX_M (from
-    WGMMA_WIDE_MIN_M with WGMMA_WIDE_N columns or more), and past 256 rows at least WGMMA_MIN_TILES blocks of 128 rows
-    x 256 columns."""
+def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
+    """Whether x [m, k] with n output columns goes to the wgmma kernel: WGMMA_MIN_M..WGMMA_MAX_M rows (from
+    WGMMA_WIDE_MIN_M with WGMMA_WIDE_N columns or more), and from WGMMA_MIN_M rows only where the time model has it
+    faster than dequantize + cuBLAS (below, the alternative is the decode kernel, which the model does not cover)."""
     min_m = WGMMA_WIDE_MIN_M if n >= WGMMA_WIDE_N else WGMMA_MIN_M
-    if m > 256 and -(-n // 256) * -(-m // 128) < WGMMA_MIN_TILES:
+    if not min_m <= m <= WGMMA_MAX_M:
         return False
-    return min_m <= m <= WGMMA_MAX_M
+    return m < WGMMA_MIN_M or best_wgmma_shape(m, k, n, sms)[1] < dequant_cublas_time_us(m, k, n)
 
 
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                   bias: Optional[Tensor]) -> bool:
-    """Whether the Hopper kernel takes this call: the decode kernel's conditions, an sm_90 device, and
-    WGMMA_MIN_M..WGMMA_MAX_M rows (from WGMMA_WIDE_MIN_M with WGMMA_WIDE_N output columns or more)."""
+    """Whether the Hopper kernel takes this call: the decode kernel's conditions, an sm_90 device, and the rows and
+    shape wgmma_rows_ok takes."""
     from torchforge.ops._ext import has_cuda_ext
 
     # has_cuda_ext() first: it loads the extension, which registers the op
     if not (x.is_cuda and x.dim() > 0 and x.shape[-1] > 0 and has_cuda_ext()
             and hasattr(torch.ops.torchforge, "awq_wgmma_cuda")):
         return False
-    return (wgmma_rows_ok(x.numel() // x.shape[-1], qweight_mma.shape[0] * 64)
-            and torch.cuda.get_device_capability(x.device) == (9, 0)
+    return (torch.cuda.get_device_capability(x.device) == (9, 0)
+            and wgmma_rows_ok(x.numel() // x.shape[-1], x.shape[-1], qweight_mma.shape[0] * 64,
+                              _sm_count(x.device.index))
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32  # ops.cpp: the kernel's group by high multiply
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
             and _aligned16(scales, qzeros))  # bulk copies
@@ -200,7 +192,9 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
         x2 = x2.contiguous()
-    block_m, tile_set, splits, group_m, ws = config or wgmma_cuda_config(x2.shape[0], k, n)
+    if config is None:
+        config = wgmma_cuda_config(x2.shape[0], k, n, _sm_count(x2.device.index))
+    block_m, tile_set, splits, group_m, ws = config
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
                                               tile_set, group_m, ws)
     return out.reshape(*x.shape[:-1], n)

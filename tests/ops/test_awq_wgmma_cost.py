@@ -1,0 +1,46 @@
+"""The time model behind the Hopper kernel's dispatch (torchforge.ops.awq_wgmma_cost): block counts, rounds of
+blocks on the SMs, and the choices it makes on the swept H100 shapes (BENCHMARKS.md, eleventh session)."""
+import expecttest
+
+from torchforge.ops.awq_mma_cuda import wgmma_cuda_config, wgmma_rows_ok
+from torchforge.ops.awq_wgmma_cost import (best_wgmma_shape, dequant_cublas_time_us, wgmma_blocks, wgmma_time_us)
+
+
+def test_blocks_and_rounds():
+    # 72 groups of 256 columns in 18432; (256, 1) puts 4 blocks on each, (128, 2) and (64, 2) one
+    assert wgmma_blocks(256, 18432, (256, 1)) == 72 * 4
+    assert wgmma_blocks(256, 18432, (128, 2)) == 72 * 2
+    assert wgmma_blocks(160, 18432, (64, 2)) == 72 * 3
+    assert wgmma_blocks(1, 64, (256, 1)) == 4  # a partial group of columns still takes its blocks
+    # rounds of 132: 288 blocks take 3, 144 take 2 -> at the same per-chunk cost the time is 3 : 2
+    t3 = wgmma_time_us(256, 7168, 18432, (256, 1)) - wgmma_time_us(1, 0, 1, (256, 1))
+    assert abs(t3 - 3 * 112 * 0.58) < 1e-9
+    assert wgmma_time_us(256, 7168, 18432, (256, 1), sms=288) < wgmma_time_us(256, 7168, 18432, (256, 1))
+
+
+def test_choices_on_the_swept_shapes():
+    # measured best block shapes (eleventh session): a round fewer decides
+    assert best_wgmma_shape(160, 7168, 18432)[0] == (64, 2)   # 216 blocks, 2 rounds: 0.177 ms against 0.195
+    assert best_wgmma_shape(160, 4096, 14336)[0] == (128, 2)  # 112 blocks, 1 round: 0.059 ms against 0.078
+    assert best_wgmma_shape(256, 7168, 7168)[0] == (256, 1)   # 112 blocks: 0.068 ms against 0.079 for (64, 2)
+    # dequantize + cuBLAS where the kernel leaves most SMs idle (64 blocks at most on 4096 columns)
+    assert best_wgmma_shape(256, 4096, 4096)[1] > dequant_cublas_time_us(256, 4096, 4096)  # 0.041 against 0.035
+    assert best_wgmma_shape(256, 7168, 18432)[1] < dequant_cublas_time_us(256, 7168, 18432)  # 0.196 against 0.228
+
+
+class TestDispatchTable(expecttest.TestCase):
+    def test_dispatch_table(self):
+        """The block shape the op takes per matrix and row count ("-": the decode kernel up to 128 rows, else
+        dequantize + cuBLAS)."""
+        ms = (48, 56, 64, 96, 128, 129, 160, 192, 256, 384, 512, 513)
+        lines = [f"{'rows':>10} " + " ".join(f"{m:>5}" for m in ms)]
+        for n, k in ((18432, 7168), (7168, 7168), (14336, 4096), (4096, 14336), (4096, 4096)):
+            cells = ["x".join(map(str, wgmma_cuda_config(m, k, n)[:2])) if wgmma_rows_ok(m, k, n) else "-" for m in ms]
+            lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>5}" for c in cells))
+        self.assertExpectedInline("\n".join(lines), """\
+      rows    48    56    64    96   128   129   160   192   256   384   512   513
+18432x7168     -  64x2  64x2 128x2 128x2  64x2  64x2  64x2 128x2 128x2 128x2     -
+ 7168x7168     -     -     -     -     - 256x1 256x1 256x1 256x1 128x2 128x2     -
+14336x4096     -     -     -     -     - 128x2 128x2 128x2 128x2 128x2 128x2     -
+4096x14336     -     -     -     -     -     -     -     -     -     - 256x1     -
+ 4096x4096     -     -     -     -     -     -     -     -     -     - 256x1     -""")

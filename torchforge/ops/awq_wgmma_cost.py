@@ -1,0 +1,59 @@
+"""A time model of the Hopper W4A16 kernel (csrc/awq_wgmma.cu) and of its fallback, dequantize + cuBLAS, fitted to
+H100 sweeps (BENCHMARKS.md, eleventh session: 18432x7168, 7168x7168, 14336x4096, 4096x14336 and 4096x4096 at
+32-512 rows). The dispatch (`awq_mma_cuda.wgmma_cuda_config`, `wgmma_rows_ok`) picks the kernel's block shape and
+whether to run it at all from these estimates, instead of row thresholds fitted to two matrix shapes.
+
+Why a model: a block of the kernel runs one output tile over the whole K (no K slices: their fp32 partials cost
+more than they gained in every sweep), so its time is K / 64 chunks at a per-chunk cost of its block shape, and the
+GPU runs ceil(blocks / SMs) rounds of them. The block counts differ a lot between the shapes: (256, 1) makes 4x as
+many blocks along the columns as (128, 2), (64, 2) 2x as many along the rows. A shape that leaves a last round
+nearly empty loses to one with fewer, bigger blocks (18432 columns at 256 rows: 288 blocks of (256, 1) take 3
+rounds of 132, 144 of (128, 2) take 2), and on narrow matrices every shape leaves SMs idle (4096 columns: 64 blocks
+of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy wins.
+"""
+from __future__ import annotations
+
+__all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "wgmma_blocks", "wgmma_time_us", "best_wgmma_shape",
+           "dequant_cublas_time_us"]
+
+H100_SMS = 132
+# Microseconds per 64-k chunk of one block while every block of its round runs (one block per SM), fitted on the H100
+# runs: (256, 1) 0.54-0.59 over five shapes, (128, 2) 0.82-0.98, (64, 2) 0.67-0.78. Blocks compute 256 x 64,
+# 128 x 256 and 64 x 256 outputs: (128, 2) does the most work per microsecond, (256, 1) has the finest grain.
+WGMMA_US_PER_CHUNK = {(128, 2): 0.87, (256, 1): 0.58, (64, 2): 0.72}
+WGMMA_FIXED_US = 3.0  # the x image kernel and the launches
+# dequantize + cuBLAS: a pass that reads the int4 weight and writes it in bf16 (2.5 bytes an element), then a bf16
+# GEMM bound by its weight reads or by the tensor cores. Fitted: the pass took 15 / 52 / 118 us on 16.8 M / 58.7 M /
+# 132 M elements; cuBLAS reached 2.4-2.8 TB/s and 540-680 TFLOP/s at 160-512 rows.
+DEQUANT_BYTES_PER_S = 2.8e12
+GEMM_BYTES_PER_S = 2.6e12
+GEMM_FLOP_PER_S = 600e12
+DEQUANT_FIXED_US = 2.0
+
+
+def wgmma_blocks(m: int, n: int, shape: tuple[int, int]) -> int:
+    """Blocks of the kernel for m rows and n output columns: 256 columns x block_m rows each, and 4 / tile_set of them
+    along each 256 columns when one warpgroup takes tile_set of the 4 column tiles ((256, 1): 4; (128, 2) and (64, 2),
+    two warpgroups on the two halves: 1)."""
+    block_m, tile_set = shape
+    per_256 = 1 if tile_set == 2 else 4 // tile_set
+    return -(-n // 256) * per_256 * -(-m // block_m)
+
+
+def wgmma_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: int = H100_SMS) -> float:
+    """Estimated microseconds of the WS kernel with blocks of `shape` on x [m, k] and n output columns."""
+    rounds = -(-wgmma_blocks(m, n, shape) // sms)
+    return WGMMA_FIXED_US + rounds * (k // 64) * WGMMA_US_PER_CHUNK[shape]
+
+
+def best_wgmma_shape(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int], float]:
+    """The block shape with the least estimated time, and that time; ties go to the earlier shape in
+    WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times)."""
+    return min(((s, wgmma_time_us(m, k, n, s, sms)) for s in WGMMA_US_PER_CHUNK), key=lambda st: st[1])
+
+
+def dequant_cublas_time_us(m: int, k: int, n: int) -> float:
+    """Estimated microseconds of the fallback: dequantize the weight to bf16, then x @ W.T in cuBLAS."""
+    elems = n * k
+    gemm = max(2 * elems / GEMM_BYTES_PER_S, 2 * m * elems / GEMM_FLOP_PER_S)
+    return DEQUANT_FIXED_US + (2.5 * elems / DEQUANT_BYTES_PER_S + gemm) * 1e6
