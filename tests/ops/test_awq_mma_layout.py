@@ -144,18 +144,18 @@ def test_mma_cuda_warps_rule():
 def test_wgmma_config_follows_the_sweep():
     """wgmma_cuda_config's choices (the time model of awq_wgmma_cost; its table is pinned in test_awq_wgmma_cost),
     and the dispatch range."""
-    from torchforge.ops.awq_mma_cuda import (WGMMA_MAX_M, WGMMA_MIN_M, WGMMA_WIDE_MIN_M, wgmma_cuda_config,
-                                             wgmma_cuda_ok, wgmma_rows_ok)
+    from torchforge.ops.awq_mma_cuda import (WGMMA_MAX_M, WGMMA_MIN_ROWS, wgmma_cuda_config, wgmma_cuda_ok,
+                                             wgmma_rows_ok)
 
-    assert (WGMMA_MIN_M, WGMMA_MAX_M, WGMMA_WIDE_MIN_M) == (129, 512, 56)
+    assert (WGMMA_MIN_ROWS, WGMMA_MAX_M) == (32, 512)
     assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 1, 8, True)     # every configuration WS, no K slices
     assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 1, 8, True)
     assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8, True)
-    # the rows taken: from 56 on wide matrices, 129 on others, to 512, where the model has the kernel faster
-    wide, narrow = 18432, 7168
-    assert [wgmma_rows_ok(m, 7168, wide) for m in (55, 56, 512, 513)] == [False, True, True, False]
-    assert [wgmma_rows_ok(m, 7168, narrow) for m in (128, 129, 384, 512)] == [False, True, True, True]
-    assert [wgmma_rows_ok(m, 4096, 4096) for m in (129, 256, 384)] == [False, False, False]  # cuBLAS
+    # the rows taken: within WGMMA_MIN_ROWS..WGMMA_MAX_M where the model has the kernel faster
+    assert [wgmma_rows_ok(m, 7168, 18432) for m in (48, 56, 512, 513)] == [False, True, True, False]
+    assert [wgmma_rows_ok(m, 7168, 7168) for m in (64, 129, 384, 512)] == [False, True, True, True]
+    assert [wgmma_rows_ok(m, 4096, 4096) for m in (64, 129, 256, 384)] == [False, False, False, False]
+    assert not wgmma_rows_ok(31, 64, 1 << 20)  # below WGMMA_MIN_ROWS whatever the model says
     # the SM count enters: on 4x the SMs, (256, 1) blocks no longer need 3 rounds on 18432 columns at 256 rows
     assert wgmma_cuda_config(256, 7168, 18432, sms=4 * 132)[:2] == (256, 1)
     x = torch.randn(200, 64)

@@ -3,7 +3,8 @@ blocks on the SMs, and the choices it makes on the swept H100 shapes (BENCHMARKS
 import expecttest
 
 from torchforge.ops.awq_mma_cuda import wgmma_cuda_config, wgmma_rows_ok
-from torchforge.ops.awq_wgmma_cost import (best_wgmma_shape, dequant_cublas_time_us, wgmma_blocks, wgmma_time_us)
+from torchforge.ops.awq_wgmma_cost import (best_wgmma_shape, decode_mma_time_us, dequant_cublas_time_us, wgmma_blocks,
+                                           wgmma_time_us)
 
 
 def test_blocks_and_rounds():
@@ -28,19 +29,34 @@ def test_choices_on_the_swept_shapes():
     assert best_wgmma_shape(256, 7168, 18432)[1] < dequant_cublas_time_us(256, 7168, 18432)  # 0.196 against 0.228
 
 
+def test_decode_kernel_steps_every_16_rows():
+    # the decode kernel dequantizes each weight once per 16 rows: equal within a step, one step more per 16 rows
+    assert decode_mma_time_us(49, 7168, 18432) == decode_mma_time_us(64, 7168, 18432)
+    step = decode_mma_time_us(65, 7168, 18432) - decode_mma_time_us(64, 7168, 18432)
+    assert abs(step - 18432 * 7168 * 1e-6 * 0.168) < 1e-6
+    # and never below the int4 weight read: 66 MB at 2.4 TB/s
+    assert decode_mma_time_us(1, 7168, 18432) >= 18432 * 7168 / 2 / 2.4e12 * 1e6
+    # against it, (64, 2) wgmma blocks win on 18432x7168 from 56 rows (0.078 ms against 0.086), not at 48 (0.077
+    # against 0.069); on 14336x4096 from 72 (0.047 against 0.050)
+    assert best_wgmma_shape(56, 7168, 18432)[1] < decode_mma_time_us(56, 7168, 18432)
+    assert best_wgmma_shape(48, 7168, 18432)[1] > decode_mma_time_us(48, 7168, 18432)
+    assert best_wgmma_shape(72, 4096, 14336)[1] < decode_mma_time_us(72, 4096, 14336)
+    assert best_wgmma_shape(64, 4096, 14336)[1] > decode_mma_time_us(64, 4096, 14336)
+
+
 class TestDispatchTable(expecttest.TestCase):
     def test_dispatch_table(self):
         """The block shape the op takes per matrix and row count ("-": the decode kernel up to 128 rows, else
         dequantize + cuBLAS)."""
-        ms = (48, 56, 64, 96, 128, 129, 160, 192, 256, 384, 512, 513)
+        ms = (32, 48, 56, 64, 72, 96, 128, 129, 160, 192, 256, 384, 512, 513)
         lines = [f"{'rows':>10} " + " ".join(f"{m:>5}" for m in ms)]
         for n, k in ((18432, 7168), (7168, 7168), (14336, 4096), (4096, 14336), (4096, 4096)):
             cells = ["x".join(map(str, wgmma_cuda_config(m, k, n)[:2])) if wgmma_rows_ok(m, k, n) else "-" for m in ms]
             lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>5}" for c in cells))
         self.assertExpectedInline("\n".join(lines), """\
-      rows    48    56    64    96   128   129   160   192   256   384   512   513
-18432x7168     -  64x2  64x2 128x2 128x2  64x2  64x2  64x2 128x2 128x2 128x2     -
- 7168x7168     -     -     -     -     - 256x1 256x1 256x1 256x1 128x2 128x2     -
-14336x4096     -     -     -     -     - 128x2 128x2 128x2 128x2 128x2 128x2     -
-4096x14336     -     -     -     -     -     -     -     -     -     - 256x1     -
- 4096x4096     -     -     -     -     -     -     -     -     -     - 256x1     -""")
+      rows    32    48    56    64    72    96   128   129   160   192   256   384   512   513
+18432x7168     -     -  64x2  64x2 128x2 128x2 128x2  64x2  64x2  64x2 128x2 128x2 128x2     -
+ 7168x7168     -     -     -     -     -     - 256x1 256x1 256x1 256x1 256x1 128x2 128x2     -
+14336x4096     -     -     -     -  64x2  64x2  64x2 128x2 128x2 128x2 128x2 128x2 128x2     -
+4096x14336     -     -     -     -     -     -     -     -     -     -     -     - 256x1     -
+ 4096x4096     -     -     -     -     -     -     -     -     -     -     -     - 256x1     -""")

@@ -12,11 +12,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_shape, dequant_cublas_time_us
+from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_shape, decode_mma_time_us, dequant_cublas_time_us
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
-           "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_M", "WGMMA_MAX_M", "wgmma_cuda_config",
-           "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake", "WGMMA_WIDE_MIN_M", "WGMMA_WIDE_N",
+           "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M", "wgmma_cuda_config",
+           "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake",
            "moe_sorted_block_rows", "MOE_SORTED_BLOCK_ROWS", "MOE_WARPS"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
@@ -124,24 +124,18 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 
 
 # ------------------------------------------------------------------ prefill on Hopper: csrc/awq_wgmma.cu
-# Rows of x the warpgroup-MMA kernel may take (sm_90 devices), all in its warp-specialized (WS) form. Which block
-# shape, and from 129 rows whether to run it at all rather than dequantize + cuBLAS, comes from the time model in
-# awq_wgmma_cost (fitted on H100 sweeps of five matrix shapes, eleventh session). Past 512 rows dequantize + cuBLAS:
-# cuBLAS reaches about 70% of the tensor peak at large M, this kernel 55%.
-# - Wide matrices (WGMMA_WIDE_N output columns or more) from WGMMA_WIDE_MIN_M rows: the decode kernel dequantizes
-#   each weight once per 16 rows, the wgmma kernel once per block of 64 or 128. 18432x7168, ms (eleventh session):
-#     rows            48      56      64      72      96      128
-#     wgmma         0.077   0.078   0.078   0.093   0.094   0.095     (64, 2) up to 64 rows, then (128, 2)
-#     decode kernel 0.069   0.086   0.087   0.105   0.135   0.175
-#   On narrower matrices the decode kernel's row blocks x column blocks fill the GPU better up to 128 rows
-#   (7168x7168 at 128 rows: 0.067 ms against 0.075 for the best wgmma shape; 14336x4096 at 64: 0.041 against 0.047).
-# - From 129 rows (WGMMA_MIN_M) the model decides. It sends 4096-column matrices to cuBLAS up to 384 rows (4096x4096
-#   at 256 rows: 0.041 ms for wgmma, 0.035 for dequantize + cuBLAS; the row rule before took wgmma there) and takes
-#   (128, 2) blocks on 14336x4096 (0.059 against 0.078 ms for (256, 1) at 160 rows).
-WGMMA_MIN_M = 129
+# Rows of x the warpgroup-MMA kernel may take (sm_90 devices), all in its warp-specialized (WS) form: which block
+# shape, and whether to run it at all rather than the decode kernel (up to 128 rows) or dequantize + cuBLAS (from 129),
+# comes from the time model in awq_wgmma_cost, fitted on H100 sweeps of five matrix shapes (eleventh session).
+# Below WGMMA_MIN_ROWS the decode kernel is bound by the weight reads and a 64-row wgmma block would waste half its
+# tensor work or more (18432x7168 at 32 rows: 0.051 ms against 0.077). Past WGMMA_MAX_M dequantize + cuBLAS: cuBLAS
+# reaches about 70% of the tensor peak at large M, this kernel 55%. What the model changed (ms, eleventh session):
+# - 18432x7168 at 56-64 rows: (64, 2) blocks, 0.078 against 0.086 for the decode kernel (whose time steps up every
+#   16 rows, where the wgmma kernel dequantizes each weight once per block of 64 or 128 rows).
+# - 14336x4096: (128, 2) blocks from 129 rows (0.059 against 0.078 for the (256, 1) of the row rule before).
+# - 4096-column matrices up to 256 rows: dequantize + cuBLAS (4096x4096 at 256 rows: 0.034 against 0.041).
+WGMMA_MIN_ROWS = 32
 WGMMA_MAX_M = 512
-WGMMA_WIDE_MIN_M = 56
-WGMMA_WIDE_N = 16384
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
@@ -155,13 +149,12 @@ def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int,
 
 
 def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
-    """Whether x [m, k] with n output columns goes to the wgmma kernel: WGMMA_MIN_M..WGMMA_MAX_M rows (from
-    WGMMA_WIDE_MIN_M with WGMMA_WIDE_N columns or more), and from WGMMA_MIN_M rows only where the time model has it
-    faster than dequantize + cuBLAS (below, the alternative is the decode kernel, which the model does not cover)."""
-    min_m = WGMMA_WIDE_MIN_M if n >= WGMMA_WIDE_N else WGMMA_MIN_M
-    if not min_m <= m <= WGMMA_MAX_M:
+    """Whether x [m, k] with n output columns goes to the wgmma kernel: WGMMA_MIN_ROWS..WGMMA_MAX_M rows, where the
+    time model has it faster than the decode kernel (up to MMA_CUDA_MAX_M rows) or dequantize + cuBLAS."""
+    if not WGMMA_MIN_ROWS <= m <= WGMMA_MAX_M:
         return False
-    return m < WGMMA_MIN_M or best_wgmma_shape(m, k, n, sms)[1] < dequant_cublas_time_us(m, k, n)
+    other = decode_mma_time_us(m, k, n) if m <= MMA_CUDA_MAX_M else dequant_cublas_time_us(m, k, n)
+    return best_wgmma_shape(m, k, n, sms)[1] < other
 
 
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,

@@ -1,7 +1,8 @@
 """A time model of the Hopper W4A16 kernel (csrc/awq_wgmma.cu) and of its fallback, dequantize + cuBLAS, fitted to
 H100 sweeps (BENCHMARKS.md, eleventh session: 18432x7168, 7168x7168, 14336x4096, 4096x14336 and 4096x4096 at
 32-512 rows). The dispatch (`awq_mma_cuda.wgmma_cuda_config`, `wgmma_rows_ok`) picks the kernel's block shape and
-whether to run it at all from these estimates, instead of row thresholds fitted to two matrix shapes.
+whether to run it at all from these estimates (against the decode kernel up to 128 rows, dequantize + cuBLAS
+from 129), instead of row thresholds fitted to two matrix shapes.
 
 Why a model: a block of the kernel runs one output tile over the whole K (no K slices: their fp32 partials cost
 more than they gained in every sweep), so its time is K / 64 chunks at a per-chunk cost of its block shape, and the
@@ -14,7 +15,7 @@ of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy wins.
 from __future__ import annotations
 
 __all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "wgmma_blocks", "wgmma_time_us", "best_wgmma_shape",
-           "dequant_cublas_time_us"]
+           "dequant_cublas_time_us", "decode_mma_time_us"]
 
 H100_SMS = 132
 # Microseconds per 64-k chunk of one block while every block of its round runs (one block per SM), fitted on the H100
@@ -29,6 +30,12 @@ DEQUANT_BYTES_PER_S = 2.8e12
 GEMM_BYTES_PER_S = 2.6e12
 GEMM_FLOP_PER_S = 600e12
 DEQUANT_FIXED_US = 2.0
+# The decode kernel (csrc/awq_mma.cu, up to 128 rows) dequantizes every weight once per 16 rows of x: its time steps
+# up every 16 rows by 0.16-0.18 us per million weights on all five swept shapes (18432x7168: 0.069 ms at 48 rows,
+# 0.086 at 56, 0.105 at 72, 0.135 at 96, 0.175 at 128), and is at least the time to read the int4 weight.
+DECODE_US_PER_MWEIGHT_PER_16_ROWS = 0.168
+DECODE_BYTES_PER_S = 2.4e12
+DECODE_FIXED_US = 1.0
 
 
 def wgmma_blocks(m: int, n: int, shape: tuple[int, int]) -> int:
@@ -57,3 +64,10 @@ def dequant_cublas_time_us(m: int, k: int, n: int) -> float:
     elems = n * k
     gemm = max(2 * elems / GEMM_BYTES_PER_S, 2 * m * elems / GEMM_FLOP_PER_S)
     return DEQUANT_FIXED_US + (2.5 * elems / DEQUANT_BYTES_PER_S + gemm) * 1e6
+
+
+def decode_mma_time_us(m: int, k: int, n: int) -> float:
+    """Estimated microseconds of the decode kernel (csrc/awq_mma.cu) on x [m, k] and n output columns."""
+    elems = n * k
+    return DECODE_FIXED_US + max(-(-m // 16) * elems * 1e-6 * DECODE_US_PER_MWEIGHT_PER_16_ROWS,
+                                 elems / 2 / DECODE_BYTES_PER_S * 1e6)
