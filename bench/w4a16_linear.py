@@ -134,7 +134,7 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
 
 
 def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "",
-                split_counts: str = "1,2,3,4,6,8") -> list:
+                split_counts: str = "1,2,3,4,6,8", tail: bool = False) -> list:
     """The extension's Hopper kernel on the mma layout (csrc/awq_wgmma.cu) over (block_m, tile_set, splits), against
     bf16, the decode mma kernel (up to 128 rows), the mma layout's dequantize + cuBLAS and tinygemm in the same run."""
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, wgmma_cuda_config
@@ -143,6 +143,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
     from torchforge.ops.awq_reference import awq_dequantize_ref
 
     out = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for shape in shapes.split(","):
         OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
         mma = awq_to_mma_layout(qw)
@@ -167,6 +168,11 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
                         configs.add((bm, tw, splits, 8, False))
                         if producer_warp:  # the warp-specialized kernel
                             configs.add((bm, tw, splits, 8, True))
+                    # K slices for the last round's tiles only: the full rounds of `sms` blocks run whole
+                    tiles = -(-(OC // 64) // 4) * (1 if tw == 2 else 4 // tw) * -(-M // bm)
+                    dp = tiles - tiles % sms
+                    if tail and splits > 1 and 0 < dp < tiles and (tiles - dp) * splits <= sms:
+                        configs.add((bm, tw, splits, 8, producer_warp, dp))
             if only:  # e.g. "64x2,128x2": these (block_m, tile_set) only, and the default
                 keep = {tuple(map(int, o.split("x"))) for o in only.split(",")}
                 configs = {c for c in configs if c[:2] in keep or c == default}
@@ -174,7 +180,8 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
                 f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg)  # noqa: E731
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                out.append([shape, M, *cfg[:3], "ws" if cfg[4] else "", "*" if cfg == default else "", t,
+                kind = ("ws" if cfg[4] else "") + (f"+tail {cfg[5]}" if len(cfg) > 5 else "")
+                out.append([shape, M, *cfg[:3], kind, "*" if cfg == default else "", t,
                             2 * M * OC * IC / t / 1e9,
                             wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
@@ -289,6 +296,8 @@ def main() -> int:
     ap.add_argument("--wgmma-ws", action="store_true",
                     help="with --wgmma-sweep: also time the warp-specialized kernel (producer_warp)")
     ap.add_argument("--wgmma-splits", default="1,2,3,4,6,8", help="with --wgmma-sweep: the K slice counts tried")
+    ap.add_argument("--wgmma-tail", action="store_true",
+                    help="with --wgmma-sweep: also time K slices on the last round's tiles only (dp_tiles)")
     ap.add_argument("--wgmma-only", default="",
                     help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
     args = ap.parse_args()
@@ -313,7 +322,7 @@ def main() -> int:
         return 0
     if args.wgmma_sweep:
         wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws, args.wgmma_only,
-                            args.wgmma_splits)
+                            args.wgmma_splits, args.wgmma_tail)
         if args.best:
             wrows = [r for i, r in enumerate(wrows) if i == 0 or r[:2] != wrows[i - 1][:2] or r[6] == "*"]
         print(f"device: {device_line()}")

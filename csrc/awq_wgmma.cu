@@ -39,7 +39,8 @@
 //   - Tried and dropped: no block barrier, where the last warp to release a stage refilled it (354); 5 stages (no
 //     change).
 //   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
-// * K slices along grid.z as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order).
+// * K slices along grid.z as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for
+//   every tile or only for those of a last, nearly empty round of blocks (dp_tiles, see launch).
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                      float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                     int chunks_per_group, int splits, int group_m) {
+                     int chunks_per_group, int splits, int group_m, int tile_base) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using St = Stage<BM>;
   using P = Pair<T>;
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   const int ncols = (nblocks + 3) / 4 * kSets;  // blocks along the columns
   const int mblocks = (M + BM - 1) / BM;
   // Row blocks walk in groups of group_m, so that the blocks running together share x and the weight in L2.
-  const int pid = blockIdx.x;
+  const int pid = tile_base + blockIdx.x;  // tile_base: the tail launch's first tile (see launch)
   const int per_group = group_m * ncols;
   const int first_m = pid / per_group * group_m;
   const int rows_in_group = min(mblocks - first_m, group_m);
@@ -360,21 +361,35 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     });
     return;
   }
-  const int slice = blockIdx.z;
-  for_each([&](float v, int m, int n) { partial[(static_cast<size_t>(slice) * M + m) * N + n] = v; });
+  // fp32 partials in the block's own order: slice, then tile of this launch, then accumulator, then thread (each
+  // store and load coalesced across the block, and no index math on rows and columns).
+  constexpr int kAcc = TW * (BM / 2);
+  const size_t tile_floats = static_cast<size_t>(kAcc) * kThreads<TW>;
+  auto part = [&](int sl) { return partial + (static_cast<size_t>(sl) * gridDim.x + blockIdx.x) * tile_floats + tid; };
+  float* mine = part(blockIdx.z);
+#pragma unroll
+  for (int i = 0; i < TW; ++i)
+#pragma unroll
+    for (int e = 0; e < BM / 2; ++e) __stcg(mine + (i * (BM / 2) + e) * kThreads<TW>, acc[i][e]);
   __threadfence();  // this block's partials are visible before its ticket is taken
   consumer_sync();
-  if (tid == 0) is_last = atomicAdd(&tickets[pid], 1u) == static_cast<unsigned>(splits - 1);
+  if (tid == 0) is_last = atomicAdd(&tickets[blockIdx.x], 1u) == static_cast<unsigned>(splits - 1);
   consumer_sync();
   if (!is_last) return;
   __threadfence();
-  for_each([&](float, int m, int n) {
-    float total = 0.0f;
-    for (int sl = 0; sl < splits; ++sl)  // slice order: deterministic; L2 reads, not a stale L1
-      total += __ldcg(partial + (static_cast<size_t>(sl) * M + m) * N + n);
-    out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? total + Tr::to_f(bias[n]) : total);
+#pragma unroll
+  for (int i = 0; i < TW; ++i)
+#pragma unroll
+    for (int e = 0; e < BM / 2; ++e) {
+      float total = 0.0f;
+      for (int sl = 0; sl < splits; ++sl)  // slice order: deterministic; L2 reads, not a stale L1
+        total += __ldcg(part(sl) + (i * (BM / 2) + e) * kThreads<TW>);
+      acc[i][e] = total;
+    }
+  for_each([&](float v, int m, int n) {
+    out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
   });
-  if (tid == 0) tickets[pid] = 0u;
+  if (tid == 0) tickets[blockIdx.x] = 0u;
 #else
   __trap();  // built without sm_90a (TORCHFORGE_CUDA_ARCH): fail loudly rather than return an unwritten output
 #endif
@@ -406,7 +421,7 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
 template <typename T, typename S, int BM, int TW, bool WS>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
-                   int group_m, cudaStream_t stream) {
+                   int group_m, int dp_tiles, cudaStream_t stream) {
   auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS>;
   constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
@@ -421,12 +436,22 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   x_image_kernel<T, BM><<<static_cast<unsigned>((pieces + 255) / 256), 256, 0, stream>>>(static_cast<const T*>(x),
                                                                                     static_cast<T*>(x_image), M, K);
   const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<TW>));
-  const dim3 grid(ncols * ((M + BM - 1) / BM), 1, splits);
-  kernel<<<grid, kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
-      static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
-                                           static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
-                                           static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N,
-                                           K, group_size / 64, splits, group_m);
+  const int tiles = ncols * ((M + BM - 1) / BM);
+  // With 0 < dp_tiles < tiles, two launches: tiles [0, dp_tiles) whole, then the rest in `splits` K slices each. A
+  // last round of few tiles, which would leave most SMs idle for a whole tile's time, then takes 1 / splits of it
+  // (plus the fp32 partials). Otherwise one launch, every tile in `splits` slices.
+  auto run = [&](int first, int count, int slices) {
+    kernel<<<dim3(count, 1, slices), kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
+        static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
+        reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets,
+        M, N, K, group_size / 64, slices, group_m, first);
+  };
+  if (splits > 1 && dp_tiles > 0 && dp_tiles < tiles) {
+    run(0, dp_tiles, 1);
+    run(dp_tiles, tiles - dp_tiles, splits);
+  } else {
+    run(0, tiles, splits);
+  }
   return cudaGetLastError();
 }
 
@@ -450,6 +475,12 @@ bool producer_pool_ok() {
 // Rows of the x image (M rounded up to whole blocks of block_m).
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m) { return (M + block_m - 1) / block_m * block_m; }
 
+// Outputs of one block (block_m rows x 256 columns with two warpgroups, x 64 tile_set with one): the fp32 partials a
+// tile's K slice writes.
+int64_t awq_wgmma_block_outputs(int64_t block_m, int64_t tile_set) {
+  return block_m * (tile_set == 2 ? 256 : 64 * tile_set);
+}
+
 // Number of blocks along the columns x rows (the tickets the op allocates with splits > 1).
 int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set) {
   const int64_t sets = tile_set == 2 ? 1 : 4 / tile_set;  // tile sets on blocks of their own (kGroups)
@@ -460,15 +491,17 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 // (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
 // alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 1 <= splits <= K / 64, that the device is an
 // sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...)
-// zeros and `partial` splits * M * N floats (splits > 1); producer_warp (WS): see the kernel and producer_pool_ok.
+// zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats (splits > 1); producer_warp (WS):
+// see the kernel and producer_pool_ok; dp_tiles: see launch.
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                             cudaStream_t stream) {
+                             int64_t dp_tiles, cudaStream_t stream) {
   using namespace awq_wgmma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int gs = static_cast<int>(group_size), s = static_cast<int>(splits), gm = static_cast<int>(group_m);
+  const int dp = static_cast<int>(dp_tiles);
   return awq_mma_detail::dispatch_dtypes(dtype, scale_dtype, [&](auto tv, auto sv) {
     using T = decltype(tv);
     using S = decltype(sv);
@@ -476,9 +509,9 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
       if (producer_warp && producer_pool_ok<T, S, BM, TW>())
         return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                          gs, s, gm, stream);
+                                          gs, s, gm, dp, stream);
       return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                         gs, s, gm, stream);
+                                         gs, s, gm, dp, stream);
     };
     using std::integral_constant;
     if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});

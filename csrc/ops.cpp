@@ -49,11 +49,12 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
 // csrc/awq_wgmma.cu (sm_90a)
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m);
 int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set);
+int64_t awq_wgmma_block_outputs(int64_t block_m, int64_t tile_set);
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                             cudaStream_t stream);
+                             int64_t dp_tiles, cudaStream_t stream);
 
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
@@ -379,10 +380,12 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 
 // Prefill form of awq_mma_cuda on Hopper's warpgroup MMA (csrc/awq_wgmma.cu, sm_90 devices only): same tensors and
 // result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
-// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses).
+// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses);
+// dp_tiles > 0 (with splits > 1): the first dp_tiles blocks' tiles run whole and only the rest in K slices.
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
-                          int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp) {
+                          int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
+                          int64_t dp_tiles) {
   const std::string op = "awq_wgmma_cuda: ";
   at::Tensor b;
   const void* bias_ptr = check_mma_dense(op, x, qweight, scales, qzeros, group_size, bias, splits, 1, b);
@@ -408,14 +411,19 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
   if (M == 0 || N == 0) return out;
   const int64_t tiles = awq_wgmma_tiles(M, N, block_m, tile_set);
   TORCH_CHECK(tiles < (int64_t{1} << 31), op + "too many blocks: " + i2s(tiles));
-  at::Tensor tickets = at::zeros({splits > 1 ? tiles : 1}, x.options().dtype(at::kInt));
-  at::Tensor partial = at::empty({splits > 1 ? splits * M * N : 1}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(dp_tiles >= 0 && dp_tiles < tiles,
+              op + "dp_tiles must be in [0, " + i2s(tiles) + ") (the blocks of this call), got " + i2s(dp_tiles));
+  if (splits == 1) dp_tiles = 0;
+  const int64_t split_tiles = tiles - dp_tiles;
+  at::Tensor tickets = at::zeros({splits > 1 ? split_tiles : 1}, x.options().dtype(at::kInt));
+  at::Tensor partial = at::empty({splits > 1 ? splits * split_tiles * awq_wgmma_block_outputs(block_m, tile_set) : 1},
+                                 x.options().dtype(at::kFloat));
   at::Tensor x_image = at::empty({awq_wgmma_image_rows(M, block_m), K}, x.options());
   const cudaError_t err = awq_wgmma_launch(
       dtype_code(x), dtype_code(scales), x.data_ptr(), x_image.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, block_m, tile_set,
-      group_m, producer_warp, c10::cuda::getCurrentCUDAStream());
+      group_m, producer_warp, dp_tiles, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -439,7 +447,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=8) -> Tensor");
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False) -> Tensor");
+      "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int dp_tiles=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {

@@ -117,6 +117,27 @@ def test_producer_warpgroup_with_fp16_x(shape):
     assert torch.equal(ws, base)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("ws", [False, True])
+def test_k_slices_on_the_last_tiles_only(shape, ws):
+    """dp_tiles: the first blocks' tiles run whole (the bits of splits = 1), the rest in K slices (the bits of every
+    tile in slices), in two launches; each output element is one or the other, and the result is right."""
+    qw, mma, s, z = _case(1024, 1280, 128, sym=False, seed=17)  # 5 groups of 256 columns
+    x = torch.randn(2 * shape[0] + 7, 1024, device="cuda", dtype=torch.bfloat16)  # 3 row blocks, the last partial
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    whole = op(x, mma, s, z, 128, None, 1, shape[0], shape[1], 2, ws)
+    sliced = op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 2, ws)
+    tiles = 5 * (1 if shape[1] == 2 else 4 // shape[1]) * 3
+    for dp in (1, tiles // 2, tiles - 1):
+        out = op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 2, ws, dp)
+        assert torch.all((out == whole) | (out == sliced)), dp
+        assert (out == whole).sum() > (whole == sliced).sum()  # some tiles were not sliced
+        assert (out == sliced).sum() > (whole == sliced).sum()  # some were
+        assert torch.equal(out, op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 2, ws, dp))  # tickets reset
+    expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
+    assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
+
+
 def test_rows_of_x_are_independent():
     """Row i of a 200-row call equals the same row inside another block of rows (no leakage between row blocks)."""
     qw, mma, s, z = _case(1024, 256, 128, seed=3)
@@ -138,6 +159,9 @@ def test_opcheck_and_errors():
         op(x, mma, s, z, 128, None, 1, 128, 4, 8)
     with pytest.raises(RuntimeError, match=r"splits must be in \[1, K / \(64 \* item_chunks\) = 4\]"):
         op(x, mma, s, z, 128, None, 5, 128, 2, 8)
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 64, 2, 8, True, 1))
+    with pytest.raises(RuntimeError, match=r"dp_tiles must be in \[0, 2\) \(the blocks of this call\), got 2"):
+        op(x, mma, s, z, 128, None, 2, 64, 2, 8, True, 2)
     with pytest.raises(RuntimeError, match="group_m must be >= 1"):
         op(x, mma, s, z, 128, None, 1, 128, 2, 0)
     with pytest.raises(RuntimeError, match="scales must be float16 \\(or bfloat16 with bfloat16 x\\)"):

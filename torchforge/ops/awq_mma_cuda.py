@@ -177,9 +177,10 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                           bias: Optional[Tensor] = None, *,
-                          config: Optional[tuple[int, int, int, int, bool]] = None) -> Tensor:
+                          config: Optional[tuple] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
-    (block_m, tile_set, splits, group_m, producer_warp), else wgmma_cuda_config."""
+    (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles]), else wgmma_cuda_config. dp_tiles > 0: the
+    first dp_tiles blocks run their tiles whole, only the rest in `splits` K slices (a last round of few tiles)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -187,9 +188,10 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
         x2 = x2.contiguous()
     if config is None:
         config = wgmma_cuda_config(x2.shape[0], k, n, _sm_count(x2.device.index))
-    block_m, tile_set, splits, group_m, ws = config
+    block_m, tile_set, splits, group_m, ws, *dp = config
+    tail = (dp[0],) if dp and dp[0] else ()  # left out when 0: the op's default
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
-                                              tile_set, group_m, ws)
+                                              tile_set, group_m, ws, *tail)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -279,7 +281,8 @@ def register_fake() -> None:
 
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda"):
         @torch.library.register_fake("torchforge::awq_wgmma_cuda")
-        def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False):
+        def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False,
+              dp_tiles=0):
             torch._check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
                          lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
                                  f"{tuple(x.shape)} and {tuple(qweight.shape)}")
