@@ -122,20 +122,24 @@ def test_producer_warpgroup_with_fp16_x(shape):
 def test_k_slices_on_the_last_tiles_only(shape, ws):
     """dp_tiles: the first blocks' tiles run whole (the bits of splits = 1), the rest in K slices (the bits of every
     tile in slices), in two launches; each output element is one or the other, and the result is right."""
-    qw, mma, s, z = _case(1024, 1280, 128, sym=False, seed=17)  # 5 groups of 256 columns
-    x = torch.randn(2 * shape[0] + 7, 1024, device="cuda", dtype=torch.bfloat16)  # 3 row blocks, the last partial
+    qw, mma, s, z = _case(2048, 1280, 128, sym=False, seed=17)  # 5 groups of 256 columns
+    x = torch.randn(2 * shape[0] + 7, 2048, device="cuda", dtype=torch.float16)  # 3 row blocks, the last partial
     op = torch.ops.torchforge.awq_wgmma_cuda
     whole = op(x, mma, s, z, 128, None, 1, shape[0], shape[1], 2, ws)
     sliced = op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 2, ws)
+    same = (whole == sliced).sum()  # rounded to fp16, most elements agree; some hundreds do not
+    assert same < whole.numel()
     tiles = 5 * (1 if shape[1] == 2 else 4 // shape[1]) * 3
     for dp in (1, tiles // 2, tiles - 1):
         out = op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 2, ws, dp)
         assert torch.all((out == whole) | (out == sliced)), dp
-        assert (out == whole).sum() > (whole == sliced).sum()  # some tiles were not sliced
-        assert (out == sliced).sum() > (whole == sliced).sum()  # some were
         assert torch.equal(out, op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 2, ws, dp))  # tickets reset
+        if dp == 1:  # all tiles but one sliced
+            assert (out == sliced).sum() > same
+        if dp == tiles - 1:  # one tile sliced
+            assert (out == whole).sum() > same
     expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
-    assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
+    assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.float16]
 
 
 def test_rows_of_x_are_independent():
