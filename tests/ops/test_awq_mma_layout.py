@@ -148,9 +148,11 @@ def test_wgmma_config_follows_the_sweep():
                                              wgmma_rows_ok)
 
     assert (WGMMA_MIN_ROWS, WGMMA_MAX_M) == (32, 512)
-    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 1, 8, True)     # every configuration WS, no K slices
-    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 1, 8, True)
-    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8, True)
+    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 1, 8, True, 0)     # every configuration WS
+    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 1, 8, True, 0)
+    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8, True, 0)
+    # 144 blocks of (128, 2): the 12 past the first round of 132 in 6 K slices each
+    assert wgmma_cuda_config(256, 7168, 18432) == (128, 2, 6, 8, True, 132)
     # the rows taken: within WGMMA_MIN_ROWS..WGMMA_MAX_M where the model has the kernel faster
     assert [wgmma_rows_ok(m, 7168, 18432) for m in (48, 56, 512, 513)] == [False, True, True, False]
     assert [wgmma_rows_ok(m, 7168, 7168) for m in (64, 129, 384, 512)] == [False, True, True, True]

@@ -3,8 +3,8 @@ blocks on the SMs, and the choices it makes on the swept H100 shapes (BENCHMARKS
 import expecttest
 
 from torchforge.ops.awq_mma_cuda import wgmma_cuda_config, wgmma_rows_ok
-from torchforge.ops.awq_wgmma_cost import (best_wgmma_shape, decode_mma_time_us, dequant_cublas_time_us, wgmma_blocks,
-                                           wgmma_time_us)
+from torchforge.ops.awq_wgmma_cost import (best_wgmma_config, best_wgmma_shape, decode_mma_time_us,
+                                           dequant_cublas_time_us, wgmma_blocks, wgmma_tail_time_us, wgmma_time_us)
 
 
 def test_blocks_and_rounds():
@@ -44,19 +44,38 @@ def test_decode_kernel_steps_every_16_rows():
     assert best_wgmma_shape(64, 4096, 14336)[1] > decode_mma_time_us(64, 4096, 14336)
 
 
+def test_tail_slices():
+    # 144 blocks of (128, 2) on 18432 columns at 256 rows: one full round of 132, then 12 tiles; in 6 slices each
+    # they take 72 blocks of 19 chunks (measured: 0.149 ms against 0.197 with the 12 whole)
+    (bm, tw, splits, dp), t = best_wgmma_config(256, 7168, 18432)
+    assert (bm, tw, splits, dp) == (128, 2, 6, 132)
+    assert t < wgmma_time_us(256, 7168, 18432, (128, 2))
+    # no tail to slice: fewer blocks than SMs, a whole number of rounds, or slices that overflow the round
+    assert wgmma_tail_time_us(128, 7168, 18432, (128, 2), 2) == float("inf")   # 72 blocks
+    assert wgmma_tail_time_us(256, 7168, 16896, (128, 2), 2) == float("inf")   # 66 x 2 = 132 blocks
+    assert wgmma_tail_time_us(256, 7168, 18432, (128, 2), 12) == float("inf")  # 12 x 12 = 144 > 132
+    # 7168x7168 at 256 rows: 112 blocks of (256, 1), one round, nothing to slice
+    assert best_wgmma_config(256, 7168, 7168)[0] == (256, 1, 1, 0)
+
+
+def _cell(config) -> str:
+    block_m, tile_set, splits = config[:3]
+    return f"{block_m}x{tile_set}" + (f"/{splits}" if splits > 1 else "")
+
+
 class TestDispatchTable(expecttest.TestCase):
     def test_dispatch_table(self):
-        """The block shape the op takes per matrix and row count ("-": the decode kernel up to 128 rows, else
-        dequantize + cuBLAS)."""
+        """The block shape the op takes per matrix and row count, /s: the last round's tiles in s K slices ("-": the
+        decode kernel up to 128 rows, else dequantize + cuBLAS)."""
         ms = (32, 48, 56, 64, 72, 96, 128, 129, 160, 192, 256, 384, 512, 513)
-        lines = [f"{'rows':>10} " + " ".join(f"{m:>5}" for m in ms)]
+        lines = [f"{'rows':>10} " + " ".join(f"{m:>7}" for m in ms)]
         for n, k in ((18432, 7168), (7168, 7168), (14336, 4096), (4096, 14336), (4096, 4096)):
-            cells = ["x".join(map(str, wgmma_cuda_config(m, k, n)[:2])) if wgmma_rows_ok(m, k, n) else "-" for m in ms]
-            lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>5}" for c in cells))
+            cells = [_cell(wgmma_cuda_config(m, k, n)) if wgmma_rows_ok(m, k, n) else "-" for m in ms]
+            lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>7}" for c in cells))
         self.assertExpectedInline("\n".join(lines), """\
-      rows    32    48    56    64    72    96   128   129   160   192   256   384   512   513
-18432x7168     -     -  64x2  64x2 128x2 128x2 128x2  64x2  64x2  64x2 128x2 128x2 128x2     -
- 7168x7168     -     -     -     -     -     - 256x1 256x1 256x1 256x1 256x1 128x2 128x2     -
-14336x4096     -     -     -     -  64x2  64x2  64x2 128x2 128x2 128x2 128x2 128x2 128x2     -
-4096x14336     -     -     -     -     -     -     -     -     -     -     -     - 256x1     -
- 4096x4096     -     -     -     -     -     -     -     -     -     -     -     - 256x1     -""")
+      rows      32      48      56      64      72      96     128     129     160     192     256     384     512     513
+18432x7168       -       -    64x2    64x2   128x2   128x2   128x2 128x2/6 128x2/6 128x2/6 128x2/6   128x2 128x2/4       -
+ 7168x7168       -       -       -       -       -       -   256x1   256x1   256x1   256x1   256x1   128x2   128x2       -
+14336x4096       -       -       -       -    64x2    64x2    64x2   128x2   128x2   128x2   128x2 128x2/3   128x2       -
+4096x14336       -       -       -       -       -       -       -       -       -       -       -       -   256x1       -
+ 4096x4096       -       -       -       -       -       -       -       -       -       -       -       -   256x1       -""")

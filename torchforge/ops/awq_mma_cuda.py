@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_shape, decode_mma_time_us, dequant_cublas_time_us
+from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_config, decode_mma_time_us, dequant_cublas_time_us
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
            "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M", "wgmma_cuda_config",
@@ -139,13 +139,13 @@ WGMMA_MAX_M = 512
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
-def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool]:
-    """(block_m, tile_set, splits, group_m, producer_warp) for x [m, k] and n output columns on `sms` SMs: the block
-    shape the time model (awq_wgmma_cost) finds fastest, warp-specialized, without K slices (their fp32 partials cost
-    more than the idle SMs in every swept case from 128 rows, seventh session; stream-K, tenth session, did not pay
-    either: BENCHMARKS.md)."""
-    (block_m, tile_set), _ = best_wgmma_shape(m, k, n, sms)
-    return block_m, tile_set, 1, 8, True
+def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool, int]:
+    """(block_m, tile_set, splits, group_m, producer_warp, dp_tiles) for x [m, k] and n output columns on `sms` SMs:
+    what the time model (awq_wgmma_cost) finds fastest, warp-specialized; K slices only for the tiles of a last,
+    nearly empty round of blocks (dp_tiles > 0; slicing every tile lost in every sweep, and so did stream-K, tenth
+    session: BENCHMARKS.md)."""
+    (block_m, tile_set, splits, dp_tiles), _ = best_wgmma_config(m, k, n, sms)
+    return block_m, tile_set, splits, 8, True, dp_tiles
 
 
 def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
@@ -154,7 +154,7 @@ def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
     if not WGMMA_MIN_ROWS <= m <= WGMMA_MAX_M:
         return False
     other = decode_mma_time_us(m, k, n) if m <= MMA_CUDA_MAX_M else dequant_cublas_time_us(m, k, n)
-    return best_wgmma_shape(m, k, n, sms)[1] < other
+    return best_wgmma_config(m, k, n, sms)[1] < other
 
 
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,

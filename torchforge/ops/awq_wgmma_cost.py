@@ -14,8 +14,8 @@ of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy wins.
 """
 from __future__ import annotations
 
-__all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "wgmma_blocks", "wgmma_time_us", "best_wgmma_shape",
-           "dequant_cublas_time_us", "decode_mma_time_us"]
+__all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us", "best_wgmma_shape",
+           "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
 
 H100_SMS = 132
 # Microseconds per 64-k chunk of one block while every block of its round runs (one block per SM), fitted on the H100
@@ -30,6 +30,12 @@ DEQUANT_BYTES_PER_S = 2.8e12
 GEMM_BYTES_PER_S = 2.6e12
 GEMM_FLOP_PER_S = 600e12
 DEQUANT_FIXED_US = 2.0
+# A last round of few tiles can run in K slices (dp_tiles: the full rounds' tiles whole, the rest in `splits` slices
+# each, a second launch). Its fp32 partials cost about 20 us + 2.2 us per slice for a block of 128 x 256 outputs,
+# fitted on 18432x7168 at 160-512 rows and 14336x4096 at 384 (eleventh session: 0.149 ms against 0.197 at 256 rows).
+TAIL_SPLITS = (2, 3, 4, 6, 8)
+TAIL_FIXUP_US = 20.0
+TAIL_FIXUP_US_PER_SLICE = 2.2
 # The decode kernel (csrc/awq_mma.cu, up to 128 rows) dequantizes every weight once per 16 rows of x: its time steps
 # up every 16 rows by 0.16-0.18 us per million weights on all five swept shapes (18432x7168: 0.069 ms at 48 rows,
 # 0.086 at 56, 0.105 at 72, 0.135 at 96, 0.175 at 128), and is at least the time to read the int4 weight.
@@ -53,9 +59,36 @@ def wgmma_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: int = H10
     return WGMMA_FIXED_US + rounds * (k // 64) * WGMMA_US_PER_CHUNK[shape]
 
 
+def wgmma_tail_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: int, sms: int = H100_SMS) -> float:
+    """Estimated microseconds with the last round's tiles in `splits` K slices (inf where there is no such round or
+    its slices would not fit in one round)."""
+    blocks = wgmma_blocks(m, n, shape)
+    full, rest = divmod(blocks, sms)
+    if full == 0 or rest == 0 or rest * splits > sms:
+        return float("inf")
+    chunks = k // 64
+    outputs = shape[0] * (256 if shape[1] == 2 else 64 * shape[1])
+    fixup = TAIL_FIXUP_US + TAIL_FIXUP_US_PER_SLICE * splits * outputs / (128 * 256)
+    return (WGMMA_FIXED_US + full * chunks * WGMMA_US_PER_CHUNK[shape]
+            + -(-chunks // splits) * WGMMA_US_PER_CHUNK[shape] + fixup)
+
+
+def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int, int, int], float]:
+    """((block_m, tile_set, splits, dp_tiles), estimated us) with the least estimated time: every block shape whole
+    (splits 1, dp_tiles 0), or with its last round's tiles in TAIL_SPLITS slices. Ties go to the earlier shape in
+    WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times), then to no slices."""
+    options = []
+    for shape in WGMMA_US_PER_CHUNK:
+        options.append(((*shape, 1, 0), wgmma_time_us(m, k, n, shape, sms)))
+        blocks = wgmma_blocks(m, n, shape)
+        for splits in TAIL_SPLITS:
+            options.append(((*shape, splits, blocks - blocks % sms), wgmma_tail_time_us(m, k, n, shape, splits, sms)))
+    return min(options, key=lambda o: o[1])
+
+
 def best_wgmma_shape(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int], float]:
-    """The block shape with the least estimated time, and that time; ties go to the earlier shape in
-    WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times)."""
+    """The block shape with the least estimated time without K slices, and that time; ties go to the earlier shape
+    in WGMMA_US_PER_CHUNK."""
     return min(((s, wgmma_time_us(m, k, n, s, sms)) for s in WGMMA_US_PER_CHUNK), key=lambda st: st[1])
 
 
