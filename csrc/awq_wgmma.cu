@@ -1,6 +1,6 @@
-// W4A16 for prefill-sized batches on Hopper's warpgroup MMA (sm_90a; any M, dispatched for 129-512 rows, from 65
-// on wide matrices, see torchforge/ops/awq_mma_cuda.py), from the same mma layout as the decode kernel (awq_mma.cu;
-// built once at load time by torchforge.ops.awq_mma_layout):
+// W4A16 for prefill-sized batches on Hopper's warpgroup MMA (sm_90a; any M, dispatched for 32-512 rows where a time
+// model has it fastest, see torchforge/ops/awq_mma_cuda.py and awq_wgmma_cost.py), from the same mma layout as the
+// decode kernel (awq_mma.cu; built once at load time by torchforge.ops.awq_mma_layout):
 //
 //   out[m, n] = sum_k x[m, k] * (q[k, n] - z[k / G, n]) * s[k / G, n]  (+ bias[n])
 //

@@ -1,9 +1,9 @@
 """`awq_mma_linear`: W4A16 linear with the weight in the mma layout (`torchforge.ops.awq_mma_layout`).
 
 Dispatch: CUDA tensors with the compiled extension and 1..128 rows of x (decode) run the tensor-core kernel of
-csrc/awq_mma.cu; on an sm_90 (Hopper) GPU, 129..512 rows (from 56 for 16384 output columns or more) the
-warpgroup-MMA kernel of csrc/awq_wgmma.cu where a time model fitted on the H100 has it faster than dequantize +
-cuBLAS (awq_mma_cuda.wgmma_rows_ok, awq_wgmma_cost). Other CUDA calls (prefill, fp32,
+csrc/awq_mma.cu; on an sm_90 (Hopper) GPU, 32..512 rows run the warpgroup-MMA kernel of csrc/awq_wgmma.cu instead
+where a time model fitted on the H100 has it faster than that kernel (up to 128 rows) or dequantize + cuBLAS
+(awq_mma_cuda.wgmma_rows_ok, awq_wgmma_cost). Other CUDA calls (prefill, fp32,
 no extension) dequantize the mma layout once with Triton and call cuBLAS. CPU tensors convert the weight back to
 vLLM's AWQ layout (exact) and run the reference.
 """
