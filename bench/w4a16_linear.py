@@ -113,7 +113,7 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
             default = mma_cuda_config(M, IC, OC, G)
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             default_warps = mma_cuda_warps(-(-M // 16) * (OC // 64) * default[0], sms)
             chunks = default[1]
             configs = [(s, w_, sc) for s in sorted({1, 2, 3, 4, 6, 8, default[0]}) for w_ in (4, 8)]
@@ -143,7 +143,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
     from torchforge.ops.awq_reference import awq_dequantize_ref
 
     out = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for shape in shapes.split(","):
         OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
         mma = awq_to_mma_layout(qw)
@@ -157,7 +157,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
             t_deq = bench_graph_ms(lambda: x @ launch_awq_mma_dequantize_t(mma, sc, qz, G, x.dtype), rep_ms=50)
             tg = tinygemm_fn(w, x) if M <= 256 else None
             t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
-            default = wgmma_cuda_config(M, IC, OC)
+            default = wgmma_cuda_config(M, IC, OC, sms)
             default = default if default[5] else default[:5]  # no tail slices: the plain 5-tuple the sweep makes
             configs = {default}
             for bm, tw in ((64, 4), (64, 2), (128, 2), (256, 1)):

@@ -488,7 +488,7 @@ int64_t awq_wgmma_block_outputs(int64_t block_m, int64_t tile_set) {
   return block_m * (tile_set == 2 ? 256 : 64 * tile_set);
 }
 
-// Number of blocks along the columns x rows (the tickets the op allocates with splits > 1).
+// Number of blocks along the columns x rows (the op allocates tiles - dp_tiles tickets with splits > 1).
 int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set) {
   const int64_t sets = tile_set == 2 ? 1 : 4 / tile_set;  // tile sets on blocks of their own (kGroups)
   return (N / 64 + 3) / 4 * sets * ((M + block_m - 1) / block_m);
@@ -497,8 +497,8 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype as in awq_mma.cu. (block_m, tile_set): (64, 4), (64, 2),
 // (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
 // alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 1 <= splits <= K / 64, that the device is an
-// sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...)
-// zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats (splits > 1); producer_warp (WS):
+// sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...) -
+// dp_tiles zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats (splits > 1); producer_warp (WS):
 // see the kernel and producer_pool_ok; dp_tiles: see launch.
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,

@@ -4,9 +4,10 @@ H100 sweeps (BENCHMARKS.md, eleventh session: 18432x7168, 7168x7168, 14336x4096,
 whether to run it at all from these estimates (against the decode kernel up to 128 rows, dequantize + cuBLAS
 from 129), instead of row thresholds fitted to two matrix shapes.
 
-Why a model: a block of the kernel runs one output tile over the whole K (no K slices: their fp32 partials cost
-more than they gained in every sweep), so its time is K / 64 chunks at a per-chunk cost of its block shape, and the
-GPU runs ceil(blocks / SMs) rounds of them. The block counts differ a lot between the shapes: (256, 1) makes 4x as
+Why a model: a block of the kernel runs one output tile over the whole K (K slices on every tile lost in every
+sweep: their fp32 partials cost more than they gained), so its time is K / 64 chunks at a per-chunk cost of its
+block shape, and the GPU runs ceil(blocks / SMs) rounds of them. Only the tiles of a last, nearly empty round may
+run in K slices (wgmma_tail_time_us). The block counts differ a lot between the shapes: (256, 1) makes 4x as
 many blocks along the columns as (128, 2), (64, 2) 2x as many along the rows. A shape that leaves a last round
 nearly empty loses to one with fewer, bigger blocks (18432 columns at 256 rows: 288 blocks of (256, 1) take 3
 rounds of 132, 144 of (128, 2) take 2), and on narrow matrices every shape leaves SMs idle (4096 columns: 64 blocks
@@ -14,8 +15,8 @@ of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy wins.
 """
 from __future__ import annotations
 
-__all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us", "best_wgmma_shape",
-           "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
+__all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us", "wgmma_tail_time_us",
+           "best_wgmma_shape", "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
 
 H100_SMS = 132
 # Microseconds per 64-k chunk of one block while every block of its round runs (one block per SM), fitted on the H100
@@ -32,7 +33,7 @@ GEMM_FLOP_PER_S = 600e12
 DEQUANT_FIXED_US = 2.0
 # A last round of few tiles can run in K slices (dp_tiles: the full rounds' tiles whole, the rest in `splits` slices
 # each, a second launch). Its fp32 partials cost about 20 us + 2.2 us per slice for a block of 128 x 256 outputs,
-# fitted on 18432x7168 at 160-512 rows and 14336x4096 at 384 (eleventh session: 0.149 ms against 0.197 at 256 rows).
+# fitted on 18432x7168 at 160-512 rows and 14336x4096 at 384 (eleventh session: 0.148 ms against 0.196 at 256 rows).
 TAIL_SPLITS = (2, 3, 4, 6, 8)
 TAIL_FIXUP_US = 20.0
 TAIL_FIXUP_US_PER_SLICE = 2.2
@@ -60,13 +61,13 @@ def wgmma_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: int = H10
 
 
 def wgmma_tail_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: int, sms: int = H100_SMS) -> float:
-    """Estimated microseconds with the last round's tiles in `splits` K slices (inf where there is no such round or
-    its slices would not fit in one round)."""
+    """Estimated microseconds with the last round's tiles in `splits` K slices (inf where there is no such round, its
+    slices would not fit in one round, or K has fewer than `splits` chunks of 64)."""
     blocks = wgmma_blocks(m, n, shape)
     full, rest = divmod(blocks, sms)
-    if full == 0 or rest == 0 or rest * splits > sms:
-        return float("inf")
     chunks = k // 64
+    if full == 0 or rest == 0 or rest * splits > sms or splits > chunks:  # the op takes 1..K/64 slices
+        return float("inf")
     outputs = shape[0] * (256 if shape[1] == 2 else 64 * shape[1])
     fixup = TAIL_FIXUP_US + TAIL_FIXUP_US_PER_SLICE * splits * outputs / (128 * 256)
     return (WGMMA_FIXED_US + full * chunks * WGMMA_US_PER_CHUNK[shape]
