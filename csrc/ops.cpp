@@ -394,6 +394,7 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
               op + "(block_m, tile_set) must be (64, 4), (64, 2), (128, 2) or (256, 1), got (" + i2s(block_m) + ", " +
                   i2s(tile_set) + ")");
   TORCH_CHECK(group_m >= 1, op + "group_m must be >= 1, got " + i2s(group_m));
+  TORCH_CHECK(dp_tiles >= 0, op + "dp_tiles must be >= 0, got " + i2s(dp_tiles));
   group_m = std::min(group_m, (x.size(0) + block_m - 1) / block_m);  // more is the same raster; keeps 32-bit math
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   int major = 0, minor = 0;

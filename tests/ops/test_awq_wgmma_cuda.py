@@ -171,6 +171,8 @@ def test_opcheck_and_errors():
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 64, 2, 8, True, 1))
     with pytest.raises(RuntimeError, match=r"dp_tiles must be in \[0, 2\) \(the blocks of this call\), got 2"):
         op(x, mma, s, z, 128, None, 2, 64, 2, 8, True, 2)
+    with pytest.raises(RuntimeError, match=r"dp_tiles must be >= 0, got -1"):
+        op(x[:0], mma, s, z, 128, None, 2, 64, 2, 8, True, -1)  # checked before the empty-output return
     with pytest.raises(RuntimeError, match="group_m must be >= 1"):
         op(x, mma, s, z, 128, None, 1, 128, 2, 0)
     with pytest.raises(RuntimeError, match="scales must be float16 \\(or bfloat16 with bfloat16 x\\)"):
