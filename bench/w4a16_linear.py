@@ -133,6 +133,18 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
     return out
 
 
+def _model_ms(m: int, k: int, n: int, cfg: tuple, sms: int) -> float:
+    """The dispatch's time model (torchforge/ops/awq_wgmma_cost.py) for a swept WS configuration, to check its fit
+    against the measured column (nan where it has no estimate: non-WS kernels, every tile in K slices)."""
+    from torchforge.ops.awq_wgmma_cost import WGMMA_US_PER_CHUNK, wgmma_tail_time_us, wgmma_time_us
+
+    shape, splits, ws, dp = tuple(cfg[:2]), cfg[2], cfg[4], (cfg[5] if len(cfg) > 5 else 0)
+    if not ws or shape not in WGMMA_US_PER_CHUNK or (splits > 1 and not dp):
+        return float("nan")
+    us = wgmma_tail_time_us(m, k, n, shape, splits, sms) if dp else wgmma_time_us(m, k, n, shape, sms)
+    return us / 1e3
+
+
 def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "",
                 split_counts: str = "1,2,3,4,6,8", tail: bool = False) -> list:
     """The extension's Hopper kernel on the mma layout (csrc/awq_wgmma.cu) over (block_m, tile_set, splits), against
@@ -183,7 +195,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
                 t = bench_graph_ms(f, rep_ms=30)
                 kind = ("ws" if cfg[4] else "") + (f"+tail {cfg[5]}" if len(cfg) > 5 else "")
                 out.append([shape, M, *cfg[:3], kind, "*" if cfg == default else "", t,
-                            2 * M * OC * IC / t / 1e9,
+                            _model_ms(M, IC, OC, cfg, sms), 2 * M * OC * IC / t / 1e9,
                             wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
     out.sort(key=lambda r: (r[0], r[1], r[7]))
@@ -329,7 +341,8 @@ def main() -> int:
         print(f"device: {device_line()}")
         print("\nHopper W4A16 kernel on the mma layout (csrc/awq_wgmma.cu), CUDA graph, bf16 x, fp16 scales; * = default; "
               "bf16, the decode kernel (csrc/awq_mma.cu), dequantize + cuBLAS and tinygemm in the same run:")
-        print(markdown_table(["W", "M", "block_m", "tile_set", "splits", "kernel", "default", "ms", "TFLOP/s", "int4 GB/s",
+        print(markdown_table(["W", "M", "block_m", "tile_set", "splits", "kernel", "default", "ms", "model ms", "TFLOP/s",
+                              "int4 GB/s",
                               "bf16 ms", "decode kernel ms", "dequant+cuBLAS ms", "tinygemm ms", "bf16/ms", "rel err"],
                              wrows))
         return 0
