@@ -153,6 +153,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
     from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.awq_reference import awq_dequantize_ref
+    from torchforge.ops.awq_wgmma_cost import wgmma_blocks
 
     out = []
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -175,16 +176,14 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
             for bm, tw in ((64, 4), (64, 2), (128, 2), (256, 1)):
                 if bm > 2 * M and bm > 64:
                     continue
+                blocks = wgmma_blocks(M, OC, (bm, tw))
+                dp = blocks - blocks % sms  # K slices for the last round's tiles only: the full rounds run whole
                 for splits in map(int, split_counts.split(",")):
-                    blocks = -(-(OC // 64) // 4) * (1 if tw == 2 else 4 // tw) * -(-M // bm)
                     if splits == 1 or blocks * splits <= 4 * 264:
                         configs.add((bm, tw, splits, 8, False))
                         if producer_warp:  # the warp-specialized kernel
                             configs.add((bm, tw, splits, 8, True))
-                    # K slices for the last round's tiles only: the full rounds of `sms` blocks run whole
-                    tiles = -(-(OC // 64) // 4) * (1 if tw == 2 else 4 // tw) * -(-M // bm)
-                    dp = tiles - tiles % sms
-                    if tail and splits > 1 and 0 < dp < tiles and (tiles - dp) * splits <= sms:
+                    if tail and splits > 1 and 0 < dp < blocks and (blocks - dp) * splits <= sms:
                         configs.add((bm, tw, splits, 8, producer_warp, dp))
             if only:  # e.g. "64x2,128x2": these (block_m, tile_set) only, and the default
                 keep = {tuple(map(int, o.split("x"))) for o in only.split(",")}
