@@ -6,7 +6,7 @@
 #   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernels' tests; SANITIZE_SETS
 #                picks some of "quantize mma wgmma")
 #   some tests: SUITE=tests TESTS="tests/ops/x.py ..." (PYTEST_ARGS too); W4A16_ARGS / DECODE_ARGS / MOE_ARGS pass
-#   arguments to the benchmarks
+#   arguments to the benchmarks; BENCHES="w4a16 w4a16_sweep" runs w4a16_linear.py a second time with W4A16_SWEEP_ARGS
 set -uo pipefail
 OUT=${OUT:-/tmp/torchforge-out}
 mkdir -p "$OUT"
@@ -44,6 +44,7 @@ case " $SUITE " in *" bench "*)
   for b in ${BENCHES:-w4a16 quantize moe gptq nvfp4}; do
     case $b in
       w4a16) TAIL=22 step bench_w4a16_linear python3 bench/w4a16_linear.py ${W4A16_ARGS:-} ;;
+      w4a16_sweep) TAIL=22 step bench_w4a16_sweep python3 bench/w4a16_linear.py ${W4A16_SWEEP_ARGS:?} ;;  # a second run, e.g. a sweep
       quantize) TAIL=12 step bench_awq_quantize python3 bench/awq_quantize.py ;;
       moe) TAIL=${MOE_TAIL:-10} step bench_moe_w4a16 python3 bench/moe_w4a16.py ${MOE_ARGS:-} ;;
       gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality

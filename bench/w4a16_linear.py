@@ -179,7 +179,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
                 blocks = wgmma_blocks(M, OC, (bm, tw))
                 dp = blocks - blocks % sms  # K slices for the last round's tiles only: the full rounds run whole
                 for splits in map(int, split_counts.split(",")):
-                    if splits == 1 or blocks * splits <= 4 * 264:
+                    if splits == 1 or (not tail and blocks * splits <= 4 * 264):
                         configs.add((bm, tw, splits, 8, False))
                         if producer_warp:  # the warp-specialized kernel
                             configs.add((bm, tw, splits, 8, True))
@@ -309,7 +309,8 @@ def main() -> int:
                     help="with --wgmma-sweep: also time the warp-specialized kernel (producer_warp)")
     ap.add_argument("--wgmma-splits", default="1,2,3,4,6,8", help="with --wgmma-sweep: the K slice counts tried")
     ap.add_argument("--wgmma-tail", action="store_true",
-                    help="with --wgmma-sweep: also time K slices on the last round's tiles only (dp_tiles)")
+                    help="with --wgmma-sweep: K slices on the last round's tiles only (dp_tiles), instead of on "
+                         "every tile")
     ap.add_argument("--wgmma-only", default="",
                     help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
     args = ap.parse_args()

@@ -25,7 +25,7 @@
 //   inside one quantization group) in turn: 4 or 8 x 16 B in flight per thread. Warps are summed through shared
 //   memory;
 //   K slices as in awq_gemv.cu: the last block of a tile to finish (atomic ticket, reset for the
-//   next launch) adds them in slice order. Tried and dropped on the H100: requesting the next
+//   next launch) adds them in slice order, the slices outermost. Tried and dropped on the H100: requesting the next
 //   item's words before computing on this one (register double buffer): 3-15% slower; blocks of
 //   2 or 4 groups of 16 rows sharing each weight word through L1 (for M = 32..128): 5-45% slower
 //   than one 16-row group per block re-reading the words from L2.
@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
     for (int r = 0; r < kPer; ++r) {
       const int idx = threadIdx.x + r * kBlockThreads;
       const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
-      if (m < M) out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? sum[r] + Tr::to_f(bias[n]) : sum[r]);
+      if (m < M)
+      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? sum[r] + Tr::to_f(bias[n]) : sum[r]);
     }
     return;
   }
@@ -117,16 +118,25 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
   __syncthreads();
   if (!is_last) return;
   __threadfence();
+  // Slice order (deterministic), the slices outermost so that a thread's kPer loads of a slice are in flight together
+  // (with the slices innermost each load waited for the one before, as in awq_wgmma.cu's reduction before its fix).
+  // L2 reads (__ldcg), not a stale L1.
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) sum[r] = 0.0f;
+  for (int sl = 0; sl < splits; ++sl) {
+#pragma unroll
+    for (int r = 0; r < kPer; ++r) {
+      const int idx = threadIdx.x + r * kBlockThreads;
+      const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
+      if (m < M) sum[r] += __ldcg(partial + (static_cast<size_t>(sl) * M + m) * N + n);
+    }
+  }
 #pragma unroll
   for (int r = 0; r < kPer; ++r) {
     const int idx = threadIdx.x + r * kBlockThreads;
     const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
-    if (m < M) {
-      float total = 0.0f;
-      for (int sl = 0; sl < splits; ++sl)  // slice order: deterministic; L2 reads, not a stale L1
-        total += __ldcg(partial + (static_cast<size_t>(sl) * M + m) * N + n);
-      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? total + Tr::to_f(bias[n]) : total);
-    }
+    if (m < M)
+      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? sum[r] + Tr::to_f(bias[n]) : sum[r]);
   }
   if (threadIdx.x == 0) tickets[tile] = 0u;
 }

@@ -39,8 +39,8 @@
 //   - Tried and dropped: no block barrier, where the last warp to release a stage refilled it (354); 5 stages (no
 //     change).
 //   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
-// * K slices along grid.z as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for
-//   every tile or only for those of a last, nearly empty round of blocks (dp_tiles, see launch).
+// * K slices as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for every tile or
+//   only for those of a last, nearly empty round of blocks (dp_tiles, see launch), whose blocks come first in the grid.
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                      float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                     int chunks_per_group, int splits, int group_m, int tile_base) {
+                     int chunks_per_group, int splits, int group_m, int sliced_tiles, int whole_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using St = Stage<BM>;
   using P = Pair<T>;
@@ -184,8 +184,15 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   const int nblocks = N / 64;
   const int ncols = (nblocks + 3) / 4 * kSets;  // blocks along the columns
   const int mblocks = (M + BM - 1) / BM;
+  // The grid's first sliced_tiles x splits blocks run tiles [whole_tiles, whole_tiles + sliced_tiles) in K slices
+  // (slice-major), the rest tiles [0, whole_tiles) whole (see launch).
+  const int sliced_blocks = sliced_tiles * splits;
+  const bool sliced = static_cast<int>(blockIdx.x) < sliced_blocks;
+  const int slot = sliced ? static_cast<int>(blockIdx.x) % sliced_tiles : 0;  // this tile's ticket and partials
+  const int slice = sliced ? static_cast<int>(blockIdx.x) / sliced_tiles : 0;
+  const int slices = sliced ? splits : 1;
   // Row blocks walk in groups of group_m, so that the blocks running together share x and the weight in L2.
-  const int pid = tile_base + blockIdx.x;  // tile_base: the tail launch's first tile (see launch)
+  const int pid = sliced ? whole_tiles + slot : static_cast<int>(blockIdx.x) - sliced_blocks;
   const int per_group = group_m * ncols;
   const int first_m = pid / per_group * group_m;
   const int rows_in_group = min(mblocks - first_m, group_m);
@@ -194,8 +201,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   const int cbg = col / kSets, tq = col % kSets * kGroups<TW> + tid / 128;  // this warpgroup's tile set
   const int m0 = mb * BM;
   const int chunks = K / 64;
-  const int per_split = (chunks + splits - 1) / splits;
-  const int c_begin = min(chunks, static_cast<int>(blockIdx.z) * per_split);
+  const int per_split = (chunks + slices - 1) / slices;
+  const int c_begin = min(chunks, slice * per_split);
   const int c_end = min(chunks, c_begin + per_split);
 
   // One thread copies a chunk's stage with the bulk-copy (TMA) engine: the x image tile, the 4 column blocks' words,
@@ -355,48 +362,48 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
           if (cols_ok && m < M) f(acc[i][4 * j + e], m, n);
         }
   };
-  if (splits == 1) {
-    for_each([&](float v, int m, int n) {
-      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
-    });
-    return;
-  }
-  // fp32 partials in the block's own order: slice, then tile of this launch, then accumulator, then thread (each
-  // store and load coalesced across the block, and no index math on rows and columns).
-  constexpr int kAcc = TW * (BM / 2);
-  const size_t tile_floats = static_cast<size_t>(kAcc) * kThreads<TW>;
-  auto part = [&](int sl) { return partial + (static_cast<size_t>(sl) * gridDim.x + blockIdx.x) * tile_floats + tid; };
-  float* mine = part(blockIdx.z);
+  // K slices: every slice block writes fp32 partials, and the last of a tile to finish adds them into acc.
+  if (slices > 1) {
+    // fp32 partials in the block's own order: slice, then sliced tile, then accumulator, then thread (each store and
+    // load coalesced across the block, and no index math on rows and columns).
+    constexpr int kAcc = TW * (BM / 2);
+    const size_t tile_floats = static_cast<size_t>(kAcc) * kThreads<TW>;
+    auto part = [&](int sl) { return partial + (static_cast<size_t>(sl) * sliced_tiles + slot) * tile_floats + tid; };
+    float* mine = part(slice);
 #pragma unroll
-  for (int i = 0; i < TW; ++i)
+    for (int i = 0; i < TW; ++i)
 #pragma unroll
-    for (int e = 0; e < BM / 2; ++e) __stcg(mine + (i * (BM / 2) + e) * kThreads<TW>, acc[i][e]);
-  __threadfence();  // this block's partials are visible before its ticket is taken
-  consumer_sync();
-  if (tid == 0) is_last = atomicAdd(&tickets[blockIdx.x], 1u) == static_cast<unsigned>(splits - 1);
-  consumer_sync();
-  if (!is_last) return;
-  __threadfence();
-  // Slice order (deterministic), 32 accumulators' loads at once per slice: with the slices innermost, every load
-  // waited for the one before (an L2 round trip each, kAcc x splits of them; 11 slices took 0.27 ms on the H100);
-  // all kAcc at once spilled. L2 reads (__ldcg), not a stale L1.
-  constexpr int kBatch = 32;
-  static_assert(kAcc % kBatch == 0, "accumulators come in batches of 32");
+      for (int e = 0; e < BM / 2; ++e) __stcg(mine + (i * (BM / 2) + e) * kThreads<TW>, acc[i][e]);
+    __threadfence();  // this block's partials are visible before its ticket is taken
+    consumer_sync();
+    if (tid == 0) is_last = atomicAdd(&tickets[slot], 1u) == static_cast<unsigned>(splits - 1);
+    consumer_sync();
+    if (!is_last) return;
+    __threadfence();
+    // Slice order (deterministic), 32 accumulators' loads at once per slice: with the slices innermost, every load
+    // waited for the one before (an L2 round trip each, kAcc x splits of them; 11 slices took 0.27 ms on the H100);
+    // all kAcc at once spilled. L2 reads (__ldcg), not a stale L1. This one block reading every slice costs about
+    // 2 us per slice of 128 x 256 outputs (twelfth session, 12 tiles alone on the GPU): the SM's own L2 bandwidth,
+    // not latency. Bulk copies of the partials into the stages' shared memory (96 KB in flight instead of 32) were
+    // 5-10 us slower per call, not faster.
+    constexpr int kBatch = 32;
+    static_assert(kAcc % kBatch == 0, "accumulators come in batches of 32");
 #pragma unroll
-  for (int b = 0; b < kAcc; b += kBatch)
-    for (int sl = 0; sl < splits; ++sl) {
-      const float* p = part(sl);
+    for (int b = 0; b < kAcc; b += kBatch)
+      for (int sl = 0; sl < splits; ++sl) {
+        const float* p = part(sl);
 #pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int a = b + q, i = a / (BM / 2), e = a % (BM / 2);
-        const float v = __ldcg(p + a * kThreads<TW>);
-        acc[i][e] = sl == 0 ? v : acc[i][e] + v;
+        for (int q = 0; q < kBatch; ++q) {
+          const int a = b + q, i = a / (BM / 2), e = a % (BM / 2);
+          const float v = __ldcg(p + a * kThreads<TW>);
+          acc[i][e] = sl == 0 ? v : acc[i][e] + v;
+        }
       }
-    }
+    if (tid == 0) tickets[slot] = 0u;  // for the next call; every slice of this tile has taken its ticket
+  }
   for_each([&](float v, int m, int n) {
     out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
   });
-  if (tid == 0) tickets[blockIdx.x] = 0u;
 #else
   __trap();  // built without sm_90a (TORCHFORGE_CUDA_ARCH): fail loudly rather than return an unwritten output
 #endif
@@ -444,21 +451,18 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
                                                                                     static_cast<T*>(x_image), M, K);
   const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<TW>));
   const int tiles = ncols * ((M + BM - 1) / BM);
-  // With 0 < dp_tiles < tiles, two launches: tiles [0, dp_tiles) whole, then the rest in `splits` K slices each. A
-  // last round of few tiles, which would leave most SMs idle for a whole tile's time, then takes 1 / splits of it
-  // (plus the fp32 partials). Otherwise one launch, every tile in `splits` slices.
-  auto run = [&](int first, int count, int slices) {
-    kernel<<<dim3(count, 1, slices), kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
-        static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
-        reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets,
-        M, N, K, group_size / 64, slices, group_m, first);
-  };
-  if (splits > 1 && dp_tiles > 0 && dp_tiles < tiles) {
-    run(0, dp_tiles, 1);
-    run(dp_tiles, tiles - dp_tiles, splits);
-  } else {
-    run(0, tiles, splits);
-  }
+  // With splits > 1, tiles [dp_tiles, tiles) run in `splits` K slices each and tiles [0, dp_tiles) whole, in one
+  // launch with the sliced blocks first. A last round of few tiles, which would leave most SMs idle for a whole tile's
+  // time, then takes 1 / splits of it at the start, while the other SMs start on whole tiles. The SMs that ran a
+  // slice still run a whole tile after it, so the slices' partials and reduction stay on the critical path. Two
+  // launches (whole tiles, then the slices) measured 2-4 us slower: 0.148 against 0.144-0.146 ms at 256 rows on
+  // 18432x7168 (eleventh and twelfth sessions).
+  const int sliced = splits > 1 ? tiles - dp_tiles : 0;
+  const int whole = tiles - sliced;
+  kernel<<<sliced * splits + whole, kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
+      static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
+      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M,
+      N, K, group_size / 64, splits, group_m, sliced, whole);
   return cudaGetLastError();
 }
 

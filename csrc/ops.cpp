@@ -445,7 +445,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks, "
-      "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=8) -> Tensor");
+      "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=4) -> Tensor");
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int dp_tiles=0) -> Tensor");

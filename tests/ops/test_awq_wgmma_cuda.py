@@ -120,8 +120,9 @@ def test_producer_warpgroup_with_fp16_x(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("ws", [False, True])
 def test_k_slices_on_the_last_tiles_only(shape, ws):
-    """dp_tiles: the first blocks' tiles run whole (the bits of splits = 1), the rest in K slices (the bits of every
-    tile in slices), in two launches; each output element is one or the other, and the result is right."""
+    """dp_tiles: tiles [0, dp_tiles) run whole (the bits of splits = 1), the rest in K slices (the bits of every
+    tile in slices), in one launch with the sliced blocks first; each output element is one or the other, and the
+    result is right."""
     qw, mma, s, z = _case(2048, 1280, 128, sym=False, seed=17)  # 5 groups of 256 columns
     x = torch.randn(2 * shape[0] + 7, 2048, device="cuda", dtype=torch.float16)  # 3 row blocks, the last partial
     op = torch.ops.torchforge.awq_wgmma_cuda
@@ -218,7 +219,7 @@ def test_awq_mma_linear_dispatch(monkeypatch):
 
 def test_dispatched_tail_slices_compile_and_graph():
     """The dispatch's K slices for a last round's tiles (18432x7168 at 256 rows on 132 SMs: the 12 tiles past the
-    first round in 6 slices, two launches) through the op, torch.compile and a CUDA graph."""
+    first round in 6 slices, run first in the launch) through the op, torch.compile and a CUDA graph."""
     from torchforge.ops.awq_mma import awq_mma_linear
     from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, wgmma_cuda_config
 

@@ -219,7 +219,8 @@ MOE_SORTED_BLOCK_ROWS: Optional[int] = None
 # Warps per block of the grouped kernel: 4. Its grids run many waves of blocks of unequal work (experts hit by
 # more or fewer rows, empty padding blocks), which finer blocks balance better. H100, one DeepSeek-V3 layer, CUDA-graph
 # ms, 4 against 8 warps (BENCHMARKS.md, ninth session): 0.075 / 0.075 at 1 token, 0.472 / 0.479 at 8, 0.905 / 0.928 at
-# 16, 2.019 / 2.064 at 64, 3.708 / 3.885 at 512. Set MOE_WARPS to override (benchmarks, tests).
+# 16, 2.019 / 2.064 at 64, 3.708 / 3.885 at 512. The op's own default is 4 too. Set MOE_WARPS to override (benchmarks,
+# tests).
 MOE_WARPS: Optional[int] = None
 
 
@@ -295,7 +296,7 @@ def register_fake() -> None:
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
         @torch.library.register_fake("torchforge::awq_mma_moe_cuda")
         def _(x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, splits,
-              item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None, warps=8):
+              item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None, warps=4):
             torch._check(warps in (4, 8), lambda: f"awq_mma_moe_cuda: warps must be 4 or 8, got {warps}")
             torch._check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
                          lambda: f"awq_mma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "

@@ -32,11 +32,13 @@ GEMM_BYTES_PER_S = 2.6e12
 GEMM_FLOP_PER_S = 600e12
 DEQUANT_FIXED_US = 2.0
 # A last round of few tiles can run in K slices (dp_tiles: the full rounds' tiles whole, the rest in `splits` slices
-# each, a second launch). Its fp32 partials cost about 20 us + 2.2 us per slice for a block of 128 x 256 outputs,
-# fitted on 18432x7168 at 160-512 rows and 14336x4096 at 384 (eleventh session: 0.148 ms against 0.196 at 256 rows).
+# each, their blocks first in the launch). The SMs that run a slice still run a whole tile after it, so the slice's
+# fp32 partials and the reduction (one block reads every slice of its tile) add to the time: about 10 us + 3.5 us per
+# slice for a block of 128 x 256 outputs. Fitted on 18432x7168 at 160-512 rows and 14336x4096 at 384 (twelfth
+# session: 0.144-0.146 ms at 256 rows, 2-6 slices within 0.004 of the measured; 512 rows runs 10-20 us over).
 TAIL_SPLITS = (2, 3, 4, 6, 8)
-TAIL_FIXUP_US = 20.0
-TAIL_FIXUP_US_PER_SLICE = 2.2
+TAIL_FIXUP_US = 10.0
+TAIL_FIXUP_US_PER_SLICE = 3.5
 # The decode kernel (csrc/awq_mma.cu, up to 128 rows) dequantizes every weight once per 16 rows of x: its time steps
 # up every 16 rows by 0.16-0.18 us per million weights on all five swept shapes (18432x7168: 0.069 ms at 48 rows,
 # 0.086 at 56, 0.105 at 72, 0.135 at 96, 0.175 at 128), and is at least the time to read the int4 weight.
