@@ -145,6 +145,38 @@ def test_transformers_output_capture_hook_does_not_count():
 
 
 @torch.no_grad()
+def test_fused_blocks_return_router_logits():
+    """output_router_logits=True on a model whose MoE blocks are fused: transformers' capture hook is recording, so
+    the block calls HF's router and the model returns every MoE layer's router logits, as the unfused model does;
+    afterwards the (kept, inactive) hook leaves the fused routing on."""
+    import torchforge
+    from torchforge.nn.moe_fused_decode import router_is_hooked
+
+    model = models.build("deepseek_v3", moe_intermediate_size=64, intermediate_size=128, q_lora_rank=64,
+                         kv_lora_rank=64, v_head_dim=32)
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 64})
+    ids = torch.randint(0, 96, (1, 5))
+    expected = model(ids, output_router_logits=True).router_logits
+    torchforge.use_mma_layout(model)
+    blocks = [m for _, m in models.moe_blocks(model)]
+    assert blocks and all(b.fused_decode and b.fused_router for b in blocks)
+    out = model(ids, output_router_logits=True)
+    if expected is None:  # transformers 5.17 has no capture hooks and returns none either way
+        assert out.router_logits is None
+        return
+    assert len(expected) == len(blocks) and len(out.router_logits) == len(blocks)
+    for got, ref in zip(out.router_logits, expected):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert not any(router_is_hooked(b.gate) for b in blocks)  # outside a recording forward
+    # compiled, the collector is a global that dynamo can read (ContextVar.get it cannot trace)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for got, ref in zip(compiled(ids, output_router_logits=True).router_logits, expected):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert compiled(ids).router_logits is None
+
+
+@torch.no_grad()
 def test_whole_model_after_use_mma_layout_generates_the_same():
     """torchforge.quantize then use_mma_layout on a tiny DeepSeek-V3: every MoE block fused, logits as before, and the
     greedy tokens of HF generate unchanged."""

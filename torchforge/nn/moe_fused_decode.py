@@ -58,13 +58,40 @@ def shared_gate_up(shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
             torch.cat([g.qzeros, u.qzeros], 1))
 
 
+def _output_collector():
+    """transformers' collector of the outputs a forward records (5.23+), or None where it has none."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector if all(hasattr(_active_collector, a) for a in ("get", "compiling", "global_var")) else None
+
+
+def _recording_router_logits() -> bool:
+    """Whether transformers' output-capture hooks (5.23+) record router logits now. The hooks are installed on every
+    router once router logits are requested and stay, but record only while a forward's collector asks for them
+    (`output_router_logits=True`). Read from transformers' internals; where they are not as expected, say yes (the
+    block then calls the router, which is always correct)."""
+    collector = _output_collector()
+    if collector is None:
+        return True
+    if torch.compiler.is_compiling():
+        # dynamo cannot trace ContextVar.get; a compiled forward of the model sets the collector as a global
+        # (transformers' CompileableContextVar). Where only this block is compiled and the model's forward runs eager,
+        # the block cannot see the collector and runs fused: no router logits recorded.
+        collected = collector.global_var if collector.compiling else None
+    else:
+        collected = collector.get()
+    return collected is not None and "router_logits" in collected
+
+
 def router_is_hooked(gate: nn.Module) -> bool:
-    """Whether someone watches the router's forward (torchforge's own router statistics, a user's hook), in which
-    case the block calls it instead of the fused routing op. transformers' output-capture hook, which it installs
-    on every router and which only records when router logits are requested, does not count: with
-    `output_router_logits=True` a fused block records none (call `use_fused_decode` after such runs, or not at all)."""
+    """Whether someone watches the router's forward (torchforge's own router statistics, a user's hook, transformers
+    recording router logits for `output_router_logits=True`), in which case the block calls it instead of the fused
+    routing op. transformers' output-capture hook, which stays on every router once router logits were requested,
+    counts only while it records (`_recording_router_logits`)."""
     from torch.nn.modules import module as nn_module
 
     hooks = [*gate._forward_hooks.values(), *gate._forward_pre_hooks.values(),
              *nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
-    return any(getattr(h, "__name__", "") != "output_capturing_hook" for h in hooks)
+    return any(getattr(h, "__name__", "") != "output_capturing_hook" or _recording_router_logits() for h in hooks)
