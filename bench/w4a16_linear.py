@@ -126,7 +126,8 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
                 out.append([shape, M, str(scales.dtype).removeprefix("torch."), splits, warps,
-                            "*" if (splits, warps) == (default[0], default_warps) else "", t, wbytes / t / 1e6, t_op,
+                            "*" if (splits, warps) == (default[0], default_warps) else "", t, f"{t * 1e3:.1f}",
+                            wbytes / t / 1e6, t_op,
                             t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
     out.sort(key=lambda r: (r[0], r[1], r[6]))
@@ -330,7 +331,7 @@ def main() -> int:
         print(f"device: {device_line()}")
         print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits and warps; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
-        print(markdown_table(["W", "M", "scales", "splits", "warps", "default", "ms", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
+        print(markdown_table(["W", "M", "scales", "splits", "warps", "default", "ms", "us", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.wgmma_sweep:

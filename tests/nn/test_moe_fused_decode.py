@@ -156,13 +156,13 @@ def test_fused_blocks_return_router_logits():
                          kv_lora_rank=64, v_head_dim=32)
     torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 64})
     ids = torch.randint(0, 96, (1, 5))
-    expected = model(ids, output_router_logits=True).router_logits
+    expected = getattr(model(ids, output_router_logits=True), "router_logits", None)
     torchforge.use_mma_layout(model)
     blocks = [m for _, m in models.moe_blocks(model)]
     assert blocks and all(b.fused_decode and b.fused_router for b in blocks)
     out = model(ids, output_router_logits=True)
-    if expected is None:  # transformers 5.17 has no capture hooks and returns none either way
-        assert out.router_logits is None
+    if expected is None:  # transformers 5.17 records no router logits, fused or not
+        assert getattr(out, "router_logits", None) is None
         return
     assert len(expected) == len(blocks) and len(out.router_logits) == len(blocks)
     for got, ref in zip(out.router_logits, expected):

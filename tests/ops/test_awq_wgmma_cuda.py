@@ -251,3 +251,4 @@ def test_compile_and_cuda_graph():
     b = torch.randn(16384, device="cuda", dtype=torch.float16)
     assert wgmma_cuda_ok(x, mma, s, z, 128, b)  # the time model sends these 100 rows to the wgmma kernel
     check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, b), x)
+

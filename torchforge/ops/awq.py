@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from torchforge.ops._ext import has_cuda_ext
+from torchforge.ops._gemm import matmul_bias
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq_reference import (
     AWQ_NIBBLE_OF_COLUMN,
@@ -334,8 +335,7 @@ def _w4a16_linear(
             # Large M is compute bound: one dequantize pass (+OC*IC*2 bytes) then the vendor GEMM beats
             # dequantizing every tile in the mainloop once M amortizes that pass.
             w_t = launch_awq_dequantize_t(qweight, scales, qzeros, group_size, x.dtype)
-            out = torch.matmul(x, w_t)
-            return (out + bias).to(x.dtype) if bias is not None else out  # an fp32 bias must not promote
+            return matmul_bias(x, w_t, bias)
         return launch_w4a16_linear(x, qweight, scales, qzeros, group_size, bias)
     return w4a16_linear_ref(x, qweight, scales, qzeros, group_size, bias)
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from torchforge.ops._gemm import matmul_bias
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq import _check_w4a16_args
 from torchforge.ops.awq_mma_cuda import (launch_awq_mma_cuda, launch_awq_mma_moe_cuda, launch_awq_wgmma_cuda,
@@ -57,8 +58,7 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
         return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias, tickets=tickets if ok else None)
     if use_triton(x) and group_size % 64 == 0:
         w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype)
-        out = torch.matmul(x, w_t)
-        return (out + bias).to(x.dtype) if bias is not None else out  # an fp32 bias must not promote
+        return matmul_bias(x, w_t, bias)
     return awq_mma_linear_ref(x, qweight_mma, scales, qzeros, group_size, bias)
 
 
