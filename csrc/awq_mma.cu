@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
       const int idx = threadIdx.x + r * kBlockThreads;
       const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
       if (m < M)
-      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? sum[r] + Tr::to_f(bias[n]) : sum[r]);
+        out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? sum[r] + Tr::to_f(bias[n]) : sum[r]);
     }
     return;
   }

@@ -381,7 +381,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 // Prefill form of awq_mma_cuda on Hopper's warpgroup MMA (csrc/awq_wgmma.cu, sm_90 devices only): same tensors and
 // result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
 // group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses);
-// dp_tiles > 0 (with splits > 1): the first dp_tiles blocks' tiles run whole and only the rest in K slices.
+// dp_tiles > 0 (with splits > 1): tiles [0, dp_tiles) run whole and only the rest in K slices (their blocks first).
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                           int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
@@ -416,6 +416,8 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
               op + "dp_tiles must be in [0, " + i2s(tiles) + ") (the blocks of this call), got " + i2s(dp_tiles));
   if (splits == 1) dp_tiles = 0;
   const int64_t split_tiles = tiles - dp_tiles;
+  TORCH_CHECK(splits == 1 || split_tiles * splits + dp_tiles < (int64_t{1} << 31),
+              op + "too many blocks: " + i2s(split_tiles) + " tiles in " + i2s(splits) + " K slices");
   at::Tensor tickets = at::zeros({splits > 1 ? split_tiles : 1}, x.options().dtype(at::kInt));
   at::Tensor partial = at::empty({splits > 1 ? splits * split_tiles * awq_wgmma_block_outputs(block_m, tile_set) : 1},
                                  x.options().dtype(at::kFloat));

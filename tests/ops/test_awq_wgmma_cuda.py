@@ -146,6 +146,13 @@ def test_k_slices_on_the_last_tiles_only(shape, ws):
             assert (out == whole).sum() > same
     expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
     assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.float16]
+    # Which tiles: with group_m = 1 the tiles go one row block after another, so dp_tiles = tiles - tiles / 3 slices
+    # exactly the last row block (rows from 2 block_m) and leaves the first two whole.
+    rows = 2 * shape[0]
+    assert not torch.equal(whole[:rows], sliced[:rows]) and not torch.equal(whole[rows:], sliced[rows:])
+    torch.full_like(whole, float("nan"))
+    out = op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 1, ws, tiles - tiles // 3)
+    assert torch.equal(out[:rows], whole[:rows]) and torch.equal(out[rows:], sliced[rows:])
 
 
 def test_rows_of_x_are_independent():
@@ -251,4 +258,3 @@ def test_compile_and_cuda_graph():
     b = torch.randn(16384, device="cuda", dtype=torch.float16)
     assert wgmma_cuda_ok(x, mma, s, z, 128, b)  # the time model sends these 100 rows to the wgmma kernel
     check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, b), x)
-

@@ -22,10 +22,12 @@ def test_matmul_bias_shapes_dtypes_values(bias_dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fallback runs Triton + cuBLAS)")
 @pytest.mark.parametrize("layout", ["awq", "mma"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dequant_fallback_with_bias_compiles_bit_exact(layout, dtype):
+@pytest.mark.parametrize("then_relu", [False, True])
+def test_dequant_fallback_with_bias_compiles_bit_exact(layout, dtype, then_relu):
     """160 rows of x on a 4096x4096 weight with a bias of x's dtype: w4a16_linear (AWQ layout, >= 129 rows) and
     awq_mma_linear (the time model leaves these rows to cuBLAS) dequantize, then matmul_bias; compiled equals eager
-    bit for bit (before matmul_bias, a quarter of the elements differed: eager rounded the GEMM, then the bias add)."""
+    bit for bit (before matmul_bias, a quarter of the elements differed: eager rounded the GEMM, then the bias add).
+    then_relu: a pointwise op after it, where inductor may split addmm back into mm + add."""
     from tests.ops.graph_check import check_compile_and_cuda_graph
     from torchforge.ops import awq_quantize, w4a16_linear
     from torchforge.ops.awq_mma import awq_mma_linear
@@ -36,11 +38,12 @@ def test_dequant_fallback_with_bias_compiles_bit_exact(layout, dtype):
     x = torch.randn(160, 4096, device="cuda", dtype=dtype)
     b = torch.randn(4096, device="cuda", dtype=dtype)
     s = s.to(dtype)
+    post = torch.relu if then_relu else (lambda y: y)
     if layout == "awq":
-        check_compile_and_cuda_graph(lambda x: w4a16_linear(x, qw, s, z, 128, b), x)
+        check_compile_and_cuda_graph(lambda x: post(w4a16_linear(x, qw, s, z, 128, b)), x)
     else:
         from torchforge.ops.awq_mma_cuda import mma_cuda_ok, wgmma_cuda_ok
 
         mma = awq_to_mma_layout(qw)
         assert not wgmma_cuda_ok(x, mma, s, z, 128, b) and not mma_cuda_ok(x, mma, s, z, 128, b)
-        check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, b), x)
+        check_compile_and_cuda_graph(lambda x: post(awq_mma_linear(x, mma, s, z, 128, b)), x)

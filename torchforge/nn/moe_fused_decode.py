@@ -58,7 +58,7 @@ def shared_gate_up(shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
             torch.cat([g.qzeros, u.qzeros], 1))
 
 
-def _output_collector():
+def _find_output_collector():
     """transformers' collector of the outputs a forward records (5.23+), or None where it has none."""
     try:
         from transformers.utils.output_capturing import _active_collector
@@ -67,19 +67,26 @@ def _output_collector():
     return _active_collector if all(hasattr(_active_collector, a) for a in ("get", "compiling", "global_var")) else None
 
 
+_COLLECTOR: list = []  # [collector or None], looked up on first use (importing transformers here costs a second)
+
+
 def _recording_router_logits() -> bool:
     """Whether transformers' output-capture hooks (5.23+) record router logits now. The hooks are installed on every
     router once router logits are requested and stay, but record only while a forward's collector asks for them
     (`output_router_logits=True`). Read from transformers' internals; where they are not as expected, say yes (the
     block then calls the router, which is always correct)."""
-    collector = _output_collector()
+    if not _COLLECTOR:
+        _COLLECTOR.append(_find_output_collector())
+    collector = _COLLECTOR[0]
     if collector is None:
         return True
     if torch.compiler.is_compiling():
         # dynamo cannot trace ContextVar.get; a compiled forward of the model sets the collector as a global
         # (transformers' CompileableContextVar). Where only this block is compiled and the model's forward runs eager,
-        # the block cannot see the collector and runs fused: no router logits recorded.
-        collected = collector.global_var if collector.compiling else None
+        # the block cannot see the collector: say yes, so the router runs (and its logits are recorded if asked for).
+        if not collector.compiling:
+            return True
+        collected = collector.global_var
     else:
         collected = collector.get()
     return collected is not None and "router_logits" in collected

@@ -1,6 +1,7 @@
 """The dense GEMM after a dequantize pass (the large-M fallback of the W4A16 ops)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -16,5 +17,5 @@ def matmul_bias(x: Tensor, w_t: Tensor, bias: Optional[Tensor]) -> Tensor:
         return torch.matmul(x, w_t)
     if bias.dtype != x.dtype:
         return (torch.matmul(x, w_t) + bias).to(x.dtype)
-    out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), w_t)
+    out = torch.addmm(bias, x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w_t)  # -1 fails on K = 0
     return out.reshape(*x.shape[:-1], w_t.shape[1])

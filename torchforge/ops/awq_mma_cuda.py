@@ -180,8 +180,8 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
                           bias: Optional[Tensor] = None, *,
                           config: Optional[tuple] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
-    (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles]), else wgmma_cuda_config. dp_tiles > 0: the
-    first dp_tiles blocks run their tiles whole, only the rest in `splits` K slices (a last round of few tiles)."""
+    (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles]), else wgmma_cuda_config. dp_tiles > 0: tiles
+    [0, dp_tiles) run whole, only the rest in `splits` K slices (a last round of few tiles; their blocks first)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)

@@ -35,7 +35,8 @@ DEQUANT_FIXED_US = 2.0
 # each, their blocks first in the launch). The SMs that run a slice still run a whole tile after it, so the slice's
 # fp32 partials and the reduction (one block reads every slice of its tile) add to the time: about 10 us + 3.5 us per
 # slice for a block of 128 x 256 outputs. Fitted on 18432x7168 at 160-512 rows and 14336x4096 at 384 (twelfth
-# session: 0.144-0.146 ms at 256 rows, 2-6 slices within 0.004 of the measured; 512 rows runs 10-20 us over).
+# session: 0.144-0.146 ms at 256 rows, 2-6 slices within 0.004 of the measured; 160 rows measures ~10 us under the
+# estimate (its second row block has 32 rows), 512 rows 10-20 us over).
 TAIL_SPLITS = (2, 3, 4, 6, 8)
 TAIL_FIXUP_US = 10.0
 TAIL_FIXUP_US_PER_SLICE = 3.5
