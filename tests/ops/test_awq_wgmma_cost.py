@@ -4,7 +4,8 @@ import expecttest
 
 from torchforge.ops.awq_mma_cuda import wgmma_cuda_config, wgmma_rows_ok
 from torchforge.ops.awq_wgmma_cost import (best_wgmma_config, best_wgmma_shape, decode_mma_time_us,
-                                           dequant_cublas_time_us, wgmma_blocks, wgmma_tail_time_us, wgmma_time_us)
+                                           dequant_cublas_time_us, wgmma_blocks, wgmma_split_time_us,
+                                           wgmma_tail_time_us, wgmma_time_us)
 
 
 def test_blocks_and_rounds():
@@ -58,24 +59,53 @@ def test_tail_slices():
     assert best_wgmma_config(256, 7168, 7168)[0] == (256, 1, 1, 0)
 
 
+def test_every_tile_in_slices_at_few_rows():
+    # twelfth session, H100 (ms): at 64 rows (64, 2) blocks with every tile in K slices beat the whole tiles and the
+    # decode kernel: 18432x7168 3 slices 0.068 (whole 0.077), 7168x7168 4 slices 0.032 (decode kernel 0.038),
+    # 14336x4096 2 slices 0.033 (decode kernel 0.041)
+    for (n, k), splits in (((18432, 7168), 3), ((7168, 7168), 4), ((14336, 4096), 2)):
+        assert best_wgmma_config(64, k, n)[0] == (64, 2, splits, 0)
+        assert best_wgmma_config(64, k, n)[1] < decode_mma_time_us(64, k, n)
+    assert wgmma_split_time_us(64, 7168, 18432, (64, 2), 3) < wgmma_time_us(64, 7168, 18432, (64, 2))
+    # not past 128 rows (unmeasured there), nor more slices than chunks
+    assert wgmma_split_time_us(129, 7168, 18432, (128, 2), 2) == float("inf")
+    assert wgmma_split_time_us(64, 128, 18432, (64, 2), 3) == float("inf")
+
+
+def test_dispatch_takes_a_symbolic_row_count():
+    """Under torch.compile with dynamic shapes, inductor runs the op's Python (the dispatch) with SymInts for the rows
+    of x and, where one compiled function meets several weights, for the weight's size; the dispatch specializes on
+    them (divmod on a SymInt raised in the time model before, on the device)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        m, n = x.shape[0], w.shape[0] * 64
+        return x * wgmma_cuda_config(m, 7168, n)[2] + wgmma_rows_ok(m, 7168, n)
+
+    x, w = torch.ones(64, 2), torch.ones(288, 1)  # 18432 columns
+    graph = make_fx(f, tracing_mode="symbolic")(x, w)
+    assert torch.equal(graph(x, w), f(x, w)) and f(x, w)[0, 0] == 4  # 3 K slices + taken, as for plain ints
+
+
 def _cell(config) -> str:
-    block_m, tile_set, splits = config[:3]
-    return f"{block_m}x{tile_set}" + (f"/{splits}" if splits > 1 else "")
+    block_m, tile_set, splits, dp_tiles = config[0], config[1], config[2], config[5]
+    return f"{block_m}x{tile_set}" + (f"/{splits}" + ("t" if dp_tiles else "") if splits > 1 else "")
 
 
 class TestDispatchTable(expecttest.TestCase):
     def test_dispatch_table(self):
-        """The block shape the op takes per matrix and row count, /s: the last round's tiles in s K slices ("-": the
-        decode kernel up to 128 rows, else dequantize + cuBLAS)."""
+        """The block shape the op takes per matrix and row count; /s: every tile in s K slices, /st: the last round's
+        tiles in s K slices ("-": the decode kernel up to 128 rows, else dequantize + cuBLAS)."""
         ms = (32, 48, 56, 64, 72, 96, 128, 129, 160, 192, 256, 384, 512, 513)
-        lines = [f"{'rows':>10} " + " ".join(f"{m:>7}" for m in ms)]
+        lines = [f"{'rows':>10} " + " ".join(f"{m:>8}" for m in ms)]
         for n, k in ((18432, 7168), (7168, 7168), (14336, 4096), (4096, 14336), (4096, 4096)):
             cells = [_cell(wgmma_cuda_config(m, k, n)) if wgmma_rows_ok(m, k, n) else "-" for m in ms]
-            lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>7}" for c in cells))
+            lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>8}" for c in cells))
         self.assertExpectedInline("\n".join(lines), """\
-      rows      32      48      56      64      72      96     128     129     160     192     256     384     512     513
-18432x7168       -       -    64x2    64x2   128x2   128x2   128x2 128x2/6 128x2/6 128x2/6 128x2/6   128x2 128x2/4       -
- 7168x7168       -       -       -       -       -       -   256x1   256x1   256x1   256x1   256x1   128x2   128x2       -
-14336x4096       -       -       -       -    64x2    64x2    64x2   128x2   128x2   128x2   128x2 128x2/3   128x2       -
-4096x14336       -       -       -       -       -       -       -       -       -       -       -       -   256x1       -
- 4096x4096       -       -       -       -       -       -       -       -       -       -       -       -   256x1       -""")
+      rows       32       48       56       64       72       96      128      129      160      192      256      384      512      513
+18432x7168        -        -   64x2/3   64x2/3  128x2/3  128x2/3  128x2/3 128x2/6t 128x2/6t 128x2/6t 128x2/6t    128x2 128x2/4t        -
+ 7168x7168        -        -   64x2/4   64x2/4        -  128x2/4  128x2/4    256x1    256x1    256x1    256x1    128x2    128x2        -
+14336x4096        -        -   64x2/2   64x2/2  128x2/2  128x2/2  128x2/2    128x2    128x2    128x2    128x2 128x2/3t    128x2        -
+4096x14336        -        -        -        -        -   64x2/4   64x2/4        -        -        -        -        -    256x1        -
+ 4096x4096        -        -        -        -        -        -        -        -        -        -        -        -    256x1        -""")

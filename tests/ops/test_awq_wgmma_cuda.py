@@ -224,21 +224,24 @@ def test_awq_mma_linear_dispatch(monkeypatch):
         assert expected_calls == 2
 
 
-def test_dispatched_tail_slices_compile_and_graph():
-    """The dispatch's K slices for a last round's tiles (18432x7168 at 256 rows on 132 SMs: the 12 tiles past the
-    first round in 6 slices, run first in the launch) through the op, torch.compile and a CUDA graph."""
+@pytest.mark.parametrize("m,n,dispatched", [(256, 18432, (128, 2, 6, 8, True, 132)),
+                                            (64, 7168, (64, 2, 4, 8, True, 0))])
+def test_dispatched_k_slices_compile_and_graph(m, n, dispatched):
+    """The dispatch's K slices through the op, torch.compile and a CUDA graph, on 132 SMs: for a last round's tiles
+    (18432x7168 at 256 rows: the 12 tiles past the first round in 6 slices, run first in the launch), and for every
+    tile (7168x7168 at 64 rows: 28 tiles in 4 slices)."""
     from torchforge.ops.awq_mma import awq_mma_linear
     from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, wgmma_cuda_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    config = wgmma_cuda_config(256, 7168, 18432, sms)
+    config = wgmma_cuda_config(m, 7168, n, sms)
     if sms != 132:
-        pytest.skip(f"the dispatch picks {config} on {sms} SMs; the tail case is the H100's")
-    assert config == (128, 2, 6, 8, True, 132)
+        pytest.skip(f"the dispatch picks {config} on {sms} SMs; these cases are the H100's")
+    assert config == dispatched
     torch.manual_seed(19)
-    qw, s, z = awq_quantize(torch.randn(18432, 7168, device="cuda"), 128, symmetric=False)
+    qw, s, z = awq_quantize(torch.randn(n, 7168, device="cuda"), 128, symmetric=False)
     mma = awq_to_mma_layout(qw)
-    x = torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
     out = awq_mma_linear(x, mma, s, z, 128)  # dispatched: the config above
     assert torch.equal(out, launch_awq_wgmma_cuda(x, mma, s, z, 128, config=config))
     expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()

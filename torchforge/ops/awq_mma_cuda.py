@@ -135,6 +135,8 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 # - 14336x4096: (128, 2) blocks from 129 rows (0.059 against 0.078 for the (256, 1) of the row rule before).
 # - 4096-column matrices up to 256 rows: dequantize + cuBLAS (4096x4096 at 256 rows: 0.034 against 0.041).
 # - A last round of few blocks in K slices (dp_tiles): 18432x7168 at 256 rows 0.148 against 0.196.
+# - Every tile in K slices at 56-128 rows (twelfth session): 18432x7168 at 64 rows 0.068 against 0.077; 7168x7168 and
+#   14336x4096 at 64 rows 0.032 / 0.033 against the decode kernel's 0.038 / 0.041.
 WGMMA_MIN_ROWS = 32
 WGMMA_MAX_M = 512
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
@@ -142,16 +144,19 @@ _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, 
 
 def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool, int]:
     """(block_m, tile_set, splits, group_m, producer_warp, dp_tiles) for x [m, k] and n output columns on `sms` SMs:
-    what the time model (awq_wgmma_cost) finds fastest, warp-specialized; K slices only for the tiles of a last,
-    nearly empty round of blocks (dp_tiles > 0; slicing every tile lost in every sweep, and so did stream-K, tenth
-    session: BENCHMARKS.md)."""
-    (block_m, tile_set, splits, dp_tiles), _ = best_wgmma_config(m, k, n, sms)
+    what the time model (awq_wgmma_cost) finds fastest, warp-specialized: whole tiles, the tiles of a last, nearly
+    empty round of blocks in K slices (dp_tiles > 0), or, up to 128 rows, every tile in K slices (dp_tiles = 0)."""
+    (block_m, tile_set, splits, dp_tiles), _ = best_wgmma_config(int(m), int(k), int(n), sms)  # see wgmma_rows_ok
     return block_m, tile_set, splits, 8, True, dp_tiles
 
 
 def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
     """Whether x [m, k] with n output columns goes to the wgmma kernel: WGMMA_MIN_ROWS..WGMMA_MAX_M rows, where the
     time model has it faster than the decode kernel (up to MMA_CUDA_MAX_M rows) or dequantize + cuBLAS."""
+    # Dynamic shapes (SymInts under torch.compile: the rows of x, or the weight's size where one compiled function
+    # meets several) specialize here: the kernel's block shape and K slices depend on their exact values, and the time
+    # model's arithmetic (divmod, min over floats) wants plain ints.
+    m, k, n = int(m), int(k), int(n)
     if not WGMMA_MIN_ROWS <= m <= WGMMA_MAX_M:
         return False
     other = decode_mma_time_us(m, k, n) if m <= MMA_CUDA_MAX_M else dequant_cublas_time_us(m, k, n)

@@ -4,10 +4,11 @@ H100 sweeps (BENCHMARKS.md, eleventh session: 18432x7168, 7168x7168, 14336x4096,
 whether to run it at all from these estimates (against the decode kernel up to 128 rows, dequantize + cuBLAS
 from 129), instead of row thresholds fitted to two matrix shapes.
 
-Why a model: a block of the kernel runs one output tile over the whole K (K slices on every tile lost in every
-sweep: their fp32 partials cost more than they gained), so its time is K / 64 chunks at a per-chunk cost of its
-block shape, and the GPU runs ceil(blocks / SMs) rounds of them. Only the tiles of a last, nearly empty round may
-run in K slices (wgmma_tail_time_us). The block counts differ a lot between the shapes: (256, 1) makes 4x as
+Why a model: a block of the kernel runs one output tile over the whole K, so its time is K / 64 chunks at a
+per-chunk cost of its block shape, and the GPU runs ceil(blocks / SMs) rounds of them. K slices cut a tile's chunks
+at the price of fp32 partials: for the tiles of a last, nearly empty round (wgmma_tail_time_us), and up to 128 rows
+for every tile, where few tiles would leave SMs idle (wgmma_split_time_us; twelfth session, once the split
+reduction was fixed: slicing every tile had lost in every sweep before). The block counts differ a lot between the shapes: (256, 1) makes 4x as
 many blocks along the columns as (128, 2), (64, 2) 2x as many along the rows. A shape that leaves a last round
 nearly empty loses to one with fewer, bigger blocks (18432 columns at 256 rows: 288 blocks of (256, 1) take 3
 rounds of 132, 144 of (128, 2) take 2), and on narrow matrices every shape leaves SMs idle (4096 columns: 64 blocks
@@ -16,7 +17,7 @@ of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy wins.
 from __future__ import annotations
 
 __all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us", "wgmma_tail_time_us",
-           "best_wgmma_shape", "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
+           "wgmma_split_time_us", "best_wgmma_shape", "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
 
 H100_SMS = 132
 # Microseconds per 64-k chunk of one block while every block of its round runs (one block per SM), fitted on the H100
@@ -40,6 +41,18 @@ DEQUANT_FIXED_US = 2.0
 TAIL_SPLITS = (2, 3, 4, 6, 8)
 TAIL_FIXUP_US = 10.0
 TAIL_FIXUP_US_PER_SLICE = 3.5
+# Every tile in K slices (dp_tiles = 0): where few tiles leave SMs idle, at up to 128 rows. Twelfth session (since
+# the eleventh session's fix of the split reduction; before it, slicing every tile lost in every sweep): 18432x7168 at
+# 64 rows, (64, 2) in 3 slices, 0.068 ms against 0.077 whole; 7168x7168, 4 slices, 0.032 against the decode kernel's
+# 0.038; 14336x4096, 2 slices, 0.033 against 0.041. Cost: ceil(tiles x splits / SMs) rounds of ceil(chunks / splits)
+# chunks and 3 us (each round's blocks fill their pipeline and write partials), + 2 us, + 3 us per slice for a block
+# of 128 x 256 outputs (the reduction). Fitted on those three matrices at 48-128 rows: within 4 us at 48-64 rows,
+# 4-8 us under at 96-128 (the (128, 2) blocks).
+SPLIT_SPLITS = (2, 3, 4, 6)
+SPLIT_FIXED_US = 2.0
+SPLIT_ROUND_US = 3.0
+SPLIT_US_PER_SLICE = 3.0
+SPLIT_MAX_M = 128
 # The decode kernel (csrc/awq_mma.cu, up to 128 rows) dequantizes every weight once per 16 rows of x: its time steps
 # up every 16 rows by 0.16-0.18 us per million weights on all five swept shapes (18432x7168: 0.069 ms at 48 rows,
 # 0.086 at 56, 0.105 at 72, 0.135 at 96, 0.175 at 128), and is at least the time to read the int4 weight.
@@ -77,16 +90,31 @@ def wgmma_tail_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: i
             + -(-chunks // splits) * WGMMA_US_PER_CHUNK[shape] + fixup)
 
 
+def wgmma_split_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: int, sms: int = H100_SMS) -> float:
+    """Estimated microseconds with every tile in `splits` K slices (inf past SPLIT_MAX_M rows, or where K has fewer
+    than `splits` chunks of 64)."""
+    chunks = k // 64
+    if m > SPLIT_MAX_M or splits > chunks:
+        return float("inf")
+    rounds = -(-wgmma_blocks(m, n, shape) * splits // sms)
+    outputs = shape[0] * (256 if shape[1] == 2 else 64 * shape[1])
+    return (WGMMA_FIXED_US + rounds * (-(-chunks // splits) * WGMMA_US_PER_CHUNK[shape] + SPLIT_ROUND_US)
+            + SPLIT_FIXED_US + SPLIT_US_PER_SLICE * splits * outputs / (128 * 256))
+
+
 def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int, int, int], float]:
     """((block_m, tile_set, splits, dp_tiles), estimated us) with the least estimated time: every block shape whole
-    (splits 1, dp_tiles 0), or with its last round's tiles in TAIL_SPLITS slices. Ties go to the earlier shape in
-    WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times), then to no slices."""
+    (splits 1, dp_tiles 0), with its last round's tiles in TAIL_SPLITS slices (dp_tiles > 0), or with every tile in
+    SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows). Ties go to the earlier shape in WGMMA_US_PER_CHUNK
+    ((128, 2) first: it reads x from L2 the fewest times), then to fewer slices."""
     options = []
     for shape in WGMMA_US_PER_CHUNK:
         options.append(((*shape, 1, 0), wgmma_time_us(m, k, n, shape, sms)))
         blocks = wgmma_blocks(m, n, shape)
         for splits in TAIL_SPLITS:
             options.append(((*shape, splits, blocks - blocks % sms), wgmma_tail_time_us(m, k, n, shape, splits, sms)))
+        for splits in SPLIT_SPLITS:
+            options.append(((*shape, splits, 0), wgmma_split_time_us(m, k, n, shape, splits, sms)))
     return min(options, key=lambda o: o[1])
 
 
