@@ -157,7 +157,8 @@ def test_wgmma_config_follows_the_sweep():
     # the rows taken: within WGMMA_MIN_ROWS..WGMMA_MAX_M where the model has the kernel faster
     assert [wgmma_rows_ok(m, 7168, 18432) for m in (48, 56, 512, 513)] == [False, True, True, False]
     # 7168x7168: the decode kernel at 72 rows only (a tie in the model), (64, 2) / (128, 2) in 4 K slices at 64 / 128
-    assert [wgmma_rows_ok(m, 7168, 7168) for m in (64, 72, 128, 129, 384, 512)] == [True, False, True, True, True, True]
+    assert ([wgmma_rows_ok(m, 7168, 7168) for m in (64, 72, 128, 129, 384, 512)]
+            == [True, False, True, True, True, True])
     assert [wgmma_rows_ok(m, 4096, 4096) for m in (64, 129, 256, 384)] == [False, False, False, False]
     assert not wgmma_rows_ok(31, 64, 1 << 20)  # below WGMMA_MIN_ROWS whatever the model says
     # the SM count enters: on 4x the SMs, (256, 1) blocks no longer need 3 rounds on 18432 columns at 256 rows
