@@ -16,6 +16,8 @@ of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy wins.
 """
 from __future__ import annotations
 
+import functools
+
 __all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us", "wgmma_tail_time_us",
            "wgmma_split_time_us", "best_wgmma_shape", "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
 
@@ -70,6 +72,13 @@ def wgmma_blocks(m: int, n: int, shape: tuple[int, int]) -> int:
     return -(-n // 256) * per_256 * -(-m // block_m)
 
 
+def _block_outputs(shape: tuple[int, int]) -> int:
+    """Outputs of one block (rows x columns): the fp32 partials each of its K slices writes (ops.cpp's
+    awq_wgmma_block_outputs)."""
+    block_m, tile_set = shape
+    return block_m * (256 if tile_set == 2 else 64 * tile_set)
+
+
 def wgmma_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: int = H100_SMS) -> float:
     """Estimated microseconds of the WS kernel with blocks of `shape` on x [m, k] and n output columns."""
     rounds = -(-wgmma_blocks(m, n, shape) // sms)
@@ -84,8 +93,7 @@ def wgmma_tail_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: i
     chunks = k // 64
     if full == 0 or rest == 0 or rest * splits > sms or splits > chunks:  # the op takes 1..K/64 slices
         return float("inf")
-    outputs = shape[0] * (256 if shape[1] == 2 else 64 * shape[1])
-    fixup = TAIL_FIXUP_US + TAIL_FIXUP_US_PER_SLICE * splits * outputs / (128 * 256)
+    fixup = TAIL_FIXUP_US + TAIL_FIXUP_US_PER_SLICE * splits * _block_outputs(shape) / (128 * 256)
     return (WGMMA_FIXED_US + full * chunks * WGMMA_US_PER_CHUNK[shape]
             + -(-chunks // splits) * WGMMA_US_PER_CHUNK[shape] + fixup)
 
@@ -97,11 +105,11 @@ def wgmma_split_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: 
     if m > SPLIT_MAX_M or splits > chunks:
         return float("inf")
     rounds = -(-wgmma_blocks(m, n, shape) * splits // sms)
-    outputs = shape[0] * (256 if shape[1] == 2 else 64 * shape[1])
     return (WGMMA_FIXED_US + rounds * (-(-chunks // splits) * WGMMA_US_PER_CHUNK[shape] + SPLIT_ROUND_US)
-            + SPLIT_FIXED_US + SPLIT_US_PER_SLICE * splits * outputs / (128 * 256))
+            + SPLIT_FIXED_US + SPLIT_US_PER_SLICE * splits * _block_outputs(shape) / (128 * 256))
 
 
+@functools.lru_cache(maxsize=4096)  # asked twice per call (wgmma_rows_ok, then wgmma_cuda_config), same few shapes
 def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int, int, int], float]:
     """((block_m, tile_set, splits, dp_tiles), estimated us) with the least estimated time: every block shape whole
     (splits 1, dp_tiles 0), with its last round's tiles in TAIL_SPLITS slices (dp_tiles > 0), or with every tile in
