@@ -9,6 +9,11 @@ times per step; the step's wall time comes from two timed generate() calls the s
 than 20 us between kernels: those are the GPU waiting on the host (generate's Python between graph replays), and
 "GPU span" is the rest, the time per step the GPU needs with the host out of the way (kernels and the short gaps
 between a graph's kernels): what a step would take if the host kept up. Device only.
+
+--host: where the host's time per step goes. The compiled decode step (HF's `_compiled_call`, CUDA graphs) is called
+on its own with one step's inputs: with a synchronize after each call (host + GPU, as generate runs it: generate
+reads the finished flag every step), and back to back (the larger of host and GPU). Then cProfile over one
+generate(): the functions with the most own time per step.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import markdown_table  # noqa: E402
-from decode_e2e import Generator, build_model, make_config, reset_dynamo  # noqa: E402
+from decode_e2e import Generator, build_model, make_config, reset_dynamo, sync  # noqa: E402
 
 # Kernel families, first match wins (names as CUPTI reports them).
 FAMILIES = (
@@ -90,6 +95,60 @@ def profile_variant(gen, batch, steps, cc):
     return ms_step, busy, per_step, fams, (spann - span1) / steps
 
 
+def host_breakdown(gen, batch, steps, cc, top) -> None:
+    """Prints ms per compiled decode-step call (synchronized each call, and back to back) and a cProfile of generate."""
+    import cProfile
+    import pstats
+
+    model = gen.model
+    captured = {}
+    compiled = model._compiled_call
+
+    def recording(*a, **k):
+        captured["a"], captured["k"] = a, k
+        return compiled(*a, **k)
+
+    model._compiled_call = recording  # generate reuses it while the compile config is unchanged
+    try:
+        gen.run(batch, 3, cc)
+    finally:
+        model._compiled_call = compiled
+    a, k = captured["a"], captured["k"]
+    cache = gen.cache(batch)
+
+    def per_call_ms(n: int, each: bool) -> float:
+        # newer transformers keep the write position in the cache: start every run at 0 (in place, same addresses)
+        cache.reset()
+        sync(gen.device)
+        t = time.perf_counter()
+        for _ in range(n):
+            compiled(*a, **k)
+            if each:
+                sync(gen.device)
+        sync(gen.device)
+        return (time.perf_counter() - t) / n * 1e3
+
+    with torch.no_grad():
+        per_call_ms(3, True)
+        synced, back = per_call_ms(steps, True), per_call_ms(steps, False)
+        t = time.perf_counter()
+        for _ in range(steps):
+            sync(gen.device)
+        sync_only = (time.perf_counter() - t) / steps * 1e3
+    print(f"compiled decode step alone: {synced:.3f} ms/call synchronized, {back:.3f} back to back "
+          f"(an empty synchronize: {sync_only:.3f})")
+    prof = cProfile.Profile()
+    prof.enable()
+    gen.run(batch, steps + 1, cc)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (file, line, fn): (cc, nc, tt, ct, callers)
+    print()
+    print(markdown_table(["function", "calls/step", "own ms/step", "cumulative ms/step"],
+                         [[f"{os.path.basename(f)}:{line}({fn})"[:100], f"{v[1] / steps:.1f}",
+                           f"{v[2] / steps * 1e3:.3f}", f"{v[3] / steps * 1e3:.3f}"] for (f, line, fn), v in rows]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -97,6 +156,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--variants", nargs="+", default=["bf16-compile", "w4a16-mma-compile"],
                     choices=["bf16-compile", "w4a16-compile", "w4a16-mma-compile"])
+    ap.add_argument("--host", action="store_true", help="also time the compiled step alone and cProfile generate")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_profile.py: needs a CUDA device")
@@ -136,6 +196,9 @@ def main() -> int:
                 for name, (us, cnt) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:args.top]]
         print()
         print(markdown_table(["kernel", "family", "us/step", "count/step", "us each"], rows))
+        if args.host:
+            print()
+            host_breakdown(gen, args.batch, args.steps, cc, args.top)
         reset_dynamo(model)
         gen.drop_caches()
     return 0

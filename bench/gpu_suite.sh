@@ -50,6 +50,7 @@ case " $SUITE " in *" bench "*)
       moe) TAIL=${MOE_TAIL:-10} step bench_moe_w4a16 python3 bench/moe_w4a16.py ${MOE_ARGS:-} ;;
       gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
       nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6
+      decode_profile) TAIL=${PROFILE_TAIL:-150} step bench_decode_profile python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;  # kernels per step (+ --host: host time)
       decode) TAIL=30 step bench_decode_e2e python3 bench/decode_e2e.py ${DECODE_ARGS:-} ;;  # end-to-end generate, bf16 vs W4A16 (not in the default list: ~4 min)
     esac
   done ;;

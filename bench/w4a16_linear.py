@@ -93,10 +93,11 @@ def cuda_gemv_sweep(shapes: str) -> list:
 
 def mma_cuda_sweep(shapes: str, ms: str) -> list:
     """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices (item chunks as
-    configured), with fp16 scales and with bf16 ones (as after `model.to(torch.bfloat16)`), against bf16, tinygemm
-    and the AWQ-layout op as dispatched (`w4a16_linear`), in the same run."""
+    configured), warps and the prefetching loop, with fp16 scales and with bf16 ones (as after
+    `model.to(torch.bfloat16)`), kept tickets, against bf16, tinygemm and the AWQ-layout op as dispatched
+    (`w4a16_linear`), in the same run."""
     import torchforge
-    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_config, mma_cuda_warps
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_launch_config, mma_tickets
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.awq_reference import awq_dequantize_ref
 
@@ -104,6 +105,9 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
     for shape in shapes.split(","):
         OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
         mma = awq_to_mma_layout(qw)
+        # kept tickets, as a module on the mma layout has them (mma_tickets): without, every call with K slices paid
+        # a memset kernel for fresh ones (sessions before the thirteenth swept that way)
+        tickets = mma_tickets(OC, mma.device)
         wdq = awq_dequantize_ref(qw, sc, qz, G).float()
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
@@ -112,25 +116,25 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
             t_op = bench_graph_ms(lambda: torchforge.ops.w4a16_linear(x, qw, sc, qz, G), rep_ms=50)
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
-            default = mma_cuda_config(M, IC, OC, G)
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-            default_warps = mma_cuda_warps(-(-M // 16) * (OC // 64) * default[0], sms)
-            chunks = default[1]
-            configs = [(s, w_, sc) for s in sorted({1, 2, 3, 4, 6, 8, default[0]}) for w_ in (4, 8)]
-            configs.append((default[0], default_warps, sc.bfloat16()))
-            for splits, warps, scales in configs:
+            default_splits, chunks, default_warps, default_pf = mma_cuda_launch_config(M, IC, OC, G, sms)
+            default = (default_splits, chunks)
+            pfs = (False, True) if chunks == 2 else (False,)  # the prefetching loop: items of 128 k only
+            configs = [(s, w_, sc, pf) for s in sorted({1, 2, 3, 4, 6, 8, default[0]}) for w_ in (4, 8) for pf in pfs]
+            configs.append((default[0], default_warps, sc.bfloat16(), default_pf))
+            for splits, warps, scales, pf in configs:
                 if splits > IC // (64 * chunks):
                     continue
                 f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=chunks,  # noqa: E731
-                                                warps=warps)
+                                                warps=warps, prefetch=pf, tickets=tickets)
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                out.append([shape, M, str(scales.dtype).removeprefix("torch."), splits, warps,
-                            "*" if (splits, warps) == (default[0], default_warps) else "", t, f"{t * 1e3:.1f}",
-                            wbytes / t / 1e6, t_op,
+                out.append([shape, M, str(scales.dtype).removeprefix("torch."), splits, warps, "yes" if pf else "",
+                            "*" if (splits, warps, pf) == (default[0], default_warps, default_pf) else "", t,
+                            f"{t * 1e3:.1f}", wbytes / t / 1e6, t_op,
                             t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
-    out.sort(key=lambda r: (r[0], r[1], r[6]))
+    out.sort(key=lambda r: (r[0], r[1], r[7]))
     return out
 
 
@@ -331,7 +335,8 @@ def main() -> int:
         print(f"device: {device_line()}")
         print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits and warps; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
-        print(markdown_table(["W", "M", "scales", "splits", "warps", "default", "ms", "us", "int4 GB/s", "op ms", "tinygemm ms", "bf16 ms",
+        print(markdown_table(["W", "M", "scales", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s", "op ms",
+                              "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.wgmma_sweep:

@@ -26,7 +26,10 @@
 //   memory;
 //   K slices as in awq_gemv.cu: the last block of a tile to finish (atomic ticket, reset for the
 //   next launch) adds them in slice order, the slices outermost. Tried and dropped on the H100: requesting the next
-//   item's words before computing on this one (register double buffer): 3-15% slower; blocks of
+//   item's words before computing on this one (register double buffer) within 128 registers: 3-15% slower (it is
+//   kept as the prefetching loop, accumulate_prefetch, at 255 registers where the grid gives 8 warps per SM
+//   anyway, thirteenth session); "stream mode", one block per SM on an equal share of all tiles' items, tiles cut
+//   across blocks and their fp32 partials added in order: 3-4 us slower on every swept shape (thirteenth); blocks of
 //   2 or 4 groups of 16 rows sharing each weight word through L1 (for M = 32..128): 5-45% slower
 //   than one 16-row group per block re-reading the words from L2.
 //   Also tried (2026-11-22, BENCHMARKS.md "sixth session") for 16..128 rows: blocks of 8 warps on 8 column blocks
@@ -47,10 +50,72 @@
 namespace torchforge {
 namespace awq_mma_detail {
 
+// The words, x and group values of one work item, loaded ahead of their use (prefetch kernel, below).
+template <typename S, int NT, int CPG>
+struct ItemRegs {
+  uint4 w[CPG * 4];
+  uint4 x[CPG][NT][2];
+  GroupVals<S> gv;
+};
+
+// accumulate (awq_mma.cuh), software-pipelined: the loads of a warp's next item are in flight while it computes this
+// one, from two register buffers (the loop is unrolled by two so that they need no copies). ncu on the plain kernel
+// (H100, thirteenth session): where the grid gives about 8 warps per SM (7168x7168 up to 16 rows: 112 blocks of 8
+// warps; 18432x7168: 288 of 4), DRAM ran at 44-58% of peak and half of every warp's stall cycles waited on its own
+// loads, since each item's loads went out only after the previous item's arithmetic. Same arithmetic, same bits.
+template <typename T, typename S, int NT, int CPG>
+__device__ __forceinline__ void accumulate_prefetch(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
+                                                    const S* __restrict__ sc, const uint32_t* __restrict__ qz,
+                                                    const uint4* __restrict__ xb, const int (&xoff)[NT], int N, int cb,
+                                                    int items, int first, int workers, int chunks_per_group, int g) {
+  zero_acc(acc);
+  const int zshift = awq_shift(g);
+  const int items_per_group = chunks_per_group / CPG;
+  const bool pow2 = (items_per_group & (items_per_group - 1)) == 0;
+  const int group_shift = __ffs(items_per_group) - 1;
+  auto load = [&](ItemRegs<S, NT, CPG>& r, int item) {
+#pragma unroll
+    for (int i = 0; i < CPG * 4; ++i) r.w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
+#pragma unroll
+    for (int c = 0; c < CPG; ++c)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
+        r.x[c][j][0] = __ldg(p);
+        r.x[c][j][1] = __ldg(p + 1);
+      }
+    load_group(r.gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
+  };
+  auto compute = [&](const ItemRegs<S, NT, CPG>& r) {
+    float part[4][NT][4];
+    float xs[NT][4];
+    item_sums<T, NT, CPG>(part, xs, r.w, [&](int c, int j, uint4(&v)[2]) {
+      v[0] = r.x[c][j][0];
+      v[1] = r.x[c][j][1];
+    });
+    fold<T, NT>(acc, part, xs, r.gv, zshift);
+  };
+  ItemRegs<S, NT, CPG> a, b;
+  int item = first;
+  if (item < items) load(a, item);
+  for (; item < items; item += 2 * workers) {
+    const int next = item + workers;
+    if (next < items) load(b, next);
+    compute(a);
+    if (next >= items) break;
+    if (next + workers < items) load(a, next + workers);
+    compute(b);
+  }
+}
+
 // W warps per block (8, or 4 where that keeps every block resident: mma_cuda_warps); 16 warps per SM either way
-// (<= 128 registers).
-template <typename T, typename S, int NT, int CPG, int W>
-__global__ void __launch_bounds__(32 * W, 16 / W)
+// (<= 128 registers). PF: the prefetching loop (accumulate_prefetch), whose two item buffers need up to 255 registers
+// (16 rows): 8 warps per SM, one block of 8 or two of 4 (three of 4 at 168 registers spilled 848 bytes).
+template <int W, bool PF>
+constexpr int kMinBlocks = PF ? 8 / W : 16 / W;
+
+template <typename T, typename S, int NT, int CPG, int W, bool PF>
+__global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                    float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
@@ -78,8 +143,12 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
   }
 
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
-                         chunks_per_group, g);
+  if constexpr (PF)
+    accumulate_prefetch<T, S, NT, CPG>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
+                                       chunks_per_group, g);
+  else
+    accumulate<T, S, NT, CPG>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
+                              chunks_per_group, g);
   stash<NT>(red, acc, warp, g, t);
   __syncthreads();
 
@@ -141,12 +210,12 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
   if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 
-template <typename T, typename S, int NT, int CPG, int W>
+template <typename T, typename S, int NT, int CPG, int W, bool PF>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    cudaStream_t stream) {
   const dim3 grid((M + kRows - 1) / kRows, N / kCols, splits);
-  awq_mma_kernel<T, S, NT, CPG, W><<<grid, 32 * W, 0, stream>>>(
+  awq_mma_kernel<T, S, NT, CPG, W, PF><<<grid, 32 * W, 0, stream>>>(
       static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
       reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets,
       M, N, K, group_size / 64, splits);
@@ -157,12 +226,13 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
 
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype: scales (0 = bf16 with bf16 x, 1 = fp16). The caller
 // (ops.cpp) has checked shapes, alignment, N % 64 == 0, group_size a multiple of 64 * item_chunks (1 or 2),
-// K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block;
+// K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block, prefetch only with
+// item_chunks 2 (else cudaErrorInvalidValue);
 // `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1).
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                           int64_t splits, int64_t item_chunks, int64_t warps, cudaStream_t stream) {
+                           int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream) {
   using namespace awq_mma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int g = static_cast<int>(group_size), s = static_cast<int>(splits);
@@ -173,10 +243,18 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
     const bool one_tile = m <= 8;  // one 8-row MMA tile of x is enough
     auto run = [&](auto nt, auto cpg) {
       constexpr int NT = decltype(nt)::value, CPG = decltype(cpg)::value;
-      return warps == 4 ? launch<T, S, NT, CPG, 4>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                                   g, s, stream)
-                        : launch<T, S, NT, CPG, 8>(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                                   g, s, stream);
+      if constexpr (CPG == 2) {  // the prefetching loop is built for items of 128 k only (groups of 128, 256, ...)
+        if (prefetch)
+          return warps == 4 ? launch<T, S, NT, CPG, 4, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,
+                                                             m, n, k, g, s, stream)
+                            : launch<T, S, NT, CPG, 8, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,
+                                                             m, n, k, g, s, stream);
+      }
+      if (prefetch) return cudaErrorInvalidValue;
+      return warps == 4 ? launch<T, S, NT, CPG, 4, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
+                                                          n, k, g, s, stream)
+                        : launch<T, S, NT, CPG, 8, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
+                                                          n, k, g, s, stream);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;

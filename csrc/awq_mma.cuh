@@ -126,22 +126,41 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
   }
 }
 
-// acc += s * (part - (magic + z) * xs) with the group's scales and zeros of column block cb; C rows g (e < 2) and
-// g + 8 (e >= 2) of each column tile. Columns 64 cb + 16 i + g (+ 8) share their nibble position in the zero words
-// (zshift = awq_shift(g)), and magic + z = z | magic since z < 16 <= magic.
-template <typename T, int NT, typename S>
-__device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)[4][NT][4], const float (&xs)[NT][4],
-                                     const S* __restrict__ sc, const uint32_t* __restrict__ qz, int N, int cb,
-                                     int group, int g, int zshift) {
-  using Tr = Traits<T>;
+// The scales and zero words of one group for this lane's columns of column block cb: C rows g (s[2 i]) and g + 8
+// (s[2 i + 1]) of each column tile i, and the zero words z[2 i], z[2 i + 1] that hold them.
+template <typename S>
+struct GroupVals {
+  S s[8];
+  uint32_t z[8];
+};
+
+template <typename S>
+__device__ __forceinline__ void load_group(GroupVals<S>& v, const S* __restrict__ sc, const uint32_t* __restrict__ qz,
+                                           int N, int cb, int group, int g) {
   const S* srow = sc + static_cast<size_t>(group) * N + cb * kCols + g;
   const uint32_t* zrow = qz + static_cast<size_t>(group) * (N / 8) + cb * (kCols / 8);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float s0 = scale_f(srow[16 * i]);
-    const float s1 = scale_f(srow[16 * i + 8]);
-    const float zc0 = static_cast<float>(and_or(zrow[2 * i] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic)));
-    const float zc1 = static_cast<float>(and_or(zrow[2 * i + 1] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic)));
+    v.s[2 * i] = srow[16 * i];
+    v.s[2 * i + 1] = srow[16 * i + 8];
+    v.z[2 * i] = zrow[2 * i];
+    v.z[2 * i + 1] = zrow[2 * i + 1];
+  }
+}
+
+// acc += s * (part - (magic + z) * xs) with the group's scales and zeros; C rows g (e < 2) and g + 8 (e >= 2) of
+// each column tile. Columns 64 cb + 16 i + g (+ 8) share their nibble position in the zero words
+// (zshift = awq_shift(g)), and magic + z = z | magic since z < 16 <= magic.
+template <typename T, int NT, typename S>
+__device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)[4][NT][4], const float (&xs)[NT][4],
+                                     const GroupVals<S>& v, int zshift) {
+  using Tr = Traits<T>;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float s0 = scale_f(v.s[2 * i]);
+    const float s1 = scale_f(v.s[2 * i + 1]);
+    const float zc0 = static_cast<float>(and_or(v.z[2 * i] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic)));
+    const float zc1 = static_cast<float>(and_or(v.z[2 * i + 1] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic)));
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       acc[i][j][0] = fmaf(s0, part[i][j][0] - zc0 * xs[j][0], acc[i][j][0]);
@@ -150,6 +169,16 @@ __device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)
       acc[i][j][3] = fmaf(s1, part[i][j][3] - zc1 * xs[j][3], acc[i][j][3]);
     }
   }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[4][NT][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 }
 
 // sum_k x[row] * W[col] for this lane's C fragments, x read straight from global memory: the warp takes work items
@@ -161,12 +190,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
                                            const S* __restrict__ sc, const uint32_t* __restrict__ qz,
                                            const uint4* __restrict__ xb, const int (&xoff)[NT], int N, int cb,
                                            int items, int first, int workers, int chunks_per_group, int g) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  zero_acc(acc);
   const int zshift = awq_shift(g);
   const int items_per_group = chunks_per_group / CPG;
   const bool pow2 = (items_per_group & (items_per_group - 1)) == 0;  // groups of 64, 128, 256, ...: a shift
@@ -183,8 +207,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       v[0] = __ldg(p);
       v[1] = __ldg(p + 1);
     });
-    const int group = pow2 ? item >> group_shift : item / items_per_group;
-    fold<T, NT>(acc, part, xs, sc, qz, N, cb, group, g, zshift);
+    GroupVals<S> gv;
+    load_group(gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
+    fold<T, NT>(acc, part, xs, gv, zshift);
   }
 }
 

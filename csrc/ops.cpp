@@ -37,7 +37,7 @@ cudaError_t awq_gemv_launch(int dtype, int rows, const void* x, const int32_t* q
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                           int64_t splits, int64_t item_chunks, int64_t warps, cudaStream_t stream);
+                           int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream);
 
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
@@ -249,14 +249,17 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
 // MMA fragment order qweight int32 [N / 64, K * 8] (torchforge.ops.awq_mma_layout), scales [K/G, N] (fp16, or bf16
 // with bf16 x) and qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's
 // dtype. Optional `tickets`: int32 zeros, at least ceil(M / 16) * N / 64 of them, used with K slices and left zero.
+// prefetch: the software-pipelined loop (awq_mma.cu: accumulate_prefetch; items of 128 k only), same bits.
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                         int64_t splits, int64_t item_chunks, const c10::optional<at::Tensor>& tickets_in,
-                        int64_t warps) {
+                        int64_t warps, bool prefetch) {
   at::Tensor b;
   const void* bias_ptr =
       check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b);
   TORCH_CHECK(warps == 4 || warps == 8, "awq_mma_cuda: warps must be 4 or 8, got " + i2s(warps));
+  TORCH_CHECK(!prefetch || item_chunks == 2,
+              "awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got " + i2s(item_chunks));
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
@@ -279,7 +282,7 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
       dtype_code(x), dtype_code(scales), x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks, warps,
-      c10::cuda::getCurrentCUDAStream());
+      prefetch, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -443,7 +446,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int rows) -> Tensor");
   m.def(
       "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int item_chunks, Tensor? tickets=None, int warps=8) -> Tensor");
+      "int splits, int item_chunks, Tensor? tickets=None, int warps=8, bool prefetch=False) -> Tensor");
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks, "

@@ -63,6 +63,32 @@ def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, i
         assert ((one.float() - out.float()).norm() / one.float().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("k,n,G,m,splits", [
+    (128, 64, 128, 1, 1),       # one item: most warps idle, no second buffer used
+    (1024, 256, 128, 8, 1),     # one 8-row tile; 8 items over 8 or 4 warps
+    (2048, 512, 128, 16, 3),    # 16 items over 24 / 12 workers: odd counts per warp
+    (7168, 512, 128, 17, 1),    # 56 items, two row blocks
+    (7168, 448, 256, 33, 2),    # groups of 256: 2 items per group
+    (3072, 192, 128, 100, 5),   # 65-128 rows, 24 items over 5 slices
+])
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_prefetch_same_bits(k, n, G, m, splits, warps, scale_dtype):
+    """The software-pipelined loop (prefetch) does the same arithmetic in the same order as the plain one: equal bits,
+    and both within tolerance of the independent dequantization."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+
+    qw, mma, s, z = _case(k, n, G, sym=False, seed=k + m)
+    s = s.to(scale_dtype)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    run = lambda pf: launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, item_chunks=2, warps=warps,  # noqa: E731
+                                         prefetch=pf)
+    out = run(True)
+    _check(out, x, qw, s, z, G, b)
+    assert torch.equal(out, run(False))
+
+
 @pytest.mark.parametrize("m,splits", [(3, 2), (24, 1)])
 def test_bf16_scales(m, splits):
     """After model.to(bfloat16) the scales are bf16: the kernel reads them as they are (bf16 x only)."""
@@ -102,6 +128,9 @@ def test_opcheck_and_errors():
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 2))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1, torch.zeros(8, dtype=torch.int32, device="cuda")))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 2, None, 4))
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 1, 2, None, 8, True))
+    with pytest.raises(RuntimeError, match="prefetch needs item_chunks = 2 \\(items of 128 k\\), got 1"):
+        op(x, mma, s, z, 128, None, 1, 1, None, 8, True)
     with pytest.raises(RuntimeError, match="warps must be 4 or 8, got 6"):
         op(x, mma, s, z, 128, None, 1, 1, None, 6)
     with pytest.raises(RuntimeError, match="group_size must be a multiple of 64 \\* item_chunks = 128, got 64"):
