@@ -12,8 +12,8 @@ between a graph's kernels): what a step would take if the host kept up. Device o
 
 --host: where the host's time per step goes. The compiled decode step (HF's `_compiled_call`, CUDA graphs) is called
 on its own with one step's inputs: with a synchronize after each call (host + GPU, as generate runs it: generate
-reads the finished flag every step), and back to back (the larger of host and GPU). Then cProfile over one
-generate(): the functions with the most own time per step.
+reads the finished flag every step), and back to back (the larger of host and GPU). Then cProfile over a
+generate() of 1 + --steps tokens less one of 1 token: the functions with the most own time per decode step.
 """
 from __future__ import annotations
 
@@ -137,16 +137,21 @@ def host_breakdown(gen, batch, steps, cc, top) -> None:
         sync_only = (time.perf_counter() - t) / steps * 1e3
     print(f"compiled decode step alone: {synced:.3f} ms/call synchronized, {back:.3f} back to back "
           f"(an empty synchronize: {sync_only:.3f})")
-    prof = cProfile.Profile()
-    prof.enable()
-    gen.run(batch, steps + 1, cc)
-    prof.disable()
-    st = pstats.Stats(prof)
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (file, line, fn): (cc, nc, tt, ct, callers)
+    def profiled(n: int) -> dict:  # {(file, line, fn): (calls, own s, cumulative s)} of one generate() of n tokens
+        prof = cProfile.Profile()
+        prof.enable()
+        gen.run(batch, n, cc)
+        prof.disable()
+        return {k: (v[1], v[2], v[3]) for k, v in pstats.Stats(prof).stats.items()}
+
+    # per step: a generate() of steps + 1 tokens less one of 1 token (the eager prefill and generate's set-up)
+    one, many = profiled(1), profiled(steps + 1)
+    per_step = {k: tuple((a - b) / steps for a, b in zip(v, one.get(k, (0, 0.0, 0.0)))) for k, v in many.items()}
+    rows = sorted(per_step.items(), key=lambda kv: -kv[1][1])[:top]
     print()
     print(markdown_table(["function", "calls/step", "own ms/step", "cumulative ms/step"],
-                         [[f"{os.path.basename(f)}:{line}({fn})"[:100], f"{v[1] / steps:.1f}",
-                           f"{v[2] / steps * 1e3:.3f}", f"{v[3] / steps * 1e3:.3f}"] for (f, line, fn), v in rows]))
+                         [[f"{os.path.basename(f)}:{line}({fn})"[:100], f"{c:.1f}", f"{own * 1e3:.3f}",
+                           f"{cum * 1e3:.3f}"] for (f, line, fn), (c, own, cum) in rows]))
 
 
 def main() -> int:

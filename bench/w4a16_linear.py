@@ -153,8 +153,10 @@ def _model_ms(m: int, k: int, n: int, cfg: tuple, sms: int) -> float:
 def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "",
                 split_counts: str = "1,2,3,4,6,8", tail: bool = False) -> list:
     """The extension's Hopper kernel on the mma layout (csrc/awq_wgmma.cu) over (block_m, tile_set, splits), against
-    bf16, the decode mma kernel (up to 128 rows), the mma layout's dequantize + cuBLAS and tinygemm in the same run."""
-    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, wgmma_cuda_config
+    bf16, the decode mma kernel (up to 128 rows), the mma layout's dequantize + cuBLAS and tinygemm in the same run.
+    Both CUDA kernels get kept tickets, as a module on the mma layout passes them (sessions before the thirteenth
+    swept the Hopper kernel with a fresh zeroed buffer, a memset kernel, on every call with K slices)."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
     from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.awq_reference import awq_dequantize_ref
@@ -165,13 +167,14 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
     for shape in shapes.split(","):
         OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
         mma = awq_to_mma_layout(qw)
+        tickets = mma_tickets(OC, mma.device)
         wdq = awq_dequantize_ref(qw, sc, qz, G).to(torch.bfloat16).float()
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ wdq.T
             t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
-            t_dec = (bench_graph_ms(lambda: launch_awq_mma_cuda(x, mma, sc, qz, G), rep_ms=50) if M <= 128
-                     else float("nan"))
+            t_dec = (bench_graph_ms(lambda: launch_awq_mma_cuda(x, mma, sc, qz, G, tickets=tickets), rep_ms=50)
+                     if M <= 128 else float("nan"))
             t_deq = bench_graph_ms(lambda: x @ launch_awq_mma_dequantize_t(mma, sc, qz, G, x.dtype), rep_ms=50)
             tg = tinygemm_fn(w, x) if M <= 256 else None
             t_tg = bench_graph_ms(tg, rep_ms=50) if tg is not None else float("nan")
@@ -194,7 +197,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
                 keep = {tuple(map(int, o.split("x"))) for o in only.split(",")}
                 configs = {c for c in configs if c[:2] in keep or c == default}
             for cfg in sorted(configs):
-                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg)  # noqa: E731
+                f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets)  # noqa: E731
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
                 kind = ("ws" if cfg[4] else "") + (f"+tail {cfg[5]}" if len(cfg) > 5 else "")
@@ -333,7 +336,7 @@ def main() -> int:
     if args.mma_cuda_sweep:
         crows = mma_cuda_sweep(args.shapes, args.mma_cuda_sweep)
         print(f"device: {device_line()}")
-        print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits and warps; "
+        print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
         print(markdown_table(["W", "M", "scales", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s", "op ms",
                               "tinygemm ms", "bf16 ms",
@@ -369,6 +372,7 @@ def main() -> int:
     from torchforge.ops.awq_triton import launch_w4a16_linear
     from torchforge.ops import awq_unpack
     from torchforge.ops.awq_mma import awq_mma_linear
+    from torchforge.ops.awq_mma_cuda import mma_tickets
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.gptq import gptq_pack, gptq_pack_zeros, trivial_g_idx, w4a16_gptq_linear
 
@@ -382,6 +386,7 @@ def main() -> int:
         g_qz = gptq_pack_zeros(awq_unpack(qz))
         g_idx = trivial_g_idx(IC, G, device="cuda")
         zero_id = torch.zeros(1, dtype=torch.int64, device="cuda")
+        mma_tickets_ = mma_tickets(OC, "cuda")
         for M in map(int, args.m.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x.float(), awq_dequantize_ref(qw, sc, qz, G).float())
@@ -401,7 +406,7 @@ def main() -> int:
             t_deq = bench_graph_ms(lambda: x @ launch_awq_dequantize_t(qw, sc, qz, G, x.dtype))
             tg = tinygemm_fn(w, x)
             t_tg = bench_graph_ms(tg) if tg is not None else float("nan")
-            mma_op = lambda: awq_mma_linear(x, mma, sc, qz, G)  # noqa: E731
+            mma_op = lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=mma_tickets_)  # noqa: E731  (a module's)
             rel_mma = ((mma_op().float() - ref).norm() / ref.norm()).item()
             t_lay = bench_graph_ms(mma_op)
             t_gptq = bench_graph_ms(lambda: w4a16_gptq_linear(x, g_qw, sc, g_qz, g_idx))

@@ -20,7 +20,7 @@
 //   gives c + q exactly. The MMA sums x (c + q) per group; an MMA with all-ones A gives sum x for
 //   each row of x in the same fragment positions; and once per group, in fp32:
 //   acc += s * (sum x (c + q) - (c + z) sum x). No per-weight subtract or multiply.
-// * Block = 8 warps (or 4, where that keeps every block resident: mma_cuda_warps) on 64 output columns and 16 rows
+// * Block = 8 warps (or 4: mma_cuda_warps, mma_cuda_launch_config) on 64 output columns and 16 rows
 //   of x; the warps (and with splits > 1 the blocks along grid.z) take work items of 1 or 2 chunks (64 or 128 k,
 //   inside one quantization group) in turn: 4 or 8 x 16 B in flight per thread. Warps are summed through shared
 //   memory;
@@ -61,7 +61,7 @@ struct ItemRegs {
 // accumulate (awq_mma.cuh), software-pipelined: the loads of a warp's next item are in flight while it computes this
 // one, from two register buffers (the loop is unrolled by two so that they need no copies). ncu on the plain kernel
 // (H100, thirteenth session): where the grid gives about 8 warps per SM (7168x7168 up to 16 rows: 112 blocks of 8
-// warps; 18432x7168: 288 of 4), DRAM ran at 44-58% of peak and half of every warp's stall cycles waited on its own
+// warps; 18432x7168: 288 of 4), DRAM ran at 36-58% of peak and half of every warp's stall cycles waited on its own
 // loads, since each item's loads went out only after the previous item's arithmetic. Same arithmetic, same bits.
 template <typename T, typename S, int NT, int CPG>
 __device__ __forceinline__ void accumulate_prefetch(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
@@ -108,7 +108,7 @@ __device__ __forceinline__ void accumulate_prefetch(float (&acc)[4][NT][4], cons
   }
 }
 
-// W warps per block (8, or 4 where that keeps every block resident: mma_cuda_warps); 16 warps per SM either way
+// W warps per block (8, or 4: mma_cuda_warps, mma_cuda_launch_config); 16 warps per SM either way
 // (<= 128 registers). PF: the prefetching loop (accumulate_prefetch), whose two item buffers need up to 255 registers
 // (16 rows): 8 warps per SM, one block of 8 or two of 4 (three of 4 at 168 registers spilled 848 bytes).
 template <int W, bool PF>

@@ -385,10 +385,12 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 // result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
 // group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses);
 // dp_tiles > 0 (with splits > 1): tiles [0, dp_tiles) run whole and only the rest in K slices (their blocks first).
+// Optional `tickets`: int32 zeros, at least as many as the sliced tiles (awq_mma_cuda's kept buffer is enough for
+// every configuration up to 512 rows), left zero; without, a fresh zeroed buffer costs a memset kernel per call.
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                           int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                          int64_t dp_tiles) {
+                          int64_t dp_tiles, const c10::optional<at::Tensor>& tickets_in) {
   const std::string op = "awq_wgmma_cuda: ";
   at::Tensor b;
   const void* bias_ptr = check_mma_dense(op, x, qweight, scales, qzeros, group_size, bias, splits, 1, b);
@@ -421,7 +423,14 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
   const int64_t split_tiles = tiles - dp_tiles;
   TORCH_CHECK(splits == 1 || split_tiles * splits + dp_tiles < (int64_t{1} << 31),
               op + "too many blocks: " + i2s(split_tiles) + " tiles in " + i2s(splits) + " K slices");
-  at::Tensor tickets = at::zeros({splits > 1 ? split_tiles : 1}, x.options().dtype(at::kInt));
+  at::Tensor tickets;
+  if (splits > 1 && tickets_in.has_value() && tickets_in->numel() >= split_tiles) {
+    tickets = *tickets_in;
+    TORCH_CHECK(tickets.scalar_type() == at::kInt && tickets.is_contiguous() && tickets.device() == x.device(),
+                op + "tickets must be a contiguous int32 tensor of zeros on x's device");
+  } else {
+    tickets = at::zeros({splits > 1 ? split_tiles : 1}, x.options().dtype(at::kInt));
+  }
   at::Tensor partial = at::empty({splits > 1 ? splits * split_tiles * awq_wgmma_block_outputs(block_m, tile_set) : 1},
                                  x.options().dtype(at::kFloat));
   at::Tensor x_image = at::empty({awq_wgmma_image_rows(M, block_m), K}, x.options());
@@ -453,7 +462,8 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=4) -> Tensor");
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int dp_tiles=0) -> Tensor");
+      "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int dp_tiles=0, "
+      "Tensor? tickets=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {

@@ -54,7 +54,7 @@ def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, i
     x = torch.randn(m, k, device="cuda").to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if with_bias else None
     run = lambda splits: launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, item_chunks=item_chunks,  # noqa: E731
-                                             warps=warps)
+                                             warps=warps, prefetch=False)  # the prefetching loop: test_prefetch_same_bits
     out = run(splits)
     _check(out, x, qw, s, z, G, b)
     assert torch.equal(out, run(splits))  # deterministic
@@ -66,7 +66,7 @@ def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, i
 @pytest.mark.parametrize("k,n,G,m,splits", [
     (128, 64, 128, 1, 1),       # one item: most warps idle, no second buffer used
     (1024, 256, 128, 8, 1),     # one 8-row tile; 8 items over 8 or 4 warps
-    (2048, 512, 128, 16, 3),    # 16 items over 24 / 12 workers: odd counts per warp
+    (2048, 512, 128, 16, 3),    # 16 items over 24 / 12 workers: 0-2 items per warp
     (7168, 512, 128, 17, 1),    # 56 items, two row blocks
     (7168, 448, 256, 33, 2),    # groups of 256: 2 items per group
     (3072, 192, 128, 100, 5),   # 65-128 rows, 24 items over 5 slices

@@ -136,10 +136,13 @@ def test_k_slices_on_the_last_tiles_only(shape, ws):
         torch.full_like(whole, float("nan"))
         return op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 2, ws, dp)
 
+    tickets = torch.zeros(tiles, dtype=torch.int32, device="cuda")  # kept across calls, as a module's
     for dp in (1, tiles // 2, tiles - 1):
         out = run(dp)
         assert torch.all((out == whole) | (out == sliced)), dp
         assert torch.equal(out, run(dp))  # deterministic
+        assert torch.equal(out, op(x, mma, s, z, 128, None, 3, shape[0], shape[1], 2, ws, dp, tickets))
+        assert not tickets.any()
         if dp == 1:  # all tiles but one sliced
             assert (out == sliced).sum() > same
         if dp == tiles - 1:  # one tile sliced
@@ -177,6 +180,10 @@ def test_opcheck_and_errors():
     with pytest.raises(RuntimeError, match=r"splits must be in \[1, K / \(64 \* item_chunks\) = 4\]"):
         op(x, mma, s, z, 128, None, 5, 128, 2, 8)
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 64, 2, 8, True, 1))
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 64, 2, 8, True, 0,
+                               torch.zeros(4, dtype=torch.int32, device="cuda")))
+    with pytest.raises(RuntimeError, match="tickets must be a contiguous int32 tensor of zeros on x's device"):
+        op(x, mma, s, z, 128, None, 2, 64, 2, 8, True, 0, torch.zeros(4, dtype=torch.int64, device="cuda"))
     with pytest.raises(RuntimeError, match=r"dp_tiles must be in \[0, 2\) \(the blocks of this call\), got 2"):
         op(x, mma, s, z, 128, None, 2, 64, 2, 8, True, 2)
     with pytest.raises(RuntimeError, match=r"dp_tiles must be >= 0, got -1"):
@@ -199,7 +206,7 @@ def test_awq_mma_linear_dispatch(monkeypatch):
 
     calls = []
     real = awq_mma.launch_awq_wgmma_cuda
-    monkeypatch.setattr(awq_mma, "launch_awq_wgmma_cuda", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(awq_mma, "launch_awq_wgmma_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = [  # (k, n, rows)
         (1024, 512, (128, 256, WGMMA_MAX_M)),  # 2 groups of 256 columns: the decode kernel, then cuBLAS
@@ -231,7 +238,7 @@ def test_dispatched_k_slices_compile_and_graph(m, n, dispatched):
     (18432x7168 at 256 rows: the 12 tiles past the first round in 6 slices, run first in the launch), and for every
     tile (7168x7168 at 64 rows: 28 tiles in 4 slices)."""
     from torchforge.ops.awq_mma import awq_mma_linear
-    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, wgmma_cuda_config
+    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     config = wgmma_cuda_config(m, 7168, n, sms)
@@ -246,7 +253,13 @@ def test_dispatched_k_slices_compile_and_graph(m, n, dispatched):
     assert torch.equal(out, launch_awq_wgmma_cuda(x, mma, s, z, 128, config=config))
     expected = x.double() @ dequant_independent(qw, s, z, 128).T.double()
     assert ((out.double() - expected).norm() / expected.norm()) < TOL[torch.bfloat16]
-    check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128), x)
+    # a module's kept tickets (mma_tickets): the same bits, and left zero for the next call
+    tickets = mma_tickets(n, x.device)
+    for _ in range(2):
+        assert torch.equal(awq_mma_linear(x, mma, s, z, 128, tickets=tickets), out)
+        assert not tickets.any()
+    check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, tickets=tickets), x)
+    assert not tickets.any()
 
 
 def test_compile_and_cuda_graph():

@@ -50,11 +50,11 @@ def _check_mma_args(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
 def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                     bias: Optional[Tensor], tickets: Optional[Tensor] = None) -> Tensor:
     _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
+    ok = (tickets is not None and tickets.device == x.device and tickets.dtype == torch.int32
+          and tickets.is_contiguous())
     if wgmma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
-        return launch_awq_wgmma_cuda(x, qweight_mma, scales, qzeros, group_size, bias)
+        return launch_awq_wgmma_cuda(x, qweight_mma, scales, qzeros, group_size, bias, tickets=tickets if ok else None)
     if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
-        ok = (tickets is not None and tickets.device == x.device and tickets.dtype == torch.int32
-              and tickets.is_contiguous())
         return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias, tickets=tickets if ok else None)
     if use_triton(x) and group_size % 64 == 0:
         w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype)
@@ -75,9 +75,9 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
     ``[OC / 64, IC * 8]`` and ``scales`` / ``qzeros`` in AWQ layout. Same numbers as `w4a16_linear` on the AWQ
     tensors within the kernels' tolerance (the CUDA kernel applies scale and zero point in fp32 per group).
 
-    `tickets` (optional, `torchforge.ops.awq_mma_cuda.mma_tickets(OC)`): a zeroed int32 buffer the decode kernel's K
-    slices meet on. The kernel leaves it zero, so the op does not count as mutating it; a module keeps one to save
-    a memset kernel per call."""
+    `tickets` (optional, `torchforge.ops.awq_mma_cuda.mma_tickets(OC)`): a zeroed int32 buffer the K slices of the
+    decode kernel and of the Hopper kernel meet on. The kernels leave it zero, so the op does not count as mutating
+    it; a module keeps one to save a memset kernel per call."""
     return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias, tickets)
 
 

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_config, decode_mma_time_us, dequant_cublas_time_us
 
-__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_prefetch", "mma_cuda_launch_config", "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
+__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_prefetch", "mma_cuda_launch_config",
+           "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
            "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M", "wgmma_cuda_config",
            "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake",
            "moe_sorted_block_rows", "MOE_SORTED_BLOCK_ROWS", "MOE_WARPS"]
@@ -65,7 +66,8 @@ def mma_cuda_prefetch(blocks: int, sms: int, warps: int, item_chunks: int, split
     this one; 255 registers, so 8 warps per SM): where the grid is one block of 8 warps per SM at most anyway and
     each block walks the whole K, which leaves every warp latency bound on its own loads. H100, kept tickets,
     CUDA-graph us, prefetch against the best other configuration (BENCHMARKS.md, thirteenth session):
-    - 7168x7168 (112 blocks): 12.5-12.6 against 13.3 at M = 1 and 8; 15.0-15.2 against 14.9 (2 K slices) at M = 16;
+    - 7168x7168 (112 blocks): 12.5-12.6 against 13.3 at M = 1 and 8 (at M = 16, 15.0-15.2 against 14.9 in 2 plain K
+      slices: within noise; 16.9 with one);
     - 6144x1536 (96 blocks): 3.6-3.7 against 4.0-4.4 at M = 1 and 8, 4.7-4.8 against 5.3-5.7 at M = 16.
     Where it lost: with more blocks than SMs (18432x7168 30.7 against 27.8 at M = 1; 7168x7168 at 32 rows 23.3
     against 20.6), and within noise or up to 0.4 us slower with 4 K slices (1536x4096, 2048x7168)."""
@@ -74,10 +76,10 @@ def mma_cuda_prefetch(blocks: int, sms: int, warps: int, item_chunks: int, split
 
 def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) -> tuple[int, int, int, bool]:
     """(splits, item_chunks, warps, prefetch) of the dense CUDA kernel for x [m, k] and n output columns on `sms` SMs:
-    mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch, except at 9-16 rows on a grid of 4-warp blocks (more than
-    two and at most three 8-warp waves of tiles) with at least 48 items: 3 K slices, still 4-warp blocks. The items
-    of 16 rows (two 8-row MMA tiles) cost twice the tensor work of 8 rows, and 4-warp blocks leave about 9 warps per
-    SM to hide it; K slices triple them. H100, kept tickets (thirteenth session): 18432x7168 at 12 and 16 rows 32.8-33.0
+    mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch, except at 9-16 rows where mma_cuda_warps takes 4-warp
+    blocks (more than 2 and at most 3 tiles per SM) and there are at least 48 items: 3 K slices, still 4-warp blocks.
+    The items of 16 rows (two 8-row MMA tiles) cost twice the tensor work of 8 rows, and 2-3 4-warp blocks leave
+    about 9 warps per SM to hide it; with 3 K slices each SM holds 16 (the rest run in a second wave). H100, kept tickets (thirteenth session): 18432x7168 at 12 and 16 rows 32.8-33.0
     us against 35.6-35.7; at 1 row 28.1 against 27.8 (not taken). With 8-warp grids slices lost: 16384x7168 27.0
     against 24.9, 12288x7168 22.8 against 22.2, 14336x4096 16.7 against 14.3 (2 slices, the best with slices)."""
     splits, item_chunks = mma_cuda_config(m, k, n, group_size)
@@ -137,25 +139,23 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
                         warps: Optional[int] = None, prefetch: Optional[bool] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype, W in the mma layout `[N / 64, K * 8]`. `tickets`: see
     `mma_tickets` (None: the op allocates zeroed ones). `warps` per block: 4 or 8; `prefetch`: the kernel's
-    software-pipelined loop (items of 128 k only; same bits). None: from mma_cuda_launch_config, or for the grid of a
-    caller's own splits / item_chunks, from mma_cuda_warps and mma_cuda_prefetch."""
+    software-pipelined loop (items of 128 k only; same bits). None: from mma_cuda_launch_config where the caller gives
+    none of splits, item_chunks and warps, else from mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
         x2 = x2.contiguous()
     sms = _sm_count(x2.device.index)
-    config = mma_cuda_launch_config(x2.shape[0], k, n, group_size, sms)
-    splits, item_chunks = splits or config[0], item_chunks or config[1]
-    if (splits, item_chunks) == config[:2]:
-        warps = warps or config[2]
-        if prefetch is None:
-            prefetch = config[3] and warps == config[2]
-    else:  # a caller's own grid: the warps and prefetch rules for it
+    if splits is None and item_chunks is None and warps is None:
+        splits, item_chunks, warps, pf = mma_cuda_launch_config(x2.shape[0], k, n, group_size, sms)
+    else:  # a caller's own grid: the plain rules fill in the rest (not the 3-slice case, which is tied to 4 warps)
+        s, c = mma_cuda_config(x2.shape[0], k, n, group_size)
+        splits, item_chunks = splits or s, item_chunks or c
         blocks = -(-x2.shape[0] // 16) * (n // 64) * splits
         warps = warps or mma_cuda_warps(blocks, sms)
-        if prefetch is None:
-            prefetch = mma_cuda_prefetch(blocks, sms, warps, item_chunks, splits)
+        pf = mma_cuda_prefetch(blocks, sms, warps, item_chunks, splits)
+    prefetch = pf if prefetch is None else prefetch
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits,
                                             item_chunks, tickets, warps, prefetch)
     return out.reshape(*x.shape[:-1], n)
@@ -221,10 +221,11 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                           bias: Optional[Tensor] = None, *,
-                          config: Optional[tuple] = None) -> Tensor:
+                          config: Optional[tuple] = None, tickets: Optional[Tensor] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
     (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles]), else wgmma_cuda_config. dp_tiles > 0: tiles
-    [0, dp_tiles) run whole, only the rest in `splits` K slices (a last round of few tiles; their blocks first)."""
+    [0, dp_tiles) run whole, only the rest in `splits` K slices (a last round of few tiles; their blocks first).
+    `tickets`: a kept zeroed buffer (`mma_tickets`; None: the op allocates one per call with K slices)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -233,9 +234,9 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     if config is None:
         config = wgmma_cuda_config(x2.shape[0], k, n, _sm_count(x2.device.index))
     block_m, tile_set, splits, group_m, ws, *dp = config
-    tail = (dp[0],) if dp and dp[0] else ()  # left out when 0: the op's default
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
-                                              tile_set, group_m, ws, *tail)
+                                              tile_set, group_m, ws, dp[0] if dp else 0,
+                                              tickets if splits > 1 else None)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -329,7 +330,7 @@ def register_fake() -> None:
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda"):
         @torch.library.register_fake("torchforge::awq_wgmma_cuda")
         def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False,
-              dp_tiles=0):
+              dp_tiles=0, tickets=None):
             torch._check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
                          lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
                                  f"{tuple(x.shape)} and {tuple(qweight.shape)}")
