@@ -26,7 +26,8 @@ Variants (one model, quantized in place between the bf16 and the W4A16 runs):
 Every variant generates from the same random 32-token prompts with a reused StaticCache (reset between calls), greedy,
 min_new_tokens = max_new_tokens = N (no EOS). Decode tokens/s = batch * (N - 1) / (t(N new tokens) - t(1 new token)):
 the prefill and generate's set-up cancel out. Medians of --repeats timed calls after one warm-up call (the compile;
-`warm-up s` = the warm-up calls, compile and CUDA-graph recording included). `tokens = eager`: share of the N greedy
+`warm-up s` = the warm-up calls, compile and CUDA-graph recording included); `ms/step range`: the fastest and the
+slowest repeat's own step time. `tokens = eager`: share of the N greedy
 tokens a compiled variant generates identical to its eager twin (random weights: near-ties flip and then diverge, so
 below 100% is not by itself an error). `weights GB`: parameters + buffers on the device.
 Graph breaks: counted by dynamo while the compiled variants warm up (`graph breaks: 0` or the list, with the
@@ -251,8 +252,11 @@ def measure(gen: Generator, variant: str, batches, repeats: int, compile_config,
         if dec <= 0:  # only on a noisy host (CPU smoke runs): no decode rate to report
             log(f"{variant} batch {B}: t({N} tokens) = {tN * 1e3:.1f} ms <= t(1 token) = {tP * 1e3:.1f} ms; too noisy")
             dec = float("nan")
+        # each repeat's own step time (its N-token call less its 1-token call): the spread between repeats, which at
+        # batch 1 (host-bound) moved by 0.3-0.5 ms per step on one machine (thirteenth session)
+        steps = sorted((a - b) / (N - 1) * 1e3 for a, b in zip(tn, t1))
         results[(variant, B)] = dict(tok_s=B * (N - 1) / dec, ms_step=dec / (N - 1) * 1e3, prefill_ms=tP * 1e3,
-                                     warm_s=warm, tokens=tokens.cpu())
+                                     warm_s=warm, tokens=tokens.cpu(), spread=(steps[0], steps[-1]))
         r = results[(variant, B)]
         log(f"{variant} batch {B}: {r['tok_s']:.1f} tok/s ({r['ms_step']:.2f} ms/step, prefill {r['prefill_ms']:.1f} ms, "
             f"warm-up {warm:.1f} s)")
@@ -351,13 +355,14 @@ def main() -> int:
         for B in args.batches:
             r = results.get((v, B))
             if r is None:
-                rows.append([v, B, "failed", "", "", "", "", "", f"{weights.get(v, float('nan')):.3f}", ""])
+                rows.append([v, B, "failed", "", "", "", "", "", "", f"{weights.get(v, float('nan')):.3f}", ""])
                 continue
             same = "-"
             eager = results.get((v.removesuffix("-compile"), B)) if v.endswith("-compile") else None
             if eager is not None:
                 same = f"{(r['tokens'] == eager['tokens']).float().mean().item() * 100:.0f}%"
-            rows.append([v, B, f"{r['tok_s']:.1f}", f"{r['ms_step']:.2f}", ratio((v, B), "bf16"),
+            rows.append([v, B, f"{r['tok_s']:.1f}", f"{r['ms_step']:.2f}",
+                         f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}", ratio((v, B), "bf16"),
                          ratio((v, B), "bf16-compile"), f"{r['prefill_ms']:.1f}", f"{r['warm_s']:.1f}",
                          f"{weights[v]:.3f}", same])
     print()
@@ -366,7 +371,8 @@ def main() -> int:
           f"{nparams / 1e9:.3f} B parameters; bf16 experts: {experts}; attention: {model.config._attn_implementation}; "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; "
           f"compile: mode={mode}, fullgraph={args.fullgraph}, dynamic=False, static cache")
-    print(markdown_table(["variant", "batch", "decode tok/s", "ms/step", "vs bf16 eager", "vs bf16 compile",
+    print(markdown_table(["variant", "batch", "decode tok/s", "ms/step", "ms/step range", "vs bf16 eager",
+                          "vs bf16 compile",
                           "prefill ms", "warm-up s", "weights GB", "tokens = eager"], rows))
     for v, b in breaks.items():
         lines = b["lines"]
