@@ -338,7 +338,8 @@ def main() -> int:
         print(f"device: {device_line()}")
         print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
-        print(markdown_table(["W", "M", "scales", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s", "op ms",
+        print(markdown_table(["W", "M", "scales", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s",
+                              "op ms",
                               "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0

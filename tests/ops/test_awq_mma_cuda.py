@@ -53,8 +53,9 @@ def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, i
     qw, mma, s, z = _case(k, n, G, sym, seed=k + n + m)
     x = torch.randn(m, k, device="cuda").to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    # the plain loop (the prefetching one: test_prefetch_same_bits)
     run = lambda splits: launch_awq_mma_cuda(x, mma, s, z, G, b, splits=splits, item_chunks=item_chunks,  # noqa: E731
-                                             warps=warps, prefetch=False)  # the prefetching loop: test_prefetch_same_bits
+                                             warps=warps, prefetch=False)
     out = run(splits)
     _check(out, x, qw, s, z, G, b)
     assert torch.equal(out, run(splits))  # deterministic

@@ -79,14 +79,15 @@ def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) ->
     mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch, except at 9-16 rows where mma_cuda_warps takes 4-warp
     blocks (more than 2 and at most 3 tiles per SM) and there are at least 48 items: 3 K slices, still 4-warp blocks.
     The items of 16 rows (two 8-row MMA tiles) cost twice the tensor work of 8 rows, and 2-3 4-warp blocks leave
-    about 9 warps per SM to hide it; with 3 K slices each SM holds 16 (the rest run in a second wave). H100, kept tickets (thirteenth session): 18432x7168 at 12 and 16 rows 32.8-33.0
-    us against 35.6-35.7; at 1 row 28.1 against 27.8 (not taken). With 8-warp grids slices lost: 16384x7168 27.0
-    against 24.9, 12288x7168 22.8 against 22.2, 14336x4096 16.7 against 14.3 (2 slices, the best with slices)."""
+    about 9 warps per SM to hide it; with 3 K slices each SM holds 16 (the rest run in a second wave). H100, kept
+    tickets (thirteenth session): 18432x7168 at 12 and 16 rows 32.8-33.0 us against 35.6-35.7; at 1 row 28.1 against
+    27.8 (not taken). With 8-warp grids slices lost: 16384x7168 27.0 against 24.9, 12288x7168 22.8 against 22.2,
+    14336x4096 16.7 against 14.3 (2 slices, the best with slices)."""
     splits, item_chunks = mma_cuda_config(m, k, n, group_size)
     tiles = -(-m // 16) * (n // 64)
-    if 8 < m <= 16 and splits == 1 and 2 * sms < tiles <= 3 * sms and k // (64 * item_chunks) >= 48:
-        return 3, item_chunks, 4, False
     warps = mma_cuda_warps(tiles * splits, sms)
+    if 8 < m <= 16 and splits == 1 and warps == 4 and k // (64 * item_chunks) >= 48:
+        return 3, item_chunks, 4, False
     return splits, item_chunks, warps, mma_cuda_prefetch(tiles * splits, sms, warps, item_chunks, splits)
 
 
