@@ -27,7 +27,7 @@
 //   K slices as in awq_gemv.cu: the last block of a tile to finish (atomic ticket, reset for the
 //   next launch) adds them in slice order, the slices outermost. Tried and dropped on the H100: requesting the next
 //   item's words before computing on this one (register double buffer) within 128 registers: 3-15% slower (it is
-//   kept as the prefetching loop, accumulate_prefetch, at 255 registers where the grid gives 8 warps per SM
+//   kept as the prefetching loop, accumulate<..., PF = true>, at 255 registers where the grid gives 8 warps per SM
 //   anyway, thirteenth session); "stream mode", one block per SM on an equal share of all tiles' items, tiles cut
 //   across blocks and their fp32 partials added in order: 3-4 us slower on every swept shape (thirteenth); blocks of
 //   2 or 4 groups of 16 rows sharing each weight word through L1 (for M = 32..128): 5-45% slower
@@ -50,66 +50,8 @@
 namespace torchforge {
 namespace awq_mma_detail {
 
-// The words, x and group values of one work item, loaded ahead of their use (prefetch kernel, below).
-template <typename S, int NT, int CPG>
-struct ItemRegs {
-  uint4 w[CPG * 4];
-  uint4 x[CPG][NT][2];
-  GroupVals<S> gv;
-};
-
-// accumulate (awq_mma.cuh), software-pipelined: the loads of a warp's next item are in flight while it computes this
-// one, from two register buffers (the loop is unrolled by two so that they need no copies). ncu on the plain kernel
-// (H100, thirteenth session): where the grid gives about 8 warps per SM (7168x7168 up to 16 rows: 112 blocks of 8
-// warps; 18432x7168: 288 of 4), DRAM ran at 36-58% of peak and half of every warp's stall cycles waited on its own
-// loads, since each item's loads went out only after the previous item's arithmetic. Same arithmetic, same bits.
-template <typename T, typename S, int NT, int CPG>
-__device__ __forceinline__ void accumulate_prefetch(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
-                                                    const S* __restrict__ sc, const uint32_t* __restrict__ qz,
-                                                    const uint4* __restrict__ xb, const int (&xoff)[NT], int N, int cb,
-                                                    int items, int first, int workers, int chunks_per_group, int g) {
-  zero_acc(acc);
-  const int zshift = awq_shift(g);
-  const int items_per_group = chunks_per_group / CPG;
-  const bool pow2 = (items_per_group & (items_per_group - 1)) == 0;
-  const int group_shift = __ffs(items_per_group) - 1;
-  auto load = [&](ItemRegs<S, NT, CPG>& r, int item) {
-#pragma unroll
-    for (int i = 0; i < CPG * 4; ++i) r.w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
-#pragma unroll
-    for (int c = 0; c < CPG; ++c)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
-        r.x[c][j][0] = __ldg(p);
-        r.x[c][j][1] = __ldg(p + 1);
-      }
-    load_group(r.gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
-  };
-  auto compute = [&](const ItemRegs<S, NT, CPG>& r) {
-    float part[4][NT][4];
-    float xs[NT][4];
-    item_sums<T, NT, CPG>(part, xs, r.w, [&](int c, int j, uint4(&v)[2]) {
-      v[0] = r.x[c][j][0];
-      v[1] = r.x[c][j][1];
-    });
-    fold<T, NT>(acc, part, xs, r.gv, zshift);
-  };
-  ItemRegs<S, NT, CPG> a, b;
-  int item = first;
-  if (item < items) load(a, item);
-  for (; item < items; item += 2 * workers) {
-    const int next = item + workers;
-    if (next < items) load(b, next);
-    compute(a);
-    if (next >= items) break;
-    if (next + workers < items) load(a, next + workers);
-    compute(b);
-  }
-}
-
 // W warps per block (8, or 4: mma_cuda_warps, mma_cuda_launch_config); 16 warps per SM either way
-// (<= 128 registers). PF: the prefetching loop (accumulate_prefetch), whose two item buffers need up to 255 registers
+// (<= 128 registers). PF: the prefetching loop (accumulate, awq_mma.cuh), whose two item buffers need up to 255 registers
 // (16 rows): 8 warps per SM, one block of 8 or two of 4 (three of 4 at 168 registers spilled 848 bytes).
 template <int W, bool PF>
 constexpr int kMinBlocks = PF ? 8 / W : 16 / W;
@@ -143,12 +85,8 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
   }
 
   float acc[4][NT][4];
-  if constexpr (PF)
-    accumulate_prefetch<T, S, NT, CPG>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
-                                       chunks_per_group, g);
-  else
-    accumulate<T, S, NT, CPG>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
-                              chunks_per_group, g);
+  accumulate<T, S, NT, CPG, PF>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
+                                chunks_per_group, g);
   stash<NT>(red, acc, warp, g, t);
   __syncthreads();
 

@@ -249,7 +249,7 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
 // MMA fragment order qweight int32 [N / 64, K * 8] (torchforge.ops.awq_mma_layout), scales [K/G, N] (fp16, or bf16
 // with bf16 x) and qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's
 // dtype. Optional `tickets`: int32 zeros, at least ceil(M / 16) * N / 64 of them, used with K slices and left zero.
-// prefetch: the software-pipelined loop (awq_mma.cu: accumulate_prefetch; items of 128 k only), same bits.
+// prefetch: the software-pipelined loop (awq_mma.cuh: accumulate with PF; items of 128 k only), same bits.
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                         int64_t splits, int64_t item_chunks, const c10::optional<at::Tensor>& tickets_in,
