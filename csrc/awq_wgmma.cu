@@ -28,7 +28,7 @@
 //   layout words (8 KB) and the chunk's group of scales and zero words, copied with bulk copies (the TMA engine, no
 //   tensor map needed) that complete on the stage's mbarrier. The dispatched kernel is warp specialized (WS, below):
 //   a producer issues each stage's copies once the consumers have released it. Without WS, thread 0 issues them
-//   kLook chunks ahead, right after the block barrier of each chunk. A chunk's A fragments are all dequantized
+//   the whole ring first and refills each stage after a block barrier. A chunk's A fragments are all dequantized
 //   first, then its 4 x TW wgmmas go out as one commit group. The A registers are double-buffered across chunks, so
 //   the next chunk's dequantization runs while this chunk's group is in flight.
 // * How it got here (H100, TFLOP/s at M = 4096 on 18432x7168; BENCHMARKS.md "seventh session"):
@@ -68,10 +68,12 @@ template <int TW>
 constexpr int kProducerThreads = kGroups<TW> == 2 ? 128 : 32;
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
-constexpr int kLook = 2;             // chunks copied ahead of the one being computed
-constexpr int kStages = kLook + 2;  // + the chunk computed + the previous one, whose wgmmas may be in flight
 constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
+constexpr int kMaxSmem = 232448;    // dynamic shared memory a block may opt into on sm_90 (227 KB)
 
+// A ring of kStages stages: the consumers hold two (the chunk whose wgmmas may still be in flight, the next one whose
+// words they have loaded), the producer fills the rest ahead. As many as fit up to 8 (at 64 rows, 8 ran 3-5% faster
+// than 4, fourteenth session); 4 for blocks of 256 rows, where 5 ran 6% slower (7168x7168, 256 rows).
 template <int BM>
 struct Stage {
   static constexpr int kX = BM * 128;   // BM rows x 64 k of x
@@ -79,7 +81,9 @@ struct Stage {
   static constexpr int kS = kBlockCols * 2;  // scales of the chunk's group
   static constexpr int kZ = kBlockCols / 8 * 4;  // zero words
   static constexpr int kBytes = (kX + kW + kS + kZ + 1023) / 1024 * 1024;  // x stays 1024-byte aligned
+  static constexpr int kStages = BM == 256 ? 4 : (kMaxSmem - 1024) / kBytes < 8 ? (kMaxSmem - 1024) / kBytes : 8;
   static constexpr int kSmem = kStages * kBytes + 1024;  // + room to align the dynamic base
+  static_assert(kStages >= 4, "the ring needs the consumers' three stages and one ahead");
 };
 
 // Packed pairs of x's dtype.
@@ -166,13 +170,18 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
                      int chunks_per_group, int splits, int group_m, int sliced_tiles, int whole_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using St = Stage<BM>;
+  constexpr int kStages = St::kStages;
   using P = Pair<T>;
   using Tr = Traits<T>;
   constexpr bool kSplitScale = !std::is_same<T, S>::value;  // fp16 scales with bf16 x: s = hi + lo
   constexpr int kSets = 4 / (TW * kGroups<TW>);  // blocks along the column tiles of one column block group
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  // The stages' base, 1024-byte aligned (the swizzle of wgmma's B operand), as an offset from smem_raw: a pointer
+  // rebuilt from an integer lost the shared address space, and every load from it became a 64-bit generic one with its
+  // address arithmetic (LD.E in ncu, fourteenth session).
+  const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  uint8_t* smem = smem_raw + ((1024u - (raw_base & 1023u)) & 1023u);
+  const uint32_t smem_base = raw_base + ((1024u - (raw_base & 1023u)) & 1023u);
   __shared__ bool is_last;
   // per stage: the bulk copies of its chunk have landed ("full"); with WS also the consumers released it ("empty")
   __shared__ alignas(8) uint64_t bars[WS ? 2 * kStages : kStages];
@@ -244,7 +253,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
       if (tid == kThreads<TW>)
         for (int c = c_begin; c < c_end; ++c) {
-          const int it = c - c_begin;
+          const unsigned it = static_cast<unsigned>(c - c_begin);
           if (it >= kStages) ptx::mbar_wait(empty_base + it % kStages * 8, (it / kStages - 1) & 1);
           load_stage(c, it % kStages);
         }
@@ -266,30 +275,28 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
 #pragma unroll
     for (int e = 0; e < BM / 2; ++e) acc[i][e] = 0.0f;
 
+  // Without WS, thread 0 fills the whole ring first, then refills each stage once every consumer thread has retired
+  // the wgmmas that read it (the block barrier in `chunk`).
   if (!WS && tid == 0)
-    for (int i = 0; i < kLook; ++i)
-      if (c_begin + i < c_end) load_stage(c_begin + i, i);
+    for (int i = 0; i < kStages && c_begin + i < c_end; ++i) load_stage(c_begin + i, i);
 
   const int zshift = awq_shift(g);
   uint32_t zc[TW][2], shi[TW][2], slo[TW][2];
-  // One chunk: wait for its stage, refill the stage freed two chunks ago, dequantize all its A fragments into `a`,
-  // then issue its wgmmas as one commit group and retire the previous chunk's. The A registers of a group are read
-  // while it runs, so chunks alternate between two buffers (the loop below is unrolled by two for that): the next
-  // chunk's dequantization overlaps this chunk's wgmmas. (One commit group per k-step, waiting for the previous
-  // k-step, left the tensor pipe 60% idle: ncu, 2026-11-22.)
-  auto chunk = [&](int c, uint32_t(&a)[4][TW][4]) {
-    const int it = c - c_begin;
-    const int st = it % kStages;
-    ptx::mbar_wait(bar_base + st * 8, (it / kStages) & 1);  // chunk c has landed (its (it / kStages)-th fill)
-    if constexpr (!WS) {
-      // Every warp has retired chunk c - 2's wgmmas (the wait after chunk c - 1's) and read its words and scales:
-      // that stage is free for chunk c + kLook.
-      __syncthreads();
-      if (tid == 0 && c + kLook < c_end) load_stage(c + kLook, (it + kLook) % kStages);
-    }
-
-    const uint8_t* stage = smem + st * St::kBytes;
-    if (c == c_begin || group_of(c) * chunks_per_group == c) {  // scales and zero points of this lane's columns
+  uint32_t wr[4][TW];  // the layout words of the next chunk to dequantize
+  // Wait for chunk c's stage and load what the threads themselves read of it: this lane's layout words and, at the
+  // start of a quantization group, the scales and zero points of its columns. `chunk` calls it for the next chunk
+  // once its own wgmmas are issued and the previous chunk's stage released, so these loads and the scale
+  // conversions run while the tensor cores work, not at the head of the next chunk's dequantization (ncu,
+  // fourteenth session: at 4096 rows the scale loads and conversions had 16% of the loop's stall samples). Stages
+  // and fill parities come from the chunk index: warp-uniform, so wgmma's descriptors stay in uniform registers.
+  auto fetch = [&](int c) {
+    const unsigned it = static_cast<unsigned>(c - c_begin);
+    ptx::mbar_wait(bar_base + it % kStages * 8, (it / kStages) & 1);  // chunk c has landed
+    const uint8_t* stage = smem + it % kStages * St::kBytes;
+    const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) lds_words<TW>(wr[s], wsm + s * 32 * 16, tq);
+    if (c == c_begin || group_of(c) * chunks_per_group == c) {
       const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
       const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
 #pragma unroll
@@ -305,20 +312,24 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
         }
       }
     }
-    const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
+  };
+  // One chunk: dequantize all its A fragments into `a` from the fetched words, issue its wgmmas as one commit group,
+  // retire the previous chunk's group and release its stage, then fetch the next chunk. The A registers of a group
+  // are read while it runs, so chunks alternate between two buffers (the loop below is unrolled by two for that):
+  // the next chunk's dequantization overlaps this chunk's wgmmas. (One commit group per k-step, waiting for the
+  // previous k-step, left the tensor pipe 60% idle: ncu, 2026-11-22.)
+  auto chunk = [&](int c, uint32_t(&a)[4][TW][4]) {
+    const unsigned it = static_cast<unsigned>(c - c_begin);
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      uint32_t w[TW];
-      lds_words<TW>(w, wsm + s * 32 * 16, tq);
+    for (int s = 0; s < 4; ++s)
 #pragma unroll
       for (int i = 0; i < TW; ++i)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const uint32_t d = P::sub(and_or(w[i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
+          const uint32_t d = P::sub(and_or(wr[s][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
           a[s][i][r] = kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1])) : P::mul(d, shi[i][r & 1]);
         }
-    }
-    const uint64_t desc = wgmma::desc_k_sw128(smem_base + st * St::kBytes);
+    const uint64_t desc = wgmma::desc_k_sw128(smem_base + it % kStages * St::kBytes);
     wgmma::fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s)
@@ -327,15 +338,25 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
         wgmma::mma_rs<BM, T>(acc[i], a[s][i][0], a[s][i][1], a[s][i][2], a[s][i][3], desc + 2 * s);
     wgmma::commit();
     wgmma::wait<1>();
-    if constexpr (WS) {  // chunk c - 1's wgmmas have retired and its words and scales were read: release its stage
-      // Every consumer thread arrives for its own loads (one lane per warp after __syncwarp left compute-sanitizer's
-      // racecheck reporting the producer's refill against the other lanes' loads, tenth session).
-      wgmma::fence_proxy_async();  // this thread's shared loads of it before the producer's bulk copy (async proxy)
-      if (it > 0) ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
+    // Chunk c - 1's wgmmas have retired (this thread's warpgroup) and its words and scales were read: release its
+    // stage. Every consumer thread arrives for its own loads (one lane per warp after __syncwarp left
+    // compute-sanitizer's racecheck reporting the producer's refill against the other lanes' loads, tenth session).
+    // No proxy fence before the arrive: the loads' values have been used, and the bulk copy that refills the stage
+    // is issued only after the producer's wait on this barrier, as in CUTLASS's TMA pipelines (the fence was a
+    // MEMBAR.ALL.CTA per chunk on the consumers' critical path).
+    if (it > 0) {
+      if constexpr (WS) {
+        ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
+      } else {
+        __syncthreads();  // both warpgroups have retired chunk c - 1's wgmmas
+        if (tid == 0 && c - 1 + kStages < c_end) load_stage(c - 1 + kStages, (it - 1) % kStages);
+      }
     }
+    if (c + 1 < c_end) fetch(c + 1);  // its loads overlap this chunk's wgmmas
   };
   uint32_t a0[4][TW][4], a1[4][TW][4];
   int c = c_begin;
+  if (c < c_end) fetch(c);
   for (; c + 1 < c_end; c += 2) {
     chunk(c, a0);
     chunk(c + 1, a1);
