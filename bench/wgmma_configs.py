@@ -4,7 +4,8 @@ short, repeatable table to compare two builds of the kernel (run it once per bui
     python3 bench/wgmma_configs.py --shapes 18432x7168,7168x7168 --m 64,256,4096
     python3 bench/wgmma_configs.py --configs 128,2,1,8,1 --m 4096     # block_m,tile_set,splits,group_m,ws[,dp_tiles]
 
-Without --configs each (shape, M) runs the dispatched configuration (wgmma_cuda_config). Columns: the kernel's
+Without --configs each (shape, M) runs the configuration wgmma_cuda_config picks (what the op runs where the time
+model sends those rows to this kernel; past 512 rows it dispatches dequantize + cuBLAS instead). Columns: the kernel's
 median (CUDA graphs), bf16 `F.linear` in the same run, the ratio, TFLOP/s, and the relative error against the
 dequantized weight in fp32.
 """
@@ -35,6 +36,7 @@ def main() -> int:
     from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.awq_reference import awq_dequantize_ref
+    from torchforge.ops.awq_wgmma_cost import wgmma_blocks
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     fixed = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c]
@@ -42,7 +44,6 @@ def main() -> int:
     for shape in args.shapes.split(","):
         oc, ic, w, qw, sc, qz, _ = quantized_case(shape)
         mma = awq_to_mma_layout(qw)
-        tickets = mma_tickets(oc, mma.device)
         wdq = awq_dequantize_ref(qw, sc, qz, G).to(torch.bfloat16).float()
         for m in map(int, args.m.split(",")):
             x = torch.randn(m, ic, device="cuda", dtype=torch.bfloat16)
@@ -50,6 +51,10 @@ def main() -> int:
             t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
             for cfg in fixed or [wgmma_cuda_config(m, ic, oc, sms)]:
                 cfg = (*cfg[:4], bool(cfg[4]), *cfg[5:])
+                # a kept zeroed buffer with a ticket per tile, as a module keeps one (too few: the op would allocate
+                # and zero one on every call, a memset inside the timing)
+                need = max(mma_tickets(oc).numel(), wgmma_blocks(m, oc, cfg[:2]))
+                tickets = torch.zeros(need, dtype=torch.int32, device=mma.device)
                 f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets)  # noqa: E731
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=50)

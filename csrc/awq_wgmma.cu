@@ -37,7 +37,7 @@
 //   - 377 with the x image; 384 with bulk copies; 400 with two warpgroups per block.
 //   - 457 (46% of the dense peak) with whole-chunk groups.
 //   - Tried and dropped: no block barrier, where the last warp to release a stage refilled it (354); 5 stages (no
-//     change).
+//     change then, seventh session; 8 stages for blocks of 64 and 128 rows since the fourteenth, see Stage).
 //   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
 // * K slices as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for every tile or
 //   only for those of a last, nearly empty round of blocks (dp_tiles, see launch), whose blocks come first in the grid.
@@ -69,7 +69,8 @@ constexpr int kProducerThreads = kGroups<TW> == 2 ? 128 : 32;
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
-constexpr int kMaxSmem = 232448;    // dynamic shared memory a block may opt into on sm_90 (227 KB)
+constexpr int kMaxSmem = 232448;    // shared memory a block may opt into on sm_90 (227 KB), static included
+constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, is_last): 144 bytes, rounded up
 
 // A ring of kStages stages: the consumers hold two (the chunk whose wgmmas may still be in flight, the next one whose
 // words they have loaded), the producer fills the rest ahead. As many as fit up to 8 (at 64 rows, 8 ran 3-5% faster
@@ -81,9 +82,10 @@ struct Stage {
   static constexpr int kS = kBlockCols * 2;  // scales of the chunk's group
   static constexpr int kZ = kBlockCols / 8 * 4;  // zero words
   static constexpr int kBytes = (kX + kW + kS + kZ + 1023) / 1024 * 1024;  // x stays 1024-byte aligned
-  static constexpr int kStages = BM == 256 ? 4 : (kMaxSmem - 1024) / kBytes < 8 ? (kMaxSmem - 1024) / kBytes : 8;
+  static constexpr int kFit = (kMaxSmem - 1024 - kStaticSmem) / kBytes;
+  static constexpr int kStages = BM == 256 ? 4 : kFit < 8 ? kFit : 8;
   static constexpr int kSmem = kStages * kBytes + 1024;  // + room to align the dynamic base
-  static_assert(kStages >= 4, "the ring needs the consumers' three stages and one ahead");
+  static_assert(kStages >= 3 && kStages <= kFit, "the ring needs the consumers' two stages and one ahead, and fits");
 };
 
 // Packed pairs of x's dtype.
@@ -339,11 +341,12 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     wgmma::commit();
     wgmma::wait<1>();
     // Chunk c - 1's wgmmas have retired (this thread's warpgroup) and its words and scales were read: release its
-    // stage. Every consumer thread arrives for its own loads (one lane per warp after __syncwarp left
-    // compute-sanitizer's racecheck reporting the producer's refill against the other lanes' loads, tenth session).
-    // No proxy fence before the arrive: the loads' values have been used, and the bulk copy that refills the stage
-    // is issued only after the producer's wait on this barrier, as in CUTLASS's TMA pipelines (the fence was a
-    // MEMBAR.ALL.CTA per chunk on the consumers' critical path).
+    // stage. WS: every consumer thread arrives on its empty barrier for its own loads (one lane per warp after
+    // __syncwarp left compute-sanitizer's racecheck reporting the producer's refill against the other lanes' loads,
+    // tenth session). No proxy fence before the arrive: the loads' values have been used, and the bulk copy that
+    // refills the stage is issued only after the producer's wait on this barrier, as in CUTLASS's TMA pipelines (the
+    // fence was a MEMBAR.ALL.CTA per chunk on the consumers' critical path). Without WS: a block barrier, then
+    // thread 0 refills the stage.
     if (it > 0) {
       if constexpr (WS) {
         ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
