@@ -182,8 +182,9 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   // rebuilt from an integer lost the shared address space, and every load from it became a 64-bit generic one with its
   // address arithmetic (LD.E in ncu, fourteenth session).
   const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  uint8_t* smem = smem_raw + ((1024u - (raw_base & 1023u)) & 1023u);
-  const uint32_t smem_base = raw_base + ((1024u - (raw_base & 1023u)) & 1023u);
+  const uint32_t pad = (1024u - (raw_base & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  const uint32_t smem_base = raw_base + pad;
   __shared__ bool is_last;
   // per stage: the bulk copies of its chunk have landed ("full"); with WS also the consumers released it ("empty")
   __shared__ alignas(8) uint64_t bars[WS ? 2 * kStages : kStages];
