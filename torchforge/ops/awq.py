@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from torchforge.ops._check import check_type, check_value
 from torchforge.ops._ext import has_cuda_ext
 from torchforge.ops._gemm import matmul_bias
 from torchforge.ops._triton import HAS_TRITON, use_triton
@@ -63,24 +64,24 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ----------------------------------------------------------------------------------------- checks
 def _check_group_size(op: str, group_size: int) -> None:
-    torch._check_value(
+    check_value(
         group_size > 0,
         lambda: f"{op}: group_size={group_size} must be positive (typically 32, 64 or 128)",
     )
 
 
 def _check_pack_args(codes: Tensor) -> None:
-    torch._check_type(
+    check_type(
         codes.dtype == torch.uint8,
         lambda: f"awq_pack: codes must be uint8 holding values 0..15, got {codes.dtype}; "
         "convert with codes.to(torch.uint8)",
     )
-    torch._check_value(
+    check_value(
         codes.dim() >= 2,
         lambda: f"awq_pack: codes must be [..., IC, OC], got shape {tuple(codes.shape)}",
     )
     oc = codes.shape[-1]
-    torch._check_value(
+    check_value(
         oc % 8 == 0,
         lambda: f"awq_pack: codes has OC={oc} output channels (last dim), not divisible by 8; "
         "pad OC to a multiple of 8",
@@ -88,34 +89,34 @@ def _check_pack_args(codes: Tensor) -> None:
 
 
 def _check_unpack_args(qweight: Tensor) -> None:
-    torch._check_type(
+    check_type(
         qweight.dtype == torch.int32,
         lambda: f"awq_unpack: qweight must be int32 (8 packed 4-bit codes per word), got {qweight.dtype}",
     )
-    torch._check_value(
+    check_value(
         qweight.dim() >= 2,
         lambda: f"awq_unpack: qweight must be [..., IC, OC // 8], got shape {tuple(qweight.shape)}",
     )
 
 
 def _check_quantize_args(weight: Tensor, group_size: int) -> None:
-    torch._check_type(
+    check_type(
         weight.dtype in _FLOAT_DTYPES,
         lambda: f"awq_quantize: weight must be float32/float16/bfloat16, got {weight.dtype}",
     )
-    torch._check_value(
+    check_value(
         weight.dim() in (2, 3),
         lambda: "awq_quantize: weight must be [OC, IC] (nn.Linear layout) or [E, OC, IC] (experts), "
         f"got shape {tuple(weight.shape)}",
     )
     _check_group_size("awq_quantize", group_size)
     oc, ic = weight.shape[-2], weight.shape[-1]
-    torch._check_value(
+    check_value(
         oc % 8 == 0,
         lambda: f"awq_quantize: weight has OC={oc} output channels (dim -2), not divisible by 8; "
         "pad OC to a multiple of 8",
     )
-    torch._check_value(
+    check_value(
         ic % group_size == 0,
         lambda: f"awq_quantize: weight has IC={ic} input channels, not divisible by group_size={group_size}; "
         "pad IC or choose a group size that divides it",
@@ -128,52 +129,52 @@ def _check_packed_weight(
     """Checks qweight [..., IC, OC//8], scales [..., IC//G, OC], qzeros [..., IC//G, OC//8]; returns (IC, OC).
 
     batched: True -> exactly one leading (expert) dim, False -> none, None -> any."""
-    torch._check_type(
+    check_type(
         qweight.dtype == torch.int32,
         lambda: f"{op}: qweight must be int32 (packed AWQ codes), got {qweight.dtype}",
     )
-    torch._check_type(
+    check_type(
         qzeros.dtype == torch.int32,
         lambda: f"{op}: qzeros must be int32 (packed AWQ zero points), got {qzeros.dtype}",
     )
-    torch._check_type(
+    check_type(
         scales.dtype in _FLOAT_DTYPES,
         lambda: f"{op}: scales must be float16 (or bfloat16/float32), got {scales.dtype}",
     )
     _check_group_size(op, group_size)
     if batched is None:
-        torch._check_value(
+        check_value(
             qweight.dim() >= 2,
             lambda: f"{op}: qweight must be [..., IC, OC // 8], got shape {tuple(qweight.shape)}",
         )
     else:
         want = 3 if batched else 2
         layout = "[E, IC, OC // 8]" if batched else "[IC, OC // 8]"
-        torch._check_value(
+        check_value(
             qweight.dim() == want,
             lambda: f"{op}: qweight must be {layout}, got shape {tuple(qweight.shape)}",
         )
     lead = tuple(qweight.shape[:-2])
     ic, oc = qweight.shape[-2], qweight.shape[-1] * 8
-    torch._check_value(
+    check_value(
         ic % group_size == 0,
         lambda: f"{op}: qweight has IC={ic} input channels, not divisible by group_size={group_size}; "
         "pass the group size the weight was quantized with",
     )
     for name, t in (("scales", scales), ("qzeros", qzeros)):
-        torch._check_value(
+        check_value(
             t.device == qweight.device,
             lambda: f"{op}: {name} is on {t.device} but qweight is on {qweight.device}; move them to one device",
         )
     ng = ic // group_size
     want_s = (*lead, ng, oc)
     want_z = (*lead, ng, oc // 8)
-    torch._check_value(
+    check_value(
         scales.dim() == len(want_s) and all(a == b for a, b in zip(scales.shape, want_s)),
         lambda: f"{op}: scales has shape {tuple(scales.shape)} but qweight {tuple(qweight.shape)} with "
         f"group_size={group_size} needs {want_s} = [..., IC // G, OC]; check group_size and the tensor order",
     )
-    torch._check_value(
+    check_value(
         qzeros.dim() == len(want_z) and all(a == b for a, b in zip(qzeros.shape, want_z)),
         lambda: f"{op}: qzeros has shape {tuple(qzeros.shape)} but qweight {tuple(qweight.shape)} with "
         f"group_size={group_size} needs {want_z} = [..., IC // G, OC // 8]",
@@ -182,17 +183,17 @@ def _check_packed_weight(
 
 
 def _check_activation(op: str, x: Tensor, ic: int, qweight: Tensor) -> None:
-    torch._check_type(
+    check_type(
         x.dtype in _FLOAT_DTYPES,
         lambda: f"{op}: x must be float16/bfloat16/float32, got {x.dtype}",
     )
-    torch._check_value(x.dim() >= 1, lambda: f"{op}: x must have at least one dim [..., IC], got a scalar")
-    torch._check_value(
+    check_value(x.dim() >= 1, lambda: f"{op}: x must have at least one dim [..., IC], got a scalar")
+    check_value(
         x.shape[-1] == ic,
         lambda: f"{op}: x has {x.shape[-1]} features (last dim) but qweight {tuple(qweight.shape)} "
         f"expects IC={ic}",
     )
-    torch._check_value(
+    check_value(
         x.device == qweight.device,
         lambda: f"{op}: x is on {x.device} but qweight is on {qweight.device}; move them to one device",
     )
@@ -205,11 +206,11 @@ def _check_w4a16_args(
     ic, oc = _check_packed_weight(op, qweight, scales, qzeros, group_size, batched=False)
     _check_activation(op, x, ic, qweight)
     if bias is not None:
-        torch._check_type(
+        check_type(
             bias.dtype in _FLOAT_DTYPES,
             lambda: f"{op}: bias must be float16/bfloat16/float32, got {bias.dtype}",
         )
-        torch._check_value(
+        check_value(
             bias.dim() == 1 and bias.shape[0] == oc,
             lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({oc},) = [OC]",
         )
@@ -222,16 +223,16 @@ def _check_grouped_args(
     op = "awq_grouped_linear"
     ic, oc = _check_packed_weight(op, qweight, scales, qzeros, group_size, batched=True)
     _check_activation(op, x, ic, qweight)
-    torch._check_value(x.dim() == 2, lambda: f"{op}: x must be [R, IC], got shape {tuple(x.shape)}")
-    torch._check_type(
+    check_value(x.dim() == 2, lambda: f"{op}: x must be [R, IC], got shape {tuple(x.shape)}")
+    check_type(
         expert_ids.dtype in (torch.int32, torch.int64),
         lambda: f"{op}: expert_ids must be int32 or int64, got {expert_ids.dtype}",
     )
-    torch._check_value(
+    check_value(
         expert_ids.device == x.device,
         lambda: f"{op}: expert_ids is on {expert_ids.device} but x is on {x.device}; move them to one device",
     )
-    torch._check_value(
+    check_value(
         expert_ids.dim() == 1 and expert_ids.shape[0] == x.shape[0],
         lambda: f"{op}: expert_ids has shape {tuple(expert_ids.shape)}, expected ({x.shape[0]},) = one id "
         "per row of x",

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torchforge.ops._check import check
+
 __all__ = ["cuda_gemv_config", "cuda_gemv_ok", "launch_awq_gemv_cuda", "register_fake"]
 
 _SMS_H100 = 132
@@ -80,9 +82,9 @@ def register_fake() -> None:
 
     @torch.library.register_fake("torchforge::awq_gemv_cuda")
     def _(x, qweight, scales, qzeros, group_size, bias, splits, rows):
-        torch._check(x.numel() == qweight.shape[0],
+        check(x.numel() == qweight.shape[0],
                      lambda: f"awq_gemv_cuda: x has {x.numel()} elements, qweight has K = {qweight.shape[0]} rows")
-        torch._check(x.dtype in (torch.float16, torch.bfloat16),
+        check(x.dtype in (torch.float16, torch.bfloat16),
                      lambda: f"awq_gemv_cuda: x must be float16 or bfloat16, got {x.dtype}")
         return x.new_empty((qweight.shape[1] * 8,))
 

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torchforge.ops._check import check
 from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_config, decode_mma_time_us, dequant_cublas_time_us
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_prefetch", "mma_cuda_launch_config",
@@ -316,15 +317,15 @@ def register_fake() -> None:
 
     @torch.library.register_fake("torchforge::awq_mma_cuda")
     def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None, warps=8, prefetch=False):
-        torch._check(warps in (4, 8), lambda: f"awq_mma_cuda: warps must be 4 or 8, got {warps}")
-        torch._check(not prefetch or item_chunks == 2,
+        check(warps in (4, 8), lambda: f"awq_mma_cuda: warps must be 4 or 8, got {warps}")
+        check(not prefetch or item_chunks == 2,
                      lambda: f"awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got {item_chunks}")
-        torch._check(x.dim() == 2 and qweight.dim() == 2,
+        check(x.dim() == 2 and qweight.dim() == 2,
                      lambda: f"awq_mma_cuda: x and qweight must be 2-D, got {tuple(x.shape)} and {tuple(qweight.shape)}")
-        torch._check(qweight.shape[1] == x.shape[1] * 8,
+        check(qweight.shape[1] == x.shape[1] * 8,
                      lambda: f"awq_mma_cuda: qweight must be [N / 64, K * 8] with K = {x.shape[1]}, got "
                              f"{tuple(qweight.shape)}")
-        torch._check(x.dtype in (torch.float16, torch.bfloat16),
+        check(x.dtype in (torch.float16, torch.bfloat16),
                      lambda: f"awq_mma_cuda: x must be float16 or bfloat16, got {x.dtype}")
         return x.new_empty((x.shape[0], qweight.shape[0] * 64))
 
@@ -332,10 +333,10 @@ def register_fake() -> None:
         @torch.library.register_fake("torchforge::awq_wgmma_cuda")
         def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False,
               dp_tiles=0, tickets=None):
-            torch._check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
+            check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
                          lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
                                  f"{tuple(x.shape)} and {tuple(qweight.shape)}")
-            torch._check((block_m, tile_set) in _WGMMA_SHAPES,
+            check((block_m, tile_set) in _WGMMA_SHAPES,
                          lambda: f"awq_wgmma_cuda: (block_m, tile_set) must be one of {_WGMMA_SHAPES}, got "
                                  f"({block_m}, {tile_set})")
             return x.new_empty((x.shape[0], qweight.shape[0] * 64))
@@ -344,8 +345,8 @@ def register_fake() -> None:
         @torch.library.register_fake("torchforge::awq_mma_moe_cuda")
         def _(x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, splits,
               item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None, warps=4):
-            torch._check(warps in (4, 8), lambda: f"awq_mma_moe_cuda: warps must be 4 or 8, got {warps}")
-            torch._check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
+            check(warps in (4, 8), lambda: f"awq_mma_moe_cuda: warps must be 4 or 8, got {warps}")
+            check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
                          lambda: f"awq_mma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "
                                  f"{tuple(qweight.shape)}")
             return x.new_empty((splits, num_rows, qweight.shape[1] * 64), dtype=torch.float32)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from torchforge.ops._check import check_type, check_value
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq_moe import _awq_moe_gemm, _check_moe_args, use_moe_gemv
 from torchforge.ops.awq_moe_gemv_triton import launch_awq_moe_gemv
@@ -40,12 +41,12 @@ def _check_gate_up(x, expert_ids, qweight, scales, qzeros, group_size, top_k):
 
 def _check_combine(h, expert_ids, weights, qweight, scales, qzeros, group_size):
     _, oc = _check_moe_args(h, expert_ids, qweight, scales, qzeros, group_size, 1)
-    torch._check_value(weights.dim() == 2 and weights.shape[0] * weights.shape[1] == expert_ids.shape[0],
+    check_value(weights.dim() == 2 and weights.shape[0] * weights.shape[1] == expert_ids.shape[0],
                        lambda: f"awq_moe_down_combine: weights has shape {tuple(weights.shape)}; expected [T, k] "
                        f"with T * k = {expert_ids.shape[0]} routed rows")
-    torch._check_type(weights.is_floating_point(),
+    check_type(weights.is_floating_point(),
                       lambda: f"awq_moe_down_combine: weights must be floating point, got {weights.dtype}")
-    torch._check_value(weights.device == h.device,
+    check_value(weights.device == h.device,
                        lambda: f"awq_moe_down_combine: weights is on {weights.device} but h is on {h.device}")
     return weights.shape[0], oc
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from torchforge.ops._check import check_type, check_value
 from torchforge.ops._triton import HAS_TRITON, tl, triton, use_triton
 from torchforge.ops.awq_reference import _is_traced
 
@@ -45,30 +46,30 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _check_args(topk_ids: Tensor, topk_weights: Tensor, layer_map: Tensor) -> None:
     op = "moe_remap"
-    torch._check_type(
+    check_type(
         topk_ids.dtype in _INT_DTYPES,
         lambda: f"{op}: topk_ids must be int32 or int64 (the router's expert ids), got {topk_ids.dtype}",
     )
-    torch._check_type(
+    check_type(
         topk_weights.dtype in _FLOAT_DTYPES,
         lambda: f"{op}: topk_weights must be float32/float16/bfloat16, got {topk_weights.dtype}",
     )
-    torch._check_type(
+    check_type(
         layer_map.dtype in _INT_DTYPES,
         lambda: f"{op}: layer_map must be int32 (one row of the expert map), got {layer_map.dtype}",
     )
-    torch._check_value(
+    check_value(
         layer_map.dim() == 1 and layer_map.shape[0] > 0,
         lambda: f"{op}: layer_map must be [E] with E >= 1 (one row of expert_map[L, E]), got shape "
         f"{tuple(layer_map.shape)}; pass expert_map[layer]",
     )
-    torch._check_value(
+    check_value(
         topk_weights.dim() == topk_ids.dim() and all(a == b for a, b in zip(topk_weights.shape, topk_ids.shape)),
         lambda: f"{op}: topk_weights has shape {tuple(topk_weights.shape)} but topk_ids has "
         f"{tuple(topk_ids.shape)}; they must match (one weight per routed pick)",
     )
     for name, t in (("topk_weights", topk_weights), ("layer_map", layer_map)):
-        torch._check_value(
+        check_value(
             t.device == topk_ids.device,
             lambda: f"{op}: {name} is on {t.device} but topk_ids is on {topk_ids.device}; move them to one device",
         )

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from torchforge.ops._check import check_type, check_value
 from torchforge.ops._routed_rows import check_routed_rows
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.nvfp4_reference import (
@@ -67,7 +68,7 @@ _FP8 = torch.float8_e4m3fn
 
 # ----------------------------------------------------------------------------------------- checks
 def _check_k(op: str, k: int, what: str) -> None:
-    torch._check_value(
+    check_value(
         k % BLOCK == 0,
         lambda: f"{op}: {what} has K={k} input channels (last dim), not divisible by 16 (the NVFP4 block "
         "size); pad K to a multiple of 16 or keep this layer unquantized",
@@ -76,11 +77,11 @@ def _check_k(op: str, k: int, what: str) -> None:
 
 def _check_quantize_args(weight: Tensor, weight_scale_2: Optional[Tensor]) -> None:
     op = "nvfp4_quantize"
-    torch._check_type(
+    check_type(
         weight.dtype in _FLOAT_DTYPES,
         lambda: f"{op}: weight must be float32/float16/bfloat16, got {weight.dtype}",
     )
-    torch._check_value(
+    check_value(
         weight.dim() in (2, 3),
         lambda: f"{op}: weight must be [N, K] (nn.Linear layout) or [E, N, K] (experts), got shape "
         f"{tuple(weight.shape)}",
@@ -88,11 +89,11 @@ def _check_quantize_args(weight: Tensor, weight_scale_2: Optional[Tensor]) -> No
     _check_k(op, weight.shape[-1], "weight")
     if weight_scale_2 is not None:
         want = () if weight.dim() == 2 else (weight.shape[0],)
-        torch._check_type(
+        check_type(
             weight_scale_2.dtype == torch.float32,
             lambda: f"{op}: weight_scale_2 must be float32, got {weight_scale_2.dtype}",
         )
-        torch._check_value(
+        check_value(
             tuple(weight_scale_2.shape) == want,
             lambda: f"{op}: weight_scale_2 has shape {tuple(weight_scale_2.shape)}, expected {want} (a scalar "
             "for [N, K], one value per expert for [E, N, K])",
@@ -101,66 +102,66 @@ def _check_quantize_args(weight: Tensor, weight_scale_2: Optional[Tensor]) -> No
 
 def _check_packed(op: str, packed: Tensor, scales: Tensor, weight_scale_2: Tensor, lead_dims: Optional[int]) -> Tuple[int, int]:
     """packed uint8 [..., N, K/2], scales fp8 [..., N, K/16], weight_scale_2 fp32 [...]; returns (N, K)."""
-    torch._check_type(packed.dtype == torch.uint8,
+    check_type(packed.dtype == torch.uint8,
                       lambda: f"{op}: packed must be uint8 (two E2M1 codes per byte), got {packed.dtype}")
-    torch._check_type(scales.dtype == _FP8,
+    check_type(scales.dtype == _FP8,
                       lambda: f"{op}: scales must be float8_e4m3fn (block-16 scales), got {scales.dtype}")
-    torch._check_type(weight_scale_2.dtype == torch.float32,
+    check_type(weight_scale_2.dtype == torch.float32,
                       lambda: f"{op}: weight_scale_2 must be float32, got {weight_scale_2.dtype}")
     if lead_dims is None:
-        torch._check_value(packed.dim() >= 2,
+        check_value(packed.dim() >= 2,
                            lambda: f"{op}: packed must be [..., N, K/2], got shape {tuple(packed.shape)}")
     else:
         layout = "[E, N, K/2]" if lead_dims else "[N, K/2]"
-        torch._check_value(packed.dim() == 2 + lead_dims,
+        check_value(packed.dim() == 2 + lead_dims,
                            lambda: f"{op}: packed must be {layout}, got shape {tuple(packed.shape)}")
     lead = tuple(packed.shape[:-2])
     n, k = packed.shape[-2], packed.shape[-1] * 2
     _check_k(op, k, "packed")
     want_s = (*lead, n, k // BLOCK)
-    torch._check_value(
+    check_value(
         tuple(scales.shape) == want_s,
         lambda: f"{op}: scales has shape {tuple(scales.shape)} but packed {tuple(packed.shape)} needs {want_s} "
         "= [..., N, K/16] (unswizzle Blackwell-layout scales with nvfp4_unswizzle_scales first)",
     )
-    torch._check_value(
+    check_value(
         tuple(weight_scale_2.shape) == lead or (not lead and weight_scale_2.numel() == 1),
         lambda: f"{op}: weight_scale_2 has shape {tuple(weight_scale_2.shape)}, expected {lead} (one per "
         "leading index of packed)",
     )
     for name, t in (("scales", scales), ("weight_scale_2", weight_scale_2)):
-        torch._check_value(t.device == packed.device,
+        check_value(t.device == packed.device,
                            lambda: f"{op}: {name} is on {t.device} but packed is on {packed.device}")
     return n, k
 
 
 def _check_activation(op: str, x: Tensor, k: int, like: Tensor) -> None:
-    torch._check_type(x.dtype in _FLOAT_DTYPES, lambda: f"{op}: x must be float16/bfloat16/float32, got {x.dtype}")
-    torch._check_value(x.dim() >= 1, lambda: f"{op}: x must be [..., K], got a scalar")
-    torch._check_value(x.shape[-1] == k,
+    check_type(x.dtype in _FLOAT_DTYPES, lambda: f"{op}: x must be float16/bfloat16/float32, got {x.dtype}")
+    check_value(x.dim() >= 1, lambda: f"{op}: x must be [..., K], got a scalar")
+    check_value(x.shape[-1] == k,
                        lambda: f"{op}: x has {x.shape[-1]} features (last dim) but the weight expects K={k}")
-    torch._check_value(x.device == like.device,
+    check_value(x.device == like.device,
                        lambda: f"{op}: x is on {x.device} but the weight is on {like.device}")
 
 
 def _check_input_scale(op: str, input_scale: Optional[Tensor], want: tuple) -> None:
     if input_scale is None:
         return
-    torch._check_type(input_scale.dtype == torch.float32,
+    check_type(input_scale.dtype == torch.float32,
                       lambda: f"{op}: input_scale must be float32, got {input_scale.dtype}")
-    torch._check_value(
+    check_value(
         tuple(input_scale.shape) == want or (not want and input_scale.numel() == 1),
         lambda: f"{op}: input_scale has shape {tuple(input_scale.shape)}, expected {want}",
     )
 
 
 def _check_act_quant_args(op: str, x: Tensor, input_scale: Tensor) -> None:
-    torch._check_type(x.dtype in _FLOAT_DTYPES, lambda: f"{op}: x must be float16/bfloat16/float32, got {x.dtype}")
-    torch._check_value(x.dim() >= 1, lambda: f"{op}: x must be [..., K], got a scalar")
+    check_type(x.dtype in _FLOAT_DTYPES, lambda: f"{op}: x must be float16/bfloat16/float32, got {x.dtype}")
+    check_value(x.dim() >= 1, lambda: f"{op}: x must be [..., K], got a scalar")
     _check_k(op, x.shape[-1], "x")
-    torch._check_type(input_scale.dtype == torch.float32,
+    check_type(input_scale.dtype == torch.float32,
                       lambda: f"{op}: input_scale must be float32, got {input_scale.dtype}")
-    torch._check_value(input_scale.numel() == 1,
+    check_value(input_scale.numel() == 1,
                        lambda: f"{op}: input_scale must be a scalar (static per-tensor scale), got shape "
                        f"{tuple(input_scale.shape)}")
 
@@ -182,8 +183,8 @@ def _check_linear_args(x: Tensor, packed: Tensor, scales: Tensor, weight_scale_2
     _check_activation(op, x, k, packed)
     _check_input_scale(op, input_scale, ())
     if bias is not None:
-        torch._check_type(bias.dtype in _FLOAT_DTYPES, lambda: f"{op}: bias must be a float tensor, got {bias.dtype}")
-        torch._check_value(bias.dim() == 1 and bias.shape[0] == n,
+        check_type(bias.dtype in _FLOAT_DTYPES, lambda: f"{op}: bias must be a float tensor, got {bias.dtype}")
+        check_value(bias.dim() == 1 and bias.shape[0] == n,
                            lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({n},)")
     return n, k
 
@@ -264,8 +265,8 @@ def _(x: Tensor, input_scale: Tensor) -> Tensor:
 
 
 def _check_swizzle_args(op: str, scales: Tensor) -> None:
-    torch._check_type(scales.dtype == _FP8, lambda: f"{op}: scales must be float8_e4m3fn, got {scales.dtype}")
-    torch._check_value(scales.dim() >= 2, lambda: f"{op}: scales must be [..., M, K/16], got {tuple(scales.shape)}")
+    check_type(scales.dtype == _FP8, lambda: f"{op}: scales must be float8_e4m3fn, got {scales.dtype}")
+    check_value(scales.dim() >= 2, lambda: f"{op}: scales must be [..., M, K/16], got {tuple(scales.shape)}")
 
 
 def _round_up(v: int, m: int) -> int:
@@ -289,9 +290,9 @@ def _check_unswizzle_args(swizzled: Tensor, rows: int, cols: int) -> None:
     op = "nvfp4_unswizzle_scales"
     _check_swizzle_args(op, swizzled)
     mp, kp = swizzled.shape[-2], swizzled.shape[-1]
-    torch._check_value(mp % 128 == 0 and kp % 4 == 0,
+    check_value(mp % 128 == 0 and kp % 4 == 0,
                        lambda: f"{op}: swizzled scales must be [..., 128*i, 4*j], got {tuple(swizzled.shape)}")
-    torch._check_value(0 <= rows <= mp and 0 <= cols <= kp and mp - rows < 128 and kp - cols < 4,
+    check_value(0 <= rows <= mp and 0 <= cols <= kp and mp - rows < 128 and kp - cols < 4,
                        lambda: f"{op}: rows={rows}, cols={cols} do not fit the padded shape {(mp, kp)} (rows must "
                        "round up to it in multiples of 128, cols in multiples of 4)")
 

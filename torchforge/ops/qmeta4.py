@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from torchforge.ops._check import check_type, check_value
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.qmeta4_reference import (
     default_grid,
@@ -49,20 +50,20 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ----------------------------------------------------------------------------------------- checks
 def _check_weight(op: str, weight: Tensor, group_size: int, bits: int) -> None:
-    torch._check_type(
+    check_type(
         weight.dtype in WEIGHT_DTYPES,
         lambda: f"{op}: weight must be float32/float16/bfloat16/float8_e4m3fn, got {weight.dtype}",
     )
-    torch._check_value(
+    check_value(
         weight.dim() >= 2,
         lambda: f"{op}: weight must be [..., OC, IC] (nn.Linear layout), got shape {tuple(weight.shape)}",
     )
-    torch._check_value(
+    check_value(
         2 <= bits <= 8, lambda: f"{op}: bits={bits} must be in 2..8 (the zero point is one uint8)"
     )
-    torch._check_value(group_size > 0, lambda: f"{op}: group_size={group_size} must be positive")
+    check_value(group_size > 0, lambda: f"{op}: group_size={group_size} must be positive")
     ic = weight.shape[-1]
-    torch._check_value(
+    check_value(
         ic % group_size == 0,
         lambda: f"{op}: weight has IC={ic} input channels (last dim), not divisible by group_size={group_size}; "
         "groups run along the input dim: choose a group size that divides it",
@@ -70,7 +71,7 @@ def _check_weight(op: str, weight: Tensor, group_size: int, bits: int) -> None:
 
 
 def _check_qmeta(op: str, qmeta: Tensor) -> None:
-    torch._check_type(
+    check_type(
         qmeta.dtype == torch.int32,
         lambda: f"{op}: qmeta must be int32 (one packed 4-byte struct per group), got {qmeta.dtype}",
     )
@@ -79,26 +80,26 @@ def _check_qmeta(op: str, qmeta: Tensor) -> None:
 def _check_qmeta_for(op: str, qmeta: Tensor, weight: Tensor, group_size: int) -> None:
     _check_qmeta(op, qmeta)
     want = (*weight.shape[:-1], weight.shape[-1] // group_size)
-    torch._check_value(
+    check_value(
         qmeta.dim() == len(want) and all(a == b for a, b in zip(qmeta.shape, want)),
         lambda: f"{op}: qmeta has shape {tuple(qmeta.shape)} but weight {tuple(weight.shape)} with "
         f"group_size={group_size} needs {want} = [..., OC, IC // G]",
     )
-    torch._check_value(
+    check_value(
         qmeta.device == weight.device,
         lambda: f"{op}: qmeta is on {qmeta.device} but weight is on {weight.device}; move them to one device",
     )
 
 
 def _check_encode(scale: Tensor, zero: Tensor) -> None:
-    torch._check_type(
+    check_type(
         scale.is_floating_point(), lambda: f"qmeta4_encode: scale must be floating point, got {scale.dtype}"
     )
-    torch._check_type(
+    check_type(
         zero.dtype in (torch.uint8, torch.int16, torch.int32, torch.int64) or zero.is_floating_point(),
         lambda: f"qmeta4_encode: zero must be an integer or float tensor (values 0..255), got {zero.dtype}",
     )
-    torch._check_value(
+    check_value(
         scale.device == zero.device,
         lambda: f"qmeta4_encode: scale is on {scale.device} but zero is on {zero.device}",
     )
@@ -109,13 +110,13 @@ def _check_refine(weight: Tensor, qmeta: Tensor, grid: Tensor, group_size: int, 
     op = "qmeta4_mse_refine"
     _check_weight(op, weight, group_size, bits)
     _check_qmeta_for(op, qmeta, weight, group_size)
-    torch._check_type(grid.dtype == torch.float32, lambda: f"{op}: grid must be float32, got {grid.dtype}")
-    torch._check_value(
+    check_type(grid.dtype == torch.float32, lambda: f"{op}: grid must be float32, got {grid.dtype}")
+    check_value(
         grid.dim() == 1 and grid.shape[0] >= 1,
         lambda: f"{op}: grid must be a non-empty 1-D tensor of scale factors, got shape {tuple(grid.shape)}",
     )
-    torch._check_value(norm > 0, lambda: f"{op}: norm={norm} must be positive (2.4 by default, 2 for MSE)")
-    torch._check_type(
+    check_value(norm > 0, lambda: f"{op}: norm={norm} must be positive (2.4 by default, 2 for MSE)")
+    check_type(
         scale_dtype in _SCALE_DTYPES,
         lambda: f"{op}: scale_dtype must be float16/bfloat16/float32 (the exported scale dtype), got {scale_dtype}",
     )

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from torchforge.ops._check import check_type, check_value
 from torchforge.ops._triton import HAS_TRITON, tl, triton, use_triton
 
 if HAS_TRITON:
@@ -42,46 +43,46 @@ __all__ = ["sigmoid_group_topk", "sigmoid_group_topk_ref", "launch_sigmoid_group
 def _check_args(logits: Tensor, bias: Optional[Tensor], n_group: int, topk_group: int, top_k: int,
                 num_shared: int) -> None:
     op = "sigmoid_group_topk"
-    torch._check_type(
+    check_type(
         logits.dtype == torch.float32,
         lambda: f"{op}: logits must be float32 (HF computes the router in fp32), got {logits.dtype}; "
         "pass logits.float()",
     )
-    torch._check_value(
+    check_value(
         logits.dim() == 2,
         lambda: f"{op}: logits must be 2-D [T, E], got shape {tuple(logits.shape)}; reshape to (-1, E)",
     )
     E = logits.shape[1]
     if bias is not None:
-        torch._check_type(
+        check_type(
             bias.dtype == torch.float32,
             lambda: f"{op}: bias (e_score_correction_bias) must be float32, got {bias.dtype}; pass bias.float()",
         )
-        torch._check_value(
+        check_value(
             bias.dim() == 1 and bias.shape[0] == E,
             lambda: f"{op}: bias must be [E] = [{E}] (one per routed expert), got shape {tuple(bias.shape)}",
         )
-        torch._check_value(
+        check_value(
             bias.device == logits.device,
             lambda: f"{op}: bias is on {bias.device} but logits is on {logits.device}; move them to one device",
         )
-    torch._check_value(n_group >= 1, lambda: f"{op}: n_group must be >= 1 (1 = no group limit), got {n_group}")
+    check_value(n_group >= 1, lambda: f"{op}: n_group must be >= 1 (1 = no group limit), got {n_group}")
     if n_group > 1:
-        torch._check_value(
+        check_value(
             E % n_group == 0 and E // n_group >= 2,
             lambda: f"{op}: E={E} experts must split into n_group={n_group} equal groups of at least 2 "
             "(a group scores its top-2); use n_group=1 for no group limit",
         )
-    torch._check_value(
+    check_value(
         1 <= topk_group <= n_group,
         lambda: f"{op}: topk_group must be in [1, n_group={n_group}], got {topk_group}",
     )
-    torch._check_value(
+    check_value(
         1 <= top_k <= topk_group * (E // n_group),
         lambda: f"{op}: top_k must be in [1, topk_group * E // n_group = {topk_group * (E // n_group)}] (the "
         f"experts of the chosen groups), got {top_k}",
     )
-    torch._check_value(num_shared >= 0, lambda: f"{op}: num_shared must be >= 0, got {num_shared}")
+    check_value(num_shared >= 0, lambda: f"{op}: num_shared must be >= 0, got {num_shared}")
 
 
 def _append_shared(weights: Tensor, ids: Tensor, E: int, num_shared: int) -> Tuple[Tensor, Tensor]:
