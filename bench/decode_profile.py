@@ -14,6 +14,9 @@ between a graph's kernels): what a step would take if the host kept up. Device o
 on its own with one step's inputs: with a synchronize after each call (host + GPU, as generate runs it: generate
 reads the finished flag every step), and back to back (the larger of host and GPU). Then cProfile over a
 generate() of 1 + --steps tokens less one of 1 token: the functions with the most own time per decode step.
+
+--prefill: the eager prefill instead (one generate() of 1 new token, as decode_e2e's "prefill ms"): its wall time,
+its kernels by family and by name, the GPU span (as above), and a cProfile of the call (own time per function).
 """
 from __future__ import annotations
 
@@ -154,6 +157,42 @@ def host_breakdown(gen, batch, steps, cc, top) -> None:
                            f"{cum * 1e3:.3f}"] for (f, line, fn), (c, own, cum) in rows]))
 
 
+def prefill_breakdown(gen, batch, cc, top) -> None:
+    """The eager prefill (generate() of 1 new token): wall ms, kernels by family and name, the GPU span, and the
+    functions with the most own host time."""
+    import cProfile
+    import pstats
+
+    gen.run(batch, 1, cc)
+    wall = min(gen.run(batch, 1, cc)[0] for _ in range(3)) * 1e3
+    times, span = kernel_times(gen, batch, 1, cc)
+    busy = sum(us for us, _ in times.values())
+    print(f"prefill, batch {batch}: {wall:.2f} ms wall, {busy / 1e3:.2f} ms of kernels "
+          f"({sum(c for _, c in times.values())} kernels), GPU span {span / 1e3:.2f} ms\n")
+    fams: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for name, (us, cnt) in times.items():
+        fams[family(name)][0] += us
+        fams[family(name)][1] += cnt
+    print(markdown_table(["family", "ms", "kernels"], [[f, f"{us / 1e3:.3f}", str(c)] for f, (us, c)
+                                                       in sorted(fams.items(), key=lambda kv: -kv[1][0])]))
+    print()
+    print(markdown_table(["kernel", "family", "us", "count", "us each"],
+                         [[name[:90], family(name), f"{us:.1f}", str(c), f"{us / c:.1f}"] for name, (us, c)
+                          in sorted(times.items(), key=lambda kv: -kv[1][0])[:top]]))
+    prof = cProfile.Profile()
+    prof.enable()
+    gen.run(batch, 1, cc)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    # by own time, then torchforge's own functions by cumulative time (what each op's Python costs, inner calls in)
+    for title, key, keep in (("own time", 2, lambda f: True), ("torchforge, cumulative", 3, lambda f: "torchforge" in f)):
+        rows = sorted(((k, v) for k, v in stats.items() if keep(k[0])), key=lambda kv: -kv[1][key])[:top]
+        print(f"\nhost, by {title}:\n")
+        print(markdown_table(["function", "calls", "own ms", "cumulative ms"],
+                             [[f"{os.path.basename(f)}:{line}({fn})"[:100], str(v[1]), f"{v[2] * 1e3:.3f}",
+                               f"{v[3] * 1e3:.3f}"] for (f, line, fn), v in rows]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -162,12 +201,15 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=["bf16-compile", "w4a16-mma-compile"],
                     choices=["bf16-compile", "w4a16-compile", "w4a16-mma-compile"])
     ap.add_argument("--host", action="store_true", help="also time the compiled step alone and cProfile generate")
+    ap.add_argument("--prefill", action="store_true", help="profile the eager prefill instead of the decode step")
+    ap.add_argument("--batches", type=int, nargs="+", help="with --prefill: the batch sizes (default --batch)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_profile.py: needs a CUDA device")
         return 0
-    import torchforge
     from transformers import CompileConfig
+
+    import torchforge
 
     device = torch.device("cuda")
     t0 = time.time()
@@ -190,6 +232,12 @@ def main() -> int:
             gen.drop_caches()
             print(f"use_mma_layout: {torchforge.use_mma_layout(model)} modules switched")
             mma = True
+        if args.prefill:
+            for b in args.batches or [args.batch]:
+                print(f"\n## {v}\n")
+                prefill_breakdown(gen, b, cc, args.top)
+            gen.drop_caches()
+            continue
         ms_step, busy, per_step, fams, span = profile_variant(gen, args.batch, args.steps, cc)
         print(f"\n## {v}, batch {args.batch}: {ms_step:.3f} ms/step wall, {busy / 1e3:.3f} ms/step of kernels "
               f"({sum(c for _, c in per_step.values()):.0f} kernels per step), GPU span {span / 1e3:.3f} ms/step "
