@@ -51,6 +51,7 @@ case " $SUITE " in *" bench "*)
       gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
       nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6
       decode_profile) TAIL=${PROFILE_TAIL:-150} step bench_decode_profile python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;  # kernels per step (+ --host: host time)
+      moe_block) TAIL=20 step bench_moe_block python3 bench/moe_block.py ${MOE_BLOCK_ARGS:-} ;;  # fused decode path on / off by tokens
       decode) TAIL=30 step bench_decode_e2e python3 bench/decode_e2e.py ${DECODE_ARGS:-} ;;  # end-to-end generate, bf16 vs W4A16 (not in the default list: ~4 min)
     esac
   done ;;
