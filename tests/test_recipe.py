@@ -262,3 +262,15 @@ def test_prune_section_round_trip_and_errors(tmp_path):
         Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "h.pt", "keep_ratio": 1.5}})
     with pytest.raises(RecipeError, match="prune.mode"):
         Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"expert_map": "m.pt", "mode": "zap"}})
+
+
+def test_prune_section_rejects_settings_it_would_ignore_or_fail_on_later():
+    # renormalize is a drop-mode setting: PrunedMoE rejects it for reroute, so the recipe does too, up front
+    with pytest.raises(RecipeError, match="renormalize=True applies to mode='drop'"):
+        Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "h.pt", "keep_k": 4, "renormalize": True}})
+    assert Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "h.pt", "keep_k": 4, "mode": "drop",
+                                                               "renormalize": True}}).prune.renormalize
+    # a given expert map is used as it is: keep_k / keep_ratio beside it would be silently ignored
+    for extra in ({"keep_k": 2}, {"keep_ratio": 0.5}):
+        with pytest.raises(RecipeError, match="keep_k / keep_ratio apply when the map is built from 'hit_map'"):
+            Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"expert_map": "m.pt", **extra}})

@@ -201,6 +201,9 @@ class PruneRecipe:
         if self.hit_map is not None and (self.keep_k is None) == (self.keep_ratio is None):
             raise RecipeError("Recipe.prune: with 'hit_map' give exactly one of 'keep_k' (experts kept per layer) or "
                               "'keep_ratio' (fraction kept, 0 < r <= 1)")
+        if self.expert_map is not None and (self.keep_k is not None or self.keep_ratio is not None):
+            raise RecipeError("Recipe.prune: keep_k / keep_ratio apply when the map is built from 'hit_map'; a given "
+                              "'expert_map' is used as it is (drop them, or give 'hit_map' instead)")
         if self.keep_k is not None:
             _check_int("prune.keep_k", self.keep_k, "a positive number of experts per layer")
             if self.keep_k < 1:
@@ -211,6 +214,9 @@ class PruneRecipe:
             raise _fail("prune.keep_ratio", self.keep_ratio, "a fraction 0 < r <= 1")
         _check_str_choice("prune.mode", self.mode, PRUNE_MODES)
         _check_bool("prune.renormalize", self.renormalize)
+        if self.renormalize and self.mode != "drop":
+            raise RecipeError(f"Recipe.prune: renormalize=True applies to mode='drop'; mode={self.mode!r} already "
+                              "gives every token top_k kept experts (set mode: drop, or leave renormalize out)")
         _check_bool("prune.balance_groups", self.balance_groups)
         if self.balance_groups and self.hit_map is None:
             raise RecipeError("Recipe.prune: balance_groups applies when the map is built from 'hit_map'; a given "
