@@ -79,6 +79,47 @@ def test_indivisible_layer_names_the_module():
         torchforge.quantize(model, RECIPE)
 
 
+@pytest.mark.parametrize("scheme", ["w4a16-rtn", "nvfp4"])
+def test_failed_quantize_leaves_the_model_unchanged(scheme):
+    # qwen3_moe's experts have I = 32, which group 64 does not divide; the attention layers before them do fit. A
+    # half-quantized model would make a retry with group 32 mix group sizes (an export error later).
+    model = models.build("qwen3_moe")
+    before = {n: type(m) for n, m in model.named_modules()}
+    recipe = {"scheme": scheme, "group_size": 64} if scheme == "w4a16-rtn" else "nvfp4"
+    if scheme == "nvfp4":  # NVFP4's blocks are 16 wide: make one layer's IC indivisible instead
+        layer = model.model.layers[1].self_attn
+        layer.o_proj = torch.nn.Linear(layer.o_proj.in_features - 8, layer.o_proj.out_features, bias=False)
+    with pytest.raises(ValueError, match="the model is unchanged"):
+        torchforge.quantize(model, recipe)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+class _PerExpertMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(64, 32, bias=False)
+        self.down_proj = torch.nn.Linear(32, 64, bias=False)
+
+
+class _PerExpertMoE(torch.nn.Module):  # remote-code style: experts as a ModuleList of Linear MLPs
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList([_PerExpertMLP() for _ in range(2)])
+        self.shared_experts = _PerExpertMLP()
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-rtn", "nvfp4"])
+def test_quantize_experts_false_keeps_per_expert_linears(scheme):
+    model = _PerExpertMoE()
+    recipe = torchforge.Recipe.from_preset(scheme).replace(quantize_experts=False)
+    torchforge.quantize(model, recipe.replace(group_size=32) if scheme == "w4a16-rtn" else recipe)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n.count(".") >= 1}
+    quantized = "ForgeAWQLinear" if scheme == "w4a16-rtn" else "NVFP4Linear"
+    assert kinds == {"experts.0": "_PerExpertMLP", "experts.0.gate_proj": "Linear", "experts.0.down_proj": "Linear",
+                     "experts.1": "_PerExpertMLP", "experts.1.gate_proj": "Linear", "experts.1.down_proj": "Linear",
+                     "shared_experts.gate_proj": quantized, "shared_experts.down_proj": quantized}
+
+
 def test_compiled_moe_forward_has_no_graph_break():
     model = models.build("deepseek_v3")
     torchforge.quantize(model, RECIPE)

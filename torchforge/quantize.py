@@ -6,7 +6,7 @@ import logging
 import torch
 from torch import nn
 
-from torchforge.matching import is_fused_experts, paired_modules_error, select_modules
+from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
 from torchforge.nn.moe import ForgeMoE
@@ -54,35 +54,44 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
         raise ValueError(f"quantize: scheme {recipe.scheme!r} is not implemented here; use 'w4a16-rtn'")
     if calib_data is not None:
         log.info("quantize: scheme w4a16-rtn needs no calibration data; ignoring calib_data")
-    selected = select_modules(model, recipe.targets, recipe.ignore)
+    selected = recipe.select(model, check_fused=False)
     all_names = [n for n, _ in model.named_modules()]
     err = paired_modules_error([n for n, _ in selected], all_names)
     if err:
         raise ValueError(err)
-    counts = {"linear": 0, "moe": 0}
+    # Every replacement is built before the first is installed: a module that cannot be quantized (a shape the group
+    # size does not divide, NaN weights) leaves the model as it was, not half quantized with a retry mixing settings.
+    replacements = []
     for name, module in selected:
         try:
-            kind = _swap(model, name, module, recipe)
+            r = _replacement(model, name, module, recipe)
         except ValueError as e:
-            raise ValueError(f"quantize: cannot quantize {name}: {e}") from e
-        if kind:
-            counts[kind] += 1
+            raise ValueError(f"quantize: cannot quantize {name}: {e}; the model is unchanged") from e
+        if r is not None:
+            replacements.append(r)
+    counts = {"linear": 0, "moe": 0}
+    for target, new, kind in replacements:
+        model.set_submodule(target, new)
+        counts[kind] += 1
     setattr(model, RECIPE_ATTR, recipe)
     log.info("quantize: %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
     return model
 
 
-def _swap(model: nn.Module, name: str, module: nn.Module, recipe: Recipe) -> str | None:
-    """Replaces one selected module; returns what it was ("linear", "moe") or None when left as is."""
+def _replacement(model: nn.Module, name: str, module: nn.Module, recipe: Recipe) -> tuple[str, nn.Module, str] | None:
+    """(where, new module, "linear" | "moe") for one selected module, or None when it stays as is. A MoE block's
+    replacement keeps the block's other children (router, shared experts) as they are, so Linear layers inside
+    them may be swapped before or after it."""
     G, sym = recipe.group_size, recipe.symmetric
     if is_fused_experts(module):
         if not recipe.quantize_experts:
             return None
         block_name = _parent_name(name)
+        block = model.get_submodule(block_name)
         experts = ForgeAWQExperts.from_hf(module, group_size=G, symmetric=sym)
-        model.set_submodule(block_name, ForgeMoE.from_hf(model.get_submodule(block_name), experts))
-        return "moe"
+        if isinstance(block, ForgeMoE):  # already ours (a PrunedMoE): only its experts change, as from_hf would
+            return name, experts, "moe"
+        return block_name, ForgeMoE.from_hf(block, experts), "moe"
     if isinstance(module, nn.Linear):
-        model.set_submodule(name, ForgeAWQLinear.from_linear(module, group_size=G, symmetric=sym))
-        return "linear"
+        return name, ForgeAWQLinear.from_linear(module, group_size=G, symmetric=sym), "linear"
     return None

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from torchforge.export.naming import VLLM_FUSED
-from torchforge.matching import is_fused_experts, paired_modules_error, select_modules
+from torchforge.matching import is_fused_experts, paired_modules_error
+from torchforge.nn.moe import ForgeMoE
 from torchforge.nn.nvfp4_experts import NVFP4Experts
 from torchforge.nn.nvfp4_linear import E2M1_E4M3_MAX, NVFP4Linear
 from torchforge.nn.nvfp4_moe import NVFP4MoE
@@ -113,7 +114,7 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
 @torch.no_grad()
 def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
     """Swaps modules in place; returns counts {"linear": n, "moe": n}."""
-    selected = select_modules(model, recipe.targets, recipe.ignore)
+    selected = recipe.select(model, check_fused=False)
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)
@@ -126,7 +127,9 @@ def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
             key = _fused_key(name)
             group_w[key] = max(group_w[key], float(mod.weight.detach().abs().amax()))
             group_a[key] = max(group_a[key], amax.get(name, 0.0))
-    counts = {"linear": 0, "moe": 0}
+    # Every replacement is built before the first is installed (as in torchforge.quantize): a module that cannot be
+    # quantized leaves the model as it was.
+    replacements = []
     for name, module in selected:
         try:
             if is_fused_experts(module):
@@ -136,8 +139,11 @@ def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
                 if name in amax:
                     experts.set_input_amax(*amax[name])
                 block_name = _parent_name(name)
-                model.set_submodule(block_name, NVFP4MoE.from_hf(model.get_submodule(block_name), experts))
-                counts["moe"] += 1
+                block = model.get_submodule(block_name)
+                if isinstance(block, ForgeMoE):  # already ours (a PrunedMoE): only its experts change
+                    replacements.append((name, experts, "moe"))
+                else:
+                    replacements.append((block_name, NVFP4MoE.from_hf(block, experts), "moe"))
             elif isinstance(module, nn.Linear):
                 key = _fused_key(name)
                 ws2 = None
@@ -145,8 +151,11 @@ def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
                     ws2 = torch.tensor(group_w[key], dtype=torch.float32) / E2M1_E4M3_MAX
                     ws2 = ws2.to(module.weight.device)
                 a = group_a[key] if name in amax else None
-                model.set_submodule(name, NVFP4Linear.from_linear(module, ws2, a))
-                counts["linear"] += 1
+                replacements.append((name, NVFP4Linear.from_linear(module, ws2, a), "linear"))
         except ValueError as e:
-            raise ValueError(f"quantize: cannot quantize {name}: {e}") from e
+            raise ValueError(f"quantize: cannot quantize {name}: {e}; the model is unchanged") from e
+    counts = {"linear": 0, "moe": 0}
+    for target, new, kind in replacements:
+        model.set_submodule(target, new)
+        counts[kind] += 1
     return counts

@@ -20,14 +20,14 @@ from torchforge.export.naming import EXPERT_KEY, from_checkpoint_name, to_checkp
 from torchforge.export.vllm_awq import vllm_awq_quantization_config
 from torchforge.io import iter_checkpoint
 from torchforge.io.shard_writer import ShardWriter
-from torchforge.matching import is_fused_experts, paired_modules_error, select_modules
+from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.ops import awq_quantize
 from torchforge.recipe import Recipe
 
 
 def _targets(model: nn.Module, recipe: Recipe) -> tuple[set[str], set[str]]:
     """(Linear module names, fused-experts module names) that `torchforge.quantize` would quantize."""
-    selected = select_modules(model, recipe.targets, recipe.ignore)
+    selected = recipe.select(model, check_fused=False)
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)

@@ -43,7 +43,7 @@ from torch import nn
 
 from torchforge.gptq.hessian import HessianAccumulator
 from torchforge.gptq.solver import GPTQResult, solve_batched
-from torchforge.matching import is_fused_experts, paired_modules_error, select_modules
+from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.gptq_linear import ForgeGPTQLinear
 from torchforge.nn.moe import ForgeMoE
@@ -284,7 +284,7 @@ def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig
     if calib_data is None:
         raise ValueError("quantize: scheme 'w4a16-gptq' needs calib_data (input_ids tensors or dicts of model "
                          "inputs); use 'w4a16-rtn' to quantize without calibration")
-    selected = select_modules(model, recipe.targets, recipe.ignore)
+    selected = recipe.select(model, check_fused=False)
     if not recipe.quantize_experts:
         selected = [(n, m) for n, m in selected if not is_fused_experts(m)]
     selected = [(n, m) for n, m in selected if is_fused_experts(m) or isinstance(m, nn.Linear)]
