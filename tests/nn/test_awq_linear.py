@@ -54,6 +54,18 @@ def test_bad_shapes():
         q.pack_weight(torch.randn(128, 16))
 
 
+@pytest.mark.parametrize("group_size", [0, -1, 64.0, True])
+def test_bad_group_size_is_named(group_size):
+    # 0 failed as a ZeroDivisionError, -1 as a negative buffer size
+    from torchforge.nn import ForgeAWQExperts, ForgeGPTQLinear
+
+    for build, owner in ((lambda: ForgeAWQLinear(128, 16, group_size=group_size), "ForgeAWQLinear"),
+                         (lambda: ForgeGPTQLinear(128, 16, group_size=group_size), "ForgeGPTQLinear"),
+                         (lambda: ForgeAWQExperts(2, 128, 64, group_size=group_size), "ForgeAWQExperts")):
+        with pytest.raises(ValueError, match=f"{owner}: group_size={group_size!r} must be a positive int"):
+            build()
+
+
 def test_nan_weight_rejected():
     lin = torch.nn.Linear(128, 16)
     with torch.no_grad():

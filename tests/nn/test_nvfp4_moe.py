@@ -131,6 +131,14 @@ def test_quantize_other_architectures(arch):
 
 
 @torch.no_grad()
+def test_zero_tokens_give_an_empty_output():
+    model = torchforge.quantize(models.build("qwen3_moe"), "nvfp4")
+    block = models.moe_blocks(model)[0][1]
+    out = block(torch.randn(1, 0, 64))
+    assert out.shape == (1, 0, 64)  # as HF's block and ForgeMoE; the view(T, k, -1) of 0 elements raised
+
+
+@torch.no_grad()
 def test_calibration_and_w4a4_emulation():
     model = models.build("deepseek_v3")
     ref = copy.deepcopy(model)

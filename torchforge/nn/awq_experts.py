@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.nn._group_size import check_group_size
 from torchforge.ops.awq_moe import awq_moe_gemm
 from torchforge.ops.awq_mma import awq_mma_moe_down_combine, awq_mma_moe_gate_up_silu
 from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
@@ -49,7 +50,7 @@ class ForgeAWQExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group_size: int = 128,
                  symmetric: bool = True, act_fn="silu", device=None):
         super().__init__()
-        E, H, I, G = num_experts, hidden_size, intermediate_size, group_size
+        E, H, I, G = num_experts, hidden_size, intermediate_size, check_group_size("ForgeAWQExperts", group_size)
         for name, dim in (("hidden_size", H), ("intermediate_size", I)):
             if dim % G:
                 raise ValueError(f"ForgeAWQExperts: {name}={dim} is not divisible by group_size={G}; choose a group "

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.nn._group_size import check_group_size
 from torchforge.nn.mma_tickets import add_mma_tickets, rezero_mma_tickets
 from torchforge.ops.awq_mma import awq_mma_linear
 from torchforge.ops.awq_mma_layout import (
@@ -33,6 +34,7 @@ class ForgeAWQLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
                  symmetric: bool = True, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        group_size = check_group_size("ForgeAWQLinear", group_size)
         if out_features % 8:
             raise ValueError(f"ForgeAWQLinear: out_features={out_features} must be divisible by 8 (AWQ packs 8 output "
                              "channels per int32); keep this layer unquantized with the recipe's `ignore`")

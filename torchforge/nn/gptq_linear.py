@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from torchforge.nn._group_size import check_group_size
 from torchforge.nn.mma_tickets import add_mma_tickets, rezero_mma_tickets
 from torchforge.ops import gptq as gptq_ops
 from torchforge.ops.awq import awq_pack, awq_unpack
@@ -40,6 +41,7 @@ class ForgeGPTQLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
                  symmetric: bool = True, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        group_size = check_group_size("ForgeGPTQLinear", group_size)
         if out_features % 8:
             raise ValueError(f"ForgeGPTQLinear: out_features={out_features} must be divisible by 8 (qzeros packs 8 "
                              "output channels per int32); keep this layer unquantized with the recipe's `ignore`")

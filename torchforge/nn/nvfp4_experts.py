@@ -125,7 +125,7 @@ class NVFP4Experts(nn.Module):
         down = ops.nvfp4_grouped_linear(self.act_fn(gate) * up, flat_ids, self.down_weight, self.down_weight_scale,
                                         self.down_weight_scale_2, a2)
         # Weighted sum over the k picks in fp32 (router weights are fp32), then back to the activation dtype.
-        out = (down.view(T, k, -1).float() * top_k_weights.unsqueeze(-1).float()).sum(dim=1)
+        out = (down.view(T, k, self.hidden_size).float() * top_k_weights.unsqueeze(-1).float()).sum(dim=1)
         return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
