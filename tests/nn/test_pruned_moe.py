@@ -196,3 +196,25 @@ def test_pruned_moe_traces_without_graph_breaks(mode):
     x = torch.randn(1, 5, 64)
     compiled = torch.compile(block, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), block(x))
+
+
+@pytest.mark.parametrize("mode", ["drop", "reroute"])
+def test_pruned_moe_backward_and_compile_with_grad(mode):
+    """With autograd on (the router's weights require grad), eager backward and torch.compile both work: moe_remap
+    has an autograd formula (it had none: compiling outside no_grad failed)."""
+    from torchforge.prune import prune_experts
+
+    model = models.build("deepseek_v3")
+    prune_experts(model, torch.tensor([[0, 1, -1, -1, 2, 3, -1, -1]], dtype=torch.int32), mode=mode)
+    block = model.model.layers[1].mlp
+    x = torch.randn(1, 5, 64, requires_grad=True)
+    block(x).square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+    assert grads and x.grad is not None
+    block.zero_grad()
+    x2 = x.detach().clone().requires_grad_()
+    torch.compile(block, backend="eager")(x2).square().sum().backward()
+    for n, p in block.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-6)

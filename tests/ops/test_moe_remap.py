@@ -92,6 +92,26 @@ def test_opcheck():
     opcheck(op, (ids, w, layer_map))
 
 
+def test_weight_gradient_follows_the_keep_mask():
+    # the op's autograd formula against autograd through the pure-torch reference
+    ids, w, layer_map = random_case(3, T=9, E=16, k=4, kept=6)
+    ids[0, 0] = 20  # out of range on the reference: a pruned pick (the CPU op raises, so the reference alone)
+    w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+    g = torch.randn_like(w)
+    (moe_remap_ref(ids, w1, layer_map)[1] * g).sum().backward()
+    ids_ok = ids.clone()
+    ids_ok[0, 0] = 0
+    w3 = w.clone().requires_grad_()
+    (moe_remap_ref(ids_ok, w3, layer_map)[1] * g).sum().backward()
+    (moe_remap(ids_ok, w2, layer_map)[1] * g).sum().backward()
+    assert torch.equal(w2.grad, w3.grad)
+    assert int((w2.grad == 0).sum()) == int((layer_map.long()[ids_ok] < 0).sum())
+    assert w1.grad[0, 0] == 0
+    # opcheck's aot_dispatch utility sums every output into one scalar, which fails on the int ids output first
+    opcheck(torch.ops.torchforge.moe_remap.default, (ids_ok, w.clone().requires_grad_(), layer_map),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
 def test_compile_fullgraph():
     torch._dynamo.reset()
     ids, w, layer_map = random_case(3, T=9, E=12, k=3, kept=4)

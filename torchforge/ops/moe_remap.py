@@ -154,6 +154,33 @@ def _(topk_ids: Tensor, topk_weights: Tensor, layer_map: Tensor) -> Tuple[Tensor
         topk_weights, memory_format=torch.contiguous_format)
 
 
+def _kept_picks(topk_ids: Tensor, layer_map: Tensor) -> Tensor:
+    """Where a pick keeps its weight: an in-range id of a kept expert (the forward's `keep`)."""
+    ids = topk_ids.long()
+    e = layer_map.shape[0]
+    in_range = (ids >= 0) & (ids < e)
+    return in_range & (layer_map.long()[ids.clamp(0, max(e - 1, 0))] >= 0)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    topk_ids, _, layer_map = inputs
+    ctx.save_for_backward(topk_ids, layer_map)
+
+
+def _backward(ctx, grad_ids, grad_weights):
+    # weights pass through for kept picks and are zeroed for pruned ones: the gradient follows the same mask (the
+    # router's weights require grad in training mode, and torch.compile traces the backward whenever they do)
+    topk_ids, layer_map = ctx.saved_tensors
+    if grad_weights is None:
+        return None, None, None
+    keep = _kept_picks(topk_ids, layer_map)
+    return None, torch.where(keep, grad_weights, torch.zeros((), dtype=grad_weights.dtype,
+                                                             device=grad_weights.device)), None
+
+
+_moe_remap.register_autograd(_backward, setup_context=_setup_context)
+
+
 def moe_remap(topk_ids: Tensor, topk_weights: Tensor, layer_map: Tensor) -> Tuple[Tensor, Tensor]:
     """Router picks over the original experts -> picks over the kept (compact) experts.
 
