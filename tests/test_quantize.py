@@ -190,3 +190,34 @@ def test_recipe_prune_balance_groups_keeps_group_limited_routing(tmp_path):
 
     with pytest.raises(RecipeError, match="balance_groups applies"):
         torchforge.Recipe.from_dict({**RECIPE, "prune": {"expert_map": "m.pt", "balance_groups": True}})
+
+
+def test_failed_prune_leaves_the_model_unpruned_and_a_retry_prunes_every_layer():
+    from torchforge.prune import build_expert_map, prune_experts
+
+    model = models.build("qwen3_moe")  # two MoE layers, top-2
+    blocks = lambda: [type(b).__name__ for _, b in models.moe_blocks(model)]  # noqa: E731
+    before = blocks()
+    bad = build_expert_map(torch.rand(2, 8), keep_k=[4, 1])  # reroute needs top_k = 2 kept in every layer
+    with pytest.raises(ValueError, match=r"cannot prune model\.layers\.1\.mlp \(expert-map row 1\).*unchanged"):
+        prune_experts(model, bad, mode="reroute")
+    assert blocks() == before  # layer 0 was swapped before layer 1 failed
+    prune_experts(model, build_expert_map(torch.rand(2, 8), keep_k=4), mode="reroute")
+    assert blocks() == ["PrunedMoE", "PrunedMoE"]
+
+
+def test_recipe_prune_on_a_pruned_model_needs_the_same_map(tmp_path):
+    torch.save(torch.rand(1, 8), tmp_path / "hit.pt")
+    prune = {"hit_map": str(tmp_path / "hit.pt"), "keep_k": 4, "mode": "drop"}
+    model = models.build("deepseek_v3")
+    with pytest.raises(ValueError, match="the model is unchanged"):  # the experts' I = 32: group 64 fails after pruning
+        torchforge.quantize(model, {**RECIPE, "prune": prune, "group_size": 64})
+    assert type(model.model.layers[1].mlp).__name__ == "PrunedMoE"
+    torchforge.quantize(model, {**RECIPE, "prune": prune})  # the retry: the same section keeps the pruning as it is
+    assert model.model.layers[1].mlp.experts.num_experts == 4
+    assert isinstance(model.model.layers[1].mlp.experts, ForgeAWQExperts)
+    other = models.build("deepseek_v3")
+    torchforge.quantize(other, {**RECIPE, "prune": prune})
+    with pytest.raises(ValueError, match=r"already pruned \(model\.layers\.1\.mlp is a PrunedMoE, 1 of 1 MoE blocks\) "
+                                         "with another expert map or mode"):
+        torchforge.quantize(other, {**RECIPE, "prune": {**prune, "keep_k": 3}})

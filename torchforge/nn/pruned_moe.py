@@ -97,6 +97,40 @@ def slot_map(expert_map_row: torch.Tensor, mode: str) -> torch.Tensor:
     return out
 
 
+def _checked_row(gate: nn.Module, expert_map_row, mode: str, renormalize: bool) -> torch.Tensor:
+    """The validated expert-map row for a block routed by `gate`; raises what cannot be pruned that way (a bad mode,
+    a row that does not fit the router, reroute without a router re-implementation or with fewer than top_k kept)."""
+    if mode not in MODES:
+        raise ValueError(f"PrunedMoE: mode={mode!r}; choose 'reroute' (pruned experts removed before top-k) or "
+                         "'drop' (router over all experts, pruned picks get weight 0)")
+    if renormalize and mode != "drop":
+        raise ValueError("PrunedMoE: renormalize=True applies to mode='drop'; reroute already gives every token "
+                         "top_k kept experts with the router's own weights")
+    from torchforge.prune.expert_map import validate_expert_map
+
+    row = torch.as_tensor(expert_map_row)
+    if row.dim() != 1:
+        raise ValueError(f"PrunedMoE: expert_map_row must be 1-D [E] (one expert-map row), got shape "
+                         f"{tuple(row.shape)}")
+    row = validate_expert_map(row[None])[0]
+    E, k = row.numel(), int((row >= 0).sum())
+    router_e = getattr(gate, "num_experts", None) or getattr(getattr(gate, "weight", None), "shape", [None])[0]
+    if router_e is not None and router_e != E:
+        raise ValueError(f"PrunedMoE: the expert-map row has {E} entries but the router scores {router_e} experts")
+    if mode == "reroute":
+        if router_family(gate) is None:
+            from torchforge.nn.routing import ROUTER_FAMILIES
+
+            raise TypeError(f"PrunedMoE: mode='reroute' has no router re-implementation for {type(gate).__name__} "
+                            f"(known: {sorted(ROUTER_FAMILIES)}); use mode='drop' or add one in "
+                            "torchforge/nn/routing.py")
+        top_k = gate.top_k
+        if k < top_k:
+            raise ValueError(f"PrunedMoE: mode='reroute' needs at least top_k={top_k} kept experts per layer, the "
+                             f"map keeps {k}; keep more experts or use mode='drop'")
+    return row
+
+
 class PrunedMoE(ForgeMoE):
     """A MoE block with pruned routed experts. Build it with `PrunedMoE.from_block` or `torchforge.prune_experts`.
 
@@ -107,23 +141,8 @@ class PrunedMoE(ForgeMoE):
                  expert_map_row: torch.Tensor, mode: str = "reroute", renormalize: bool = False,
                  shared_name: str = "shared_experts", shared_expert_gate: nn.Module | None = None):
         super().__init__(gate, experts, shared, shared_name=shared_name, shared_expert_gate=shared_expert_gate)
-        if mode not in MODES:
-            raise ValueError(f"PrunedMoE: mode={mode!r}; choose 'reroute' (pruned experts removed before top-k) or "
-                             "'drop' (router over all experts, pruned picks get weight 0)")
-        if renormalize and mode != "drop":
-            raise ValueError("PrunedMoE: renormalize=True applies to mode='drop'; reroute already gives every token "
-                             "top_k kept experts with the router's own weights")
-        from torchforge.prune.expert_map import validate_expert_map
-
-        row = torch.as_tensor(expert_map_row)
-        if row.dim() != 1:
-            raise ValueError(f"PrunedMoE: expert_map_row must be 1-D [E] (one expert-map row), got shape "
-                             f"{tuple(row.shape)}")
-        row = validate_expert_map(row[None])[0]
+        row = _checked_row(gate, expert_map_row, mode, renormalize)
         E, k = row.numel(), int((row >= 0).sum())
-        router_e = getattr(gate, "num_experts", None) or getattr(getattr(gate, "weight", None), "shape", [None])[0]
-        if router_e is not None and router_e != E:
-            raise ValueError(f"PrunedMoE: the expert-map row has {E} entries but the router scores {router_e} experts")
         if num_experts_of(experts) != k:
             raise ValueError(f"PrunedMoE: the expert map keeps {k} experts but the experts module holds "
                              f"{num_experts_of(experts)}; slice it with select_experts(experts, kept_original_ids)")
@@ -138,16 +157,6 @@ class PrunedMoE(ForgeMoE):
         self.register_buffer("slot_map", slot_map(row, mode).to(device), persistent=False)
         self.kept = None
         if mode == "reroute":
-            if router_family(gate) is None:
-                from torchforge.nn.routing import ROUTER_FAMILIES
-
-                raise TypeError(f"PrunedMoE: mode='reroute' has no router re-implementation for {type(gate).__name__} "
-                                f"(known: {sorted(ROUTER_FAMILIES)}); use mode='drop' or add one in "
-                                "torchforge/nn/routing.py")
-            top_k = gate.top_k
-            if k < top_k:
-                raise ValueError(f"PrunedMoE: mode='reroute' needs at least top_k={top_k} kept experts per layer, the "
-                                 f"map keeps {k}; keep more experts or use mode='drop'")
             self.kept = KeptExperts(row >= 0, self._n_group).to(_device_of(gate))
 
     def _apply(self, fn, recurse=True):
@@ -165,20 +174,26 @@ class PrunedMoE(ForgeMoE):
                    renormalize: bool = False) -> "PrunedMoE":
         """An HF sparse-MoE block or a ForgeMoE (e.g. after `torchforge.quantize`) -> PrunedMoE. The block is
         not modified; the kept experts are copied out of it."""
-        if isinstance(block, PrunedMoE):
-            raise TypeError("PrunedMoE.from_block: the block is already pruned; prune the original model once with "
-                            "the final expert map")
-        from torchforge.prune.expert_map import validate_expert_map
-
-        base = block if isinstance(block, ForgeMoE) else ForgeMoE.from_hf(block)
-        row = validate_expert_map(torch.as_tensor(expert_map_row)[None])[0]
-        E = num_experts_of(base.experts)
-        if row.numel() != E:
-            raise ValueError(f"PrunedMoE.from_block: the expert-map row has {row.numel()} entries but the block has "
-                             f"{E} routed experts")
+        base, row = cls.check_block(block, expert_map_row, mode, renormalize)
         experts = select_experts(base.experts, storage_order(row, mode))
         return cls(base.gate, experts, base.shared, expert_map_row=row, mode=mode, renormalize=renormalize,
                    shared_name=base.shared_name or "shared_experts", shared_expert_gate=base.shared_expert_gate)
+
+    @classmethod
+    def check_block(cls, block: nn.Module, expert_map_row, mode: str = "reroute", renormalize: bool = False
+                    ) -> tuple[ForgeMoE, torch.Tensor]:
+        """What `from_block` checks, without copying any expert: raises if the block cannot be pruned this way;
+        returns (the block as a ForgeMoE, the validated row). `prune_experts` checks every block before it
+        replaces the first."""
+        if isinstance(block, PrunedMoE):
+            raise TypeError("PrunedMoE.from_block: the block is already pruned; prune the original model once with "
+                            "the final expert map")
+        base = block if isinstance(block, ForgeMoE) else ForgeMoE.from_hf(block)
+        E, n = num_experts_of(base.experts), torch.as_tensor(expert_map_row).numel()
+        if n != E:
+            raise ValueError(f"PrunedMoE.from_block: the expert-map row has {n} entries but the block has {E} routed "
+                             "experts")
+        return base, _checked_row(base.gate, expert_map_row, mode, renormalize)
 
     def kept_original_ids(self) -> torch.Tensor:
         """Original ids of the stored experts: row j of the experts module is original expert ids[j]."""

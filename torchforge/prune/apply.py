@@ -77,6 +77,15 @@ def prune_experts(model: nn.Module, expert_map, mode: str = "reroute", renormali
                          f"({blocks[0][0]}, ...) with {counts[0]} routed experts: expected {want}. Build the map "
                          "from a hit map of this model (one row per MoE block in named_modules() order)")
     expert_map = validate_expert_map(expert_map)
+    # Every block is checked before the first is replaced: a row a block cannot take (reroute with fewer than top_k
+    # kept, a router without a re-implementation) leaves the model unpruned, not half pruned. The kept experts are
+    # copied one block at a time after that, as before (building every block first would hold two copies).
+    for (name, block), row in zip(blocks, expert_map):
+        try:
+            PrunedMoE.check_block(block, row, mode=mode, renormalize=renormalize)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"prune_experts: cannot prune {name or 'the model'} (expert-map row "
+                          f"{blocks.index((name, block))}): {e}; the model is unchanged") from e
     for (name, block), row in zip(blocks, expert_map):
         pruned = PrunedMoE.from_block(block, row, mode=mode, renormalize=renormalize)
         if name == "":

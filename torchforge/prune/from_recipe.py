@@ -6,6 +6,7 @@ import os
 import torch
 from torch import nn
 
+from torchforge.nn.pruned_moe import PrunedMoE
 from torchforge.nn.routing import router_groups
 from torchforge.prune.apply import moe_blocks, prune_experts
 from torchforge.prune.expert_map import (
@@ -40,8 +41,6 @@ def prune_from_recipe(model: nn.Module, section) -> nn.Module:
     """Applies a `torchforge.recipe.PruneRecipe` to `model` in place (no-op for None)."""
     if section is None:
         return model
-    if any(type(b).__name__ == "PrunedMoE" for _, b in moe_blocks(model)):
-        return model  # already pruned (e.g. by an earlier call with the same recipe)
     if section.expert_map is not None:
         expert_map = load_expert_map(section.expert_map)
     else:
@@ -51,4 +50,15 @@ def prune_from_recipe(model: nn.Module, section) -> nn.Module:
         if section.balance_groups:
             n_group, _ = router_groups(moe_blocks(model)[0][1].gate)  # None: the router is not group-limited
         expert_map = build_expert_map(hit, keep_k=section.keep_k, keep_ratio=section.keep_ratio, n_group=n_group)
+    blocks = moe_blocks(model)
+    pruned = [(n, b) for n, b in blocks if isinstance(b, PrunedMoE)]
+    if pruned:  # an earlier call (quantize retried, or run twice): fine with the same map, else an error
+        same = len(pruned) == len(blocks) == expert_map.shape[0] and all(
+            b.mode == section.mode and b.renormalize == section.renormalize
+            and torch.equal(b._row_host.to(torch.int32), row.to(torch.int32)) for (_, b), row in zip(pruned, expert_map))
+        if not same:
+            raise ValueError(f"recipe prune: the model is already pruned ({pruned[0][0]} is a PrunedMoE, {len(pruned)} "
+                             f"of {len(blocks)} MoE blocks) with another expert map or mode than this recipe's; prune "
+                             "the original model once with the final map")
+        return model
     return prune_experts(model, expert_map, mode=section.mode, renormalize=section.renormalize)
