@@ -74,11 +74,14 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
             gu, dn = amax.setdefault(name, (torch.zeros(E), torch.zeros(E)))
             tok = hidden.detach().abs().amax(dim=-1).float().cpu()
             ids = ids.detach().cpu().long()
+            routed = ids < E
+            if len(vals) > 2:  # a pick with weight 0 reaches no output: PrunedMoE(drop) sends pruned picks to id 0 so
+                routed &= vals[2].detach().cpu() != 0  # (they would loosen expert 0's input scale)
             for j in range(ids.shape[1]):
-                valid = ids[:, j] < E
+                valid = routed[:, j]
                 gu.scatter_reduce_(0, ids[valid, j], tok[valid], reduce="amax")
-            for e in torch.unique(ids[ids < E]).tolist():
-                rows = (ids == e).any(dim=1).nonzero().squeeze(-1).to(hidden.device)
+            for e in torch.unique(ids[routed]).tolist():
+                rows = ((ids == e) & routed).any(dim=1).nonzero().squeeze(-1).to(hidden.device)
                 gate, up = nn.functional.linear(hidden[rows], mod.gate_up_proj[e]).chunk(2, dim=-1)
                 h = mod.act_fn(gate) * up
                 dn[e] = max(float(dn[e]), float(h.abs().amax()))

@@ -131,6 +131,33 @@ def test_quantize_other_architectures(arch):
 
 
 @torch.no_grad()
+def test_calibration_of_a_drop_pruned_model_skips_the_dropped_picks():
+    # PrunedMoE(drop) hands pruned picks to the experts as id 0 with weight 0: they reach no output and must not
+    # count toward expert 0's input amax
+    from torchforge.nn.nvfp4_linear import E2M1_E4M3_MAX
+
+    # one kept expert: most tokens' picks are dropped ones
+    model = torchforge.prune_experts(models.build("deepseek_v3"), torch.tensor([[-1, -1, -1, 0, -1, -1, -1, -1]]),
+                                     mode="drop")
+    seen = []
+    experts = model.model.layers[1].mlp.experts
+    hook = experts.register_forward_pre_hook(lambda m, args: seen.append([a.clone() for a in args[:3]]))
+    calib = _calib(model, n=6)
+    for batch in calib:
+        model(batch)
+    hook.remove()
+    want = torch.zeros(1)
+    for hidden, ids, weights in seen:
+        rows = ((ids == 0) & (weights != 0)).any(dim=1)
+        if rows.any():
+            want[0] = max(want[0], hidden[rows].abs().max())
+    assert want[0] > 0 and any(((ids == 0) & (weights == 0)).any() for _, ids, weights in seen)
+    torchforge.quantize(model, "nvfp4", calib_data=calib)
+    got = model.model.layers[1].mlp.experts.gate_up_input_scale
+    torch.testing.assert_close(got, want / E2M1_E4M3_MAX, rtol=0, atol=0)
+
+
+@torch.no_grad()
 def test_zero_tokens_give_an_empty_output():
     model = torchforge.quantize(models.build("qwen3_moe"), "nvfp4")
     block = models.moe_blocks(model)[0][1]
