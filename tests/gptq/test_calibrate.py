@@ -97,9 +97,11 @@ def test_routed_experts_get_their_tokens_gate_up_share():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(10, 64, generator=g)
     idx = torch.tensor([[0, 1], [1, 2], [0, 2], [1, 0], [2, 1], [0, 1], [1, 2], [2, 0], [0, 1], [4, 1]])
-    stats.hook(experts, (x, idx, torch.rand(10, 2, generator=g)), {})
+    w = torch.rand(10, 2, generator=g) + 0.1
+    w[1, 0] = w[3, 1] = w[7, 0] = 0  # picks that reach no output (PrunedMoE(drop)'s pruned picks): not expert tokens
+    stats.hook(experts, (x, idx, w), {})
     for e in range(4):
-        rows = [t for t in range(10) if e in idx[t].tolist()]
+        rows = [t for t in range(10) if any(i == e and wt != 0 for i, wt in zip(idx[t].tolist(), w[t].tolist()))]
         h, n = stats.gate_up[e].finalize()
         assert n == len(rows)
         if not rows:

@@ -146,12 +146,13 @@ class _ExpertStats:
         flat = hidden.reshape(-1, hidden.shape[-1])
         idx = idx.reshape(flat.shape[0], -1)
         num = mod.gate_up_proj.shape[0]
-        for e in torch.unique(idx).tolist():
-            if not 0 <= e < num:  # HF marks dropped slots with id == num_experts
-                continue
+        routed = (idx >= 0) & (idx < num)  # HF marks dropped slots with id == num_experts
+        if len(vals) > 2:  # a pick with weight 0 reaches no output: PrunedMoE(drop) sends pruned picks to id 0 so
+            routed &= vals[2].reshape(idx.shape) != 0  # (they would enter expert 0's Hessians)
+        for e in torch.unique(idx[routed]).tolist():
             if self.gate_up[e].full and self.down[e].full:
                 continue
-            x = flat[(idx == e).any(-1)]
+            x = flat[((idx == e) & routed).any(-1)]
             self.gate_up[e].add(x)
             gate, up = nn.functional.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
             self.down[e].add(mod.act_fn(gate) * up)
