@@ -56,3 +56,46 @@ def test_streamed_fp8_source_and_refusals(tmp_path):
         quantize_checkpoint(str(src), str(tmp_path / "g"), "w4a16-gptq")
     with pytest.raises(FileExistsError, match="already holds a checkpoint"):
         quantize_checkpoint(str(src), out, {"scheme": "w4a16-rtn", "group_size": 64}, device="cpu")
+
+
+def test_streamed_source_with_extra_missing_or_bad_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from torchforge.io.checkpoint import CheckpointError
+
+    src = tmp_path / "src"
+    models.build("deepseek_v3", dtype=torch.bfloat16).save_pretrained(src)
+    path = src / "model.safetensors"
+    sd = load_file(path)
+    recipe = {"scheme": "w4a16-rtn", "group_size": 32}
+
+    def stream(tensors, out):
+        save_file(tensors, path, metadata={"format": "pt"})
+        return quantize_checkpoint(str(src), str(tmp_path / out), recipe, device="cpu")
+
+    # a tensor the model does not hold (DeepSeek-V3's multi-token-prediction layer 61 in real checkpoints):
+    # from_pretrained ignores it, so the stream skips it and the output reloads
+    extra = {**sd, "model.layers.2.self_attn.o_proj.weight": torch.randn(64, 32).bfloat16()}
+    out = stream(extra, "extra")
+    assert not any("layers.2" in k for k in _tensors(out))
+    torchforge.load_quantized(out)
+    # a missing tensor (a lost shard, an index that does not list it): an error before config.json is written
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert name in sd
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensors of the model, e\.g\. \('model\.layers\.1\.mlp\.experts', "
+                                              r"3, 'down_proj'\)"):
+        stream({k: v for k, v in sd.items() if k != name}, "missing")
+    assert not os.path.exists(tmp_path / "missing" / "config.json")
+    with pytest.raises(CheckpointError, match="lacks 1 tensors of the model, e.g. model.norm.weight"):
+        stream({k: v for k, v in sd.items() if k != "model.norm.weight"}, "missing2")
+    # a NaN weight names the tensor
+    bad = dict(sd)
+    bad["model.layers.0.mlp.down_proj.weight"] = bad["model.layers.0.mlp.down_proj.weight"].clone()
+    bad["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="cannot quantize model.layers.0.mlp.down_proj.weight .*NaN"):
+        stream(bad, "nan")
+    # a layer the group size does not divide names the layer
+    save_file(sd, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_a_proj: ForgeAWQLinear: in_features=64 is "
+                                         "not divisible by group_size=128"):
+        quantize_checkpoint(str(src), str(tmp_path / "g128"), {"scheme": "w4a16-rtn", "group_size": 128}, device="cpu")

@@ -31,16 +31,24 @@ def _build_skeleton(path: str, dtype: torch.dtype):
 
 def _swap_quantized_modules(model: nn.Module, names: set[str], group_size: int, symmetric: bool) -> None:
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear) and f"{name}.qweight" in names:
-            new = ForgeAWQLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group_size=group_size,
-                                 symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
-            model.set_submodule(name, new)
-        elif is_fused_experts(mod) and f"{name}.0.gate_proj.qweight" in names:
-            E, two_i, H = mod.gate_up_proj.shape
-            experts = ForgeAWQExperts(E, H, two_i // 2, group_size=group_size, symmetric=symmetric,
-                                      act_fn=mod.act_fn, device="meta")
-            block_name = name.rsplit(".", 1)[0]
-            model.set_submodule(block_name, ForgeMoE.from_hf(model.get_submodule(block_name), experts))
+        try:
+            _swap_one(model, name, mod, names, group_size, symmetric)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+
+
+def _swap_one(model: nn.Module, name: str, mod: nn.Module, names: set[str], group_size: int, symmetric: bool) -> None:
+    """Swaps `mod` for its quantized module (meta device) where `names` holds its quantized tensors."""
+    if isinstance(mod, nn.Linear) and f"{name}.qweight" in names:
+        new = ForgeAWQLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group_size=group_size,
+                             symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
+        model.set_submodule(name, new)
+    elif is_fused_experts(mod) and f"{name}.0.gate_proj.qweight" in names:
+        E, two_i, H = mod.gate_up_proj.shape
+        experts = ForgeAWQExperts(E, H, two_i // 2, group_size=group_size, symmetric=symmetric,
+                                  act_fn=mod.act_fn, device="meta")
+        block_name = name.rsplit(".", 1)[0]
+        model.set_submodule(block_name, ForgeMoE.from_hf(model.get_submodule(block_name), experts))
 
 
 def _stack_experts(model: nn.Module, per_expert: dict) -> dict[str, torch.Tensor]:

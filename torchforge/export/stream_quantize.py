@@ -9,6 +9,7 @@ activations; calibrated schemes (GPTQ, NVFP4 input scales) and pruning need the 
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -19,10 +20,13 @@ from torchforge.export.load import _build_skeleton, _swap_quantized_modules
 from torchforge.export.naming import EXPERT_KEY, from_checkpoint_name, to_checkpoint_name
 from torchforge.export.vllm_awq import vllm_awq_quantization_config
 from torchforge.io import iter_checkpoint
+from torchforge.io.checkpoint import CheckpointError
 from torchforge.io.shard_writer import ShardWriter
 from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.ops import awq_quantize
 from torchforge.recipe import Recipe
+
+log = logging.getLogger(__name__)
 
 
 def _targets(model: nn.Module, recipe: Recipe) -> tuple[set[str], set[str]]:
@@ -34,6 +38,40 @@ def _targets(model: nn.Module, recipe: Recipe) -> tuple[set[str], set[str]]:
     linears = {n for n, m in selected if isinstance(m, nn.Linear)}
     experts = {n for n, m in selected if is_fused_experts(m)} if recipe.quantize_experts else set()
     return linears, experts
+
+
+class _ExpectedTensors:
+    """The tensors the model holds (the meta skeleton's state dict, fused experts as their per-expert checkpoint
+    tensors): which streamed tensors to keep, and which never came. from_pretrained ignores the others (e.g.
+    `_keys_to_ignore_on_load_unexpected`: DeepSeek-V3's multi-token-prediction layer), so the in-memory path never
+    exports them; a missing one would only fail at load, after a complete-looking folder was written."""
+
+    def __init__(self, model: nn.Module):
+        self.fused = {n: m.gate_up_proj.shape[0] for n, m in model.named_modules() if is_fused_experts(m)}
+        fused_params = {f"{n}.{p}" for n in self.fused for p in ("gate_up_proj", "down_proj")}
+        self.missing = set(model.state_dict().keys()) - fused_params
+        self.missing |= {(n, e, proj) for n, num in self.fused.items() for e in range(num)
+                         for proj in ("gate_proj", "up_proj", "down_proj")}
+        self.skipped: list[str] = []
+
+    def take(self, name: str) -> bool:
+        m = EXPERT_KEY.match(name)
+        if m and m["module"] in self.fused:
+            if m["kind"] == "weight" and int(m["e"]) < self.fused[m["module"]]:
+                self.missing.discard((m["module"], int(m["e"]), m["proj"]))
+                return True
+        elif name in self.missing:
+            self.missing.discard(name)
+            return True
+        self.skipped.append(name)
+        return False
+
+    def check_complete(self, src: str, tied: bool) -> None:
+        missing = sorted(str(k) for k in self.missing if not (tied and k == "lm_head.weight"))
+        if missing:
+            raise CheckpointError(f"quantize_checkpoint: {src} lacks {len(missing)} tensors of the model, e.g. "
+                                  f"{', '.join(missing[:5])}; the checkpoint is incomplete (a missing shard or an "
+                                  "index that does not list it); nothing was written")
 
 
 def quantize_checkpoint(src: str, out: str, recipe: Recipe | str | dict = "w4a16-rtn", *, device=None,
@@ -52,6 +90,7 @@ def quantize_checkpoint(src: str, out: str, recipe: Recipe | str | dict = "w4a16
     dtype = getattr(torch, recipe.dtype)
     model, _ = _build_skeleton(src, dtype)  # meta device: names, module types, config
     linears, experts = _targets(model, recipe)
+    expected = _ExpectedTensors(model)
     G, sym = recipe.group_size, recipe.symmetric
     # the skeleton as quantize() would leave it, for the quantization_config (module names only, still meta)
     _swap_quantized_modules(model, {f"{n}.qweight" for n in linears} | {f"{n}.0.gate_proj.qweight" for n in experts},
@@ -64,18 +103,27 @@ def quantize_checkpoint(src: str, out: str, recipe: Recipe | str | dict = "w4a16
     try:
         for ck_name, t in iter_checkpoint(src, dequantize_fp8=True):
             name = from_checkpoint_name(ck_name, mt)
+            if not expected.take(name):
+                continue  # not a tensor of the model (e.g. DeepSeek-V3's multi-token-prediction layer 61)
             owner, _, leaf = name.rpartition(".")
             if t.is_floating_point():  # as from_pretrained(dtype=...) would hold it
                 t = t.float() if any(k in name for k in fp32_keys) else t.to(dtype)
             m = EXPERT_KEY.match(name)
             if (m and m["module"] in experts and m["kind"] == "weight") or (owner in linears and leaf == "weight"):
-                qweight, scales, qzeros = awq_quantize(t.to(device), G, symmetric=sym)
+                try:
+                    qweight, scales, qzeros = awq_quantize(t.to(device), G, symmetric=sym)
+                except ValueError as e:
+                    raise ValueError(f"quantize_checkpoint: cannot quantize {ck_name} (in {src}): {e}") from e
                 for kind, q in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
                     writer.add(to_checkpoint_name(f"{owner}.{kind}", mt), q)
                 continue
             if tied and name == "lm_head.weight":
                 continue  # tied to embed_tokens; HF and vLLM re-tie at load
             writer.add(to_checkpoint_name(name, mt), t)
+        expected.check_complete(src, tied)
+        if expected.skipped:
+            log.info("quantize_checkpoint: skipped %d tensors the model does not hold (as from_pretrained does), "
+                     "e.g. %s", len(expected.skipped), expected.skipped[0])
         writer.close()
     except BaseException:
         writer.abort()
