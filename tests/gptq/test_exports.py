@@ -135,6 +135,22 @@ def test_rtn_model_exports_to_gptq_and_ct(tmp_path):
         assert torch.equal(_logits(loaded, ids), ref)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_unquantized_experts_reload(tmp_path, arch):
+    # quantize_experts=False: the fused experts stay bf16 and are exported per expert; the loader stacks them back
+    # (it raised "missing ...experts.gate_up_proj" for both W4 formats)
+    model = models.build(arch)
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 32, "quantize_experts": False})
+    ids = _ids(2, 7)
+    ref = _logits(model, ids)
+    for fmt in ("vllm-gptq", "compressed-tensors"):
+        out = str(tmp_path / fmt)
+        torchforge.save_quantized(model, out, format=fmt, dtype=torch.float32)
+        loaded = torchforge.load_quantized(out, dtype=torch.float32)
+        assert not any(isinstance(m, ForgeAWQExperts) for m in loaded.modules())
+        assert torch.equal(_logits(loaded, ids), ref), fmt
+
+
 def test_errors(tmp_path):
     model = models.build("llama")
     torchforge.quantize(model, {**RECIPE, "symmetric": False}, calib_data=_ids())

@@ -297,17 +297,24 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
         fmt, symmetric, group_size = "compressed-tensors", bool(w.get("symmetric", True)), int(w["group_size"])
         mark = "weight_packed"
     names = set(memory_names(path, model))
-    linears, experts = {}, {}
+    linears, experts, hf_experts = {}, {}, set()
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear) and f"{name}.{mark}" in names:
             linears[name] = mod
-        elif is_fused_experts(mod) and f"{name}.0.gate_proj.{mark}" in names:
-            experts[name] = mod
+        elif is_fused_experts(mod):
+            if f"{name}.0.gate_proj.{mark}" in names:
+                experts[name] = mod
+            else:  # left unquantized (quantize_experts=False, ignore): bf16 per-expert weights to stack
+                hf_experts.add(name)
     per_linear, per_expert, state = defaultdict(dict), defaultdict(dict), {}
+    stacked_parts = defaultdict(dict)
     for key, t in iter_memory_named(path, model):
         m = EXPERT_KEY.match(key)
         if m and m["module"] in experts:
             per_expert[m["module"]].setdefault((int(m["e"]), m["proj"]), {})[m["kind"]] = t
+            continue
+        if m and m["module"] in hf_experts and m["kind"] == "weight":
+            stacked_parts[m["module"]][(int(m["e"]), m["proj"], "weight")] = t
             continue
         owner, _, leaf = key.rpartition(".")
         if owner in linears and leaf != "bias":
@@ -323,7 +330,6 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
                               symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
         new.qweight, new.qzeros, new.scales, new.g_idx = qweight, qzeros, scales, g_idx  # as stored (scale dtype too)
         model.set_submodule(name, new)
-    stacked_parts = defaultdict(dict)
     for name, mod in experts.items():
         num, two_i, hid = mod.gate_up_proj.shape
         ex = ForgeAWQExperts(num, hid, two_i // 2, group_size=group_size, symmetric=symmetric, act_fn=mod.act_fn,
