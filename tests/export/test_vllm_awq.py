@@ -131,6 +131,29 @@ def test_load_rejects_folder_without_config(tmp_path):
         torchforge.load_quantized(str(tmp_path))
 
 
+@pytest.mark.parametrize("first,second", [("vllm-gptq", "vllm-awq"), ("vllm-awq", "compressed-tensors")])
+def test_resave_that_dies_leaves_no_config(tmp_path, first, second):
+    # a folder with a config.json counts as complete: a re-save that dies after its new shards must not leave the
+    # earlier save's config.json (another format's) beside them
+    from unittest import mock
+
+    import torchforge.export.folder as folder
+
+    model = _quantized("llama")
+    out = str(tmp_path / "out")
+    torchforge.save_quantized(model, out, format=first)
+    with mock.patch.object(folder, "atomic_write_json", side_effect=OSError("simulated crash")):
+        with pytest.raises(OSError, match="simulated crash"):
+            torchforge.save_quantized(model, out, format=second)
+    assert not os.path.exists(os.path.join(out, "config.json"))
+    with pytest.raises(ValueError, match="no config.json"):
+        torchforge.load_quantized(out)
+    torchforge.save_quantized(model, out, format=second)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(torchforge.load_quantized(out)(ids).logits, model(ids).logits)
+
+
 def test_mixtral_uses_checkpoint_names(tmp_path):
     """transformers 5 keeps Mixtral's experts as mlp.experts in memory; checkpoints (and vLLM) use
     block_sparse_moe.experts.E.w1 / w3 / w2 for gate / up / down."""

@@ -57,6 +57,17 @@ def copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
     return copied
 
 
+def begin_folder(out_dir: str) -> None:
+    """Before an export writes anything into `out_dir`: create it, and take away a config.json an earlier save left
+    (and its generation_config.json, which finish_folder only writes where none exists). A folder with a config.json
+    counts as complete, so a re-save that dies after its new shards must not leave the old one beside them."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def finish_folder(model: nn.Module, out_dir: str, quantization_config: dict, dtype: torch.dtype, meta: dict, *,
                   tokenizer=None, source_dir=None, edit_config=None) -> str:
     """After the tensors: torchforge.json, tokenizer files, generation_config.json, and config.json LAST, so a

@@ -192,7 +192,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
                           max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """`save_quantized` for NVFP4 models: tensors, hf_quant_config.json (ModelOpt), torchforge.json, tokenizer
     files, config.json last (a folder with config.json is complete)."""
-    from torchforge.export.folder import finish_folder
+    from torchforge.export.folder import begin_folder, finish_folder
     from torchforge.quantize import RECIPE_ATTR
 
     if format not in NVFP4_FORMATS:
@@ -207,7 +207,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
         hf_quant, qcfg = modelopt_configs(model)
     else:
         hf_quant, qcfg = None, compressed_tensors_config(model)
-    os.makedirs(out_dir, exist_ok=True)
+    begin_folder(out_dir)  # no config.json until the new tensors are in
     from torchforge.prune.export import prune_for_save
 
     state, exact = nvfp4_state_dict(model, format, dtype)

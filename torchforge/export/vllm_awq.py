@@ -7,7 +7,7 @@ import os
 import torch
 from torch import nn
 
-from torchforge.export.folder import finish_folder, hf_experts_tensors, keep_fp32
+from torchforge.export.folder import begin_folder, finish_folder, hf_experts_tensors, keep_fp32
 from torchforge.export.naming import checkpoint_state, to_checkpoint_name, vllm_names
 from torchforge.io import save_sharded
 from torchforge.matching import is_fused_experts
@@ -121,7 +121,7 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     if dtype is None:
         dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16
     qcfg = vllm_awq_quantization_config(model)
-    os.makedirs(out_dir, exist_ok=True)
+    begin_folder(out_dir)  # no config.json until the new tensors are in
     state = export_state_dict(model, dtype)
     from torchforge.prune.export import prune_for_save
 

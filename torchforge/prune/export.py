@@ -200,6 +200,7 @@ def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = N
     """Writes an UNQUANTIZED reroute-pruned model as a standard HF checkpoint folder (per-expert tensor names,
     smaller config) that `transformers.AutoModelForCausalLM.from_pretrained` loads. Quantized models: use
     `torchforge.save_quantized`. `dtype`: the floating dtype written (default: the model's)."""
+    from torchforge.export.folder import begin_folder
     from torchforge.export.vllm_awq import _quantized_modules, export_state_dict
     from torchforge.io import atomic_write_json, save_sharded
 
@@ -212,7 +213,7 @@ def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = N
     if dtype is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     state, meta = export_pruned(model, export_state_dict(model, dtype), out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    begin_folder(out_dir)  # no config.json until the new tensors are in
     save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes, metadata={"torchforge": "pruned"})
     cfg = apply_pruned_config(model.config.to_dict(), model)
     cfg["architectures"] = [type(model).__name__]
