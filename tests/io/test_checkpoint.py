@@ -241,6 +241,19 @@ def test_index_that_is_not_json_or_disagrees_with_its_shards(tmp_path):
         iter_checkpoint(tmp_path)
 
 
+def test_bin_index_that_disagrees_with_its_shards(tmp_path):
+    # as for safetensors: a name the index gives a pickled shard must be in it (the reader dropped it silently)
+    torch.save({"a": torch.ones(2)}, tmp_path / "pytorch_model-00001-of-00002.bin")
+    torch.save({"b": torch.ones(2)}, tmp_path / "pytorch_model-00002-of-00002.bin")
+    weight_map = {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert sorted(load_state_dict(tmp_path)) == ["a", "b"]
+    weight_map["c"] = "pytorch_model-00002-of-00002.bin"
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"maps 'c' to pytorch_model-00002-of-00002\.bin, but that shard"):
+        load_state_dict(tmp_path)
+
+
 def _write_single(tmp_path):
     save_sharded({"x": torch.arange(1000, dtype=torch.float32)}, tmp_path)
     return tmp_path / "model.safetensors"

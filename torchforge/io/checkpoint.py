@@ -401,6 +401,19 @@ def _files_to_read(layout: _Layout, prefixes) -> tuple[list[str], dict[str, list
     return [f for f in layout.files if any(_wanted(n, prefixes) for n in names_by_file[f])], names_by_file
 
 
+def _check_index_names(layout: _Layout, names_by_file, fname: str, present, prefixes) -> None:
+    """The index's (wanted) tensors of shard `fname` must be in it: else the index and the shards do not match."""
+    if names_by_file is None:
+        return
+    lost = [n for n in names_by_file[fname] if n not in present and _wanted(n, prefixes)]
+    if lost:
+        raise CheckpointError(
+            f"{layout.index_file} maps {lost[0]!r}{f' (and {len(lost) - 1} more)' if len(lost) > 1 else ''} "
+            f"to {fname}, but that shard does not contain it: the index and the shards in {layout.root} come "
+            f"from different saves or downloads"
+        )
+
+
 def _iter_safetensors(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
     from .fp8 import expected_scale_shape
 
@@ -430,14 +443,7 @@ def _iter_safetensors(layout: _Layout, prefixes, dequantize_fp8, device, dtype, 
     plan: dict[str, list[TensorInfo]] = {}
     for fname in files:
         infos = header(fname)
-        if names_by_file is not None:
-            lost = [n for n in names_by_file[fname] if n not in infos and _wanted(n, prefixes)]
-            if lost:
-                raise CheckpointError(
-                    f"{layout.index_file} maps {lost[0]!r}{f' (and {len(lost) - 1} more)' if len(lost) > 1 else ''} "
-                    f"to {fname}, but that shard does not contain it: the index and the shards in {root} come "
-                    f"from different saves or downloads"
-                )
+        _check_index_names(layout, names_by_file, fname, infos, prefixes)
         plan[fname] = [
             i for i in infos.values()
             if _wanted(i.name, prefixes) and (weight_map is None or weight_map.get(i.name, fname) == fname)
@@ -538,7 +544,7 @@ def _iter_bin(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
     from .fp8 import dequantize_fp8_block, is_fp8_dtype
 
     root, weight_map = layout.root, layout.weight_map
-    files, _ = _files_to_read(layout, prefixes)
+    files, names_by_file = _files_to_read(layout, prefixes)
 
     def other_file_tensor(name: str, fname: str) -> torch.Tensor | None:
         # pickled shards cannot be read tensor by tensor; memory-map the other shard just for this one
@@ -551,6 +557,8 @@ def _iter_bin(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
     def gen():
         for fname in files:
             sd = _torch_load(os.path.join(root, fname))
+            _check_index_names(layout, names_by_file, fname, {n for n, t in sd.items() if isinstance(t, torch.Tensor)},
+                               prefixes)
             for name, t in sd.items():
                 if not isinstance(t, torch.Tensor) or not _wanted(name, prefixes):
                     continue
