@@ -74,3 +74,33 @@ def test_quantize_command_exports_what_the_api_exports(tmp_path):
     with torch.no_grad():
         assert torch.equal(torchforge.load_quantized(str(streamed))(ids).logits, rtn(ids).logits)
     assert main(["quantize", TINY_MOE_DIR, str(streamed), "--stream", "--device", "cpu"]) == 2  # not over a checkpoint
+
+
+def test_quantize_command_refuses_what_it_would_ignore_or_crash_on(tmp_path, capsys):
+    import pytest
+
+    from torchforge.testing.tiny_moe import TINY_MOE_DIR
+
+    out = str(tmp_path / "out")
+
+    def err(argv):
+        assert main(["quantize", TINY_MOE_DIR, out, *argv]) == 2
+        return capsys.readouterr().err
+
+    # --stream writes vllm-awq by RTN: another format or calibration ids were silently ignored
+    assert "it takes no --format vllm-gptq" in err(["--stream", "--format", "vllm-gptq", "--device", "cpu"])
+    torch.save(torch.zeros(2, 8, dtype=torch.long), tmp_path / "ids.pt")
+    assert "it takes no --calib-ids" in err(["--stream", "--calib-ids", str(tmp_path / "ids.pt"), "--device", "cpu"])
+    # a corrupt --calib-ids file: an error naming it (was a KeyError traceback)
+    (tmp_path / "bad.pt").write_bytes(b"not a torch file" * 8)
+    assert f"--calib-ids {tmp_path / 'bad.pt'} cannot be read by torch.load" in err(
+        ["--calib-ids", str(tmp_path / "bad.pt"), "--device", "cpu"])
+    if not torch.cuda.is_available():  # was an AssertionError traceback
+        assert "--device cuda: this machine has no CUDA device" in err(["--device", "cuda"])
+    with pytest.raises(SystemExit):  # argparse: unknown formats and negative row counts before any work
+        main(["quantize", TINY_MOE_DIR, out, "--format", "nonsense"])
+    assert "invalid choice: 'nonsense'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["inspect", TINY_MOE_DIR, "--max-rows", "-1"])
+    assert "-1 is negative" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

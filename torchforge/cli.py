@@ -62,6 +62,12 @@ def _quantize(args) -> int:
     if not os.path.isfile(os.path.join(args.src, "config.json")):
         raise FileNotFoundError(f"{args.src} has no config.json: pass an HF checkpoint folder")
     recipe = torchforge.Recipe.coerce(args.recipe)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this machine has no CUDA device; pass --device cpu")
+    if args.stream and (args.format not in (None, "vllm-awq") or args.calib_ids):
+        raise ValueError("--stream writes vllm-awq by round-to-nearest, one tensor at a time: it takes no "
+                         f"{'--calib-ids' if args.calib_ids else f'--format {args.format}'} (drop --stream to load the "
+                         "whole model)")
     if args.stream:
         from torchforge.export.stream_quantize import quantize_checkpoint
 
@@ -70,7 +76,13 @@ def _quantize(args) -> int:
         return 0
     calib = None
     if args.calib_ids:
-        calib = torch.load(args.calib_ids, map_location="cpu", weights_only=True)
+        try:
+            calib = torch.load(args.calib_ids, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # a truncated or foreign file: pickle, zip and unpickler errors of every kind
+            raise ValueError(f"--calib-ids {args.calib_ids} cannot be read by torch.load ({type(e).__name__}: {e}); "
+                             "save the input_ids with torch.save(tensor, path)") from e
         if not isinstance(calib, torch.Tensor) or calib.dim() != 2 or calib.is_floating_point():
             raise ValueError(f"--calib-ids {args.calib_ids}: expected a saved integer input_ids tensor [N, S]")
     elif recipe.scheme == "w4a16-gptq":
@@ -83,7 +95,16 @@ def _quantize(args) -> int:
     return 0
 
 
+def _non_negative(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} is negative")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from torchforge.recipe import EXPORT_FORMATS
+
     p = argparse.ArgumentParser(prog="torchforge", description="4-bit compression of dense and MoE LLMs")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="quantize a small DeepSeek-V3-architecture model, generate, export, reload")
@@ -93,13 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="list the tensors, formats and sizes of a checkpoint folder")
     i.add_argument("checkpoint")
     i.add_argument("--json", action="store_true", help="machine-readable output")
-    i.add_argument("--max-rows", type=int, default=50)
+    i.add_argument("--max-rows", type=_non_negative, default=50)
     i.set_defaults(func=_inspect)
     q = sub.add_parser("quantize", help="quantize an HF checkpoint folder with a recipe and export it")
     q.add_argument("src", help="HF checkpoint folder (config.json + safetensors)")
     q.add_argument("out", help="output folder")
     q.add_argument("--recipe", default="w4a16-rtn", help="preset name or a YAML/JSON recipe file")
-    q.add_argument("--format", default=None, help="export format (default: the recipe's export_format)")
+    q.add_argument("--format", default=None, choices=EXPORT_FORMATS,
+                   help="export format (default: the recipe's export_format)")
     q.add_argument("--calib-ids", default=None, help="torch-saved input_ids [N, S] for calibrated schemes")
     q.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
     q.add_argument("--stream", action="store_true", help="round-to-nearest recipes: one tensor at a time, any model "

@@ -114,7 +114,9 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
         return save_nvfp4_checkpoint(model, out_dir, format, tokenizer=tokenizer, source_dir=source_dir,
                                      max_shard_bytes=max_shard_bytes, dtype=dtype)
     if format not in FORMATS:
-        raise ValueError(f"save_quantized: unknown format {format!r}; choose one of {FORMATS}")
+        from torchforge.recipe import EXPORT_FORMATS
+
+        raise ValueError(f"save_quantized: unknown format {format!r}; choose one of {EXPORT_FORMATS}")
     from torchforge.quantize import RECIPE_ATTR
 
     recipe = getattr(model, RECIPE_ATTR, None)
