@@ -169,3 +169,20 @@ def test_mixtral_uses_checkpoint_names(tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (1, 6))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("scheme,fmt", [("w4a16-rtn", "vllm-gptq"), ("w4a16-rtn", "compressed-tensors"),
+                                        ("nvfp4", "modelopt-nvfp4"), ("nvfp4", "compressed-tensors")])
+def test_mixtral_config_lists_use_checkpoint_names(tmp_path, scheme, fmt):
+    """vLLM matches the config's module lists against its own names, which are the checkpoint names: the lists said
+    mlp.experts / mlp.gate for Mixtral in every format but vllm-awq."""
+    recipe = {"scheme": scheme, "quantize_experts": False}
+    recipe.update({"group_size": 32} if scheme == "w4a16-rtn" else {"group_size": 16, "export_format": fmt})
+    model = _quantized("mixtral", recipe=recipe)
+    torchforge.save_quantized(model, str(tmp_path), format=fmt)
+    q = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    lists = [q.get("ignore", []), q.get("exclude_modules", []), q.get("modules_in_block_to_quantize", []),
+             list(q.get("dynamic", {})), q.get("quantization", {}).get("exclude_modules", [])]
+    flat = [n.replace("\\.", ".") for lst in lists for n in lst]  # vllm-gptq's dynamic keys are escaped regexes
+    assert any("model.layers.0.block_sparse_moe.experts" in n for n in flat), flat
+    assert not any(".mlp." in n for n in flat), flat

@@ -33,7 +33,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from torchforge.export.naming import EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names, vllm_names
+from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names,
+                                      module_names_for_config, vllm_names)
 from torchforge.io import CheckpointError, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
@@ -107,6 +108,7 @@ def _tensors(fmt: str, codes, scales, zeros, symmetric: bool) -> dict[str, torch
 
 # ------------------------------------------------------------------------------------------ configs
 def _skip_list(model: nn.Module) -> list[str]:
+    """In-memory names of the modules left unquantized."""
     return [n for n, m in model.named_modules()
             if (isinstance(m, nn.Linear) and not isinstance(m, ForgeAWQLinear)) or is_fused_experts(m)]
 
@@ -124,11 +126,11 @@ def _symmetric(mods) -> bool:
 
 def vllm_gptq_config(model: nn.Module) -> dict:
     mods = _w4_modules(model)
-    quantized = [n for n, _ in mods]
+    quantized = module_names_for_config([n for n, _ in mods], model)
     return {"quant_method": "gptq", "bits": 4, "group_size": _group_size(mods), "desc_act": False,
             "sym": _symmetric(mods), "lm_head": False, "static_groups": False, "true_sequential": True,
             "checkpoint_format": "gptq", "modules_in_block_to_quantize": quantized,
-            "dynamic": {f"-:^{re.escape(n)}$": {} for n in _skip_list(model)}}
+            "dynamic": {f"-:^{re.escape(n)}$": {} for n in module_names_for_config(_skip_list(model), model)}}
 
 
 def compressed_tensors_config(model: nn.Module) -> dict:
@@ -139,7 +141,8 @@ def compressed_tensors_config(model: nn.Module) -> dict:
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None, "format": "pack-quantized"}},
-            "ignore": _skip_list(model), "kv_cache_scheme": None, "global_compression_ratio": None}
+            "ignore": module_names_for_config(_skip_list(model), model), "kv_cache_scheme": None,
+            "global_compression_ratio": None}
 
 
 def _vllm_awq_config(model: nn.Module) -> dict:
@@ -153,7 +156,7 @@ def _vllm_awq_config(model: nn.Module) -> dict:
         if hit is not None:
             raise ValueError(f"vllm-awq export: unquantized module {s!r} is a substring of quantized {hit!r}")
     return {"quant_method": "awq", "bits": 4, "group_size": _group_size(mods), "zero_point": True, "version": "gemm",
-            "modules_to_not_convert": skip}
+            "modules_to_not_convert": module_names_for_config(skip, model)}
 
 
 # ------------------------------------------------------------------------------------------- save

@@ -59,6 +59,14 @@ def to_checkpoint_name(name: str, model_type: str | None) -> str:
     return _apply(_CHECKPOINT_RENAMES.get(model_type or "", ()), name)
 
 
+def module_names_for_config(names, model) -> list[str]:
+    """Module names for a quantization config's lists (ignore, exclude_modules, modules_in_block_to_quantize,
+    dynamic): vLLM matches them against its own module names, which are the checkpoint names (Mixtral's
+    `block_sparse_moe`), so they are renamed like the tensors."""
+    mt = _model_type(model)
+    return [to_checkpoint_name(n, mt) for n in names]
+
+
 def from_checkpoint_name(name: str, model_type: str | None) -> str:
     """Inverse of `to_checkpoint_name`."""
     return _apply(_LOAD_RENAMES.get(model_type or "", ()), name)

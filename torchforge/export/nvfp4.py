@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from torchforge.export.folder import hf_experts_tensors, keep_fp32
-from torchforge.export.naming import EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names, vllm_names
+from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names,
+                                      module_names_for_config, vllm_names)
 from torchforge.io import CheckpointError, atomic_write_json, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.moe import ForgeMoE
@@ -133,7 +134,8 @@ def nvfp4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype = torch.bflo
 
 # ------------------------------------------------------------------------------------------- config
 def exclude_modules(model: nn.Module) -> list[str]:
-    """Unquantized Linear layers, MoE routers and unquantized fused experts, by full module name."""
+    """Unquantized Linear layers, MoE routers and unquantized fused experts, by full module name (checkpoint naming,
+    as vLLM names its modules)."""
     out = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) or is_fused_experts(mod):
@@ -151,7 +153,7 @@ def exclude_modules(model: nn.Module) -> list[str]:
         if hit is not None:
             raise ValueError(f"NVFP4 export: unquantized module {s!r} is a substring of quantized {hit!r}; vLLM would "
                              "skip both. Quantize both or neither (fused parts must match).")
-    return sorted(set(out))
+    return sorted(set(module_names_for_config(out, model)))
 
 
 def _weights_args() -> dict:
