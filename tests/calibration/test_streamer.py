@@ -150,6 +150,33 @@ def test_offload_spills_and_cleans_up(ckpts, tmp_path, monkeypatch):
     assert streamer.spills == 14 and len(made) == 1 and not os.path.exists(made[0])
 
 
+def test_budget_holds_when_a_larger_batch_comes_last(ckpts, tmp_path):
+    # the streamer reserves room for the largest batch before the first is stored; the store alone learnt it only
+    # when it came, after smaller batches had been kept by their own size (peak 10240 against a budget of 9000)
+    batches = [torch.randint(0, 96, (1, 10)), torch.randint(0, 96, (1, 10)), torch.randint(0, 96, (1, 20))]
+    streamer = LayerwiseStreamer(ckpts["qwen3_moe"], tmp_path / "off", dtype=torch.float32, device="cpu",
+                                 host_budget_bytes=9000)
+    stats = streamer.collect_router_stats(batches)
+    assert streamer.max_chunk_bytes == 20 * 64 * 4 and streamer.spills > 0
+    assert streamer.peak_host_activation_bytes <= 9000
+    ref = LayerwiseStreamer(ckpts["qwen3_moe"], dtype=torch.float32, device="cpu").collect_router_stats(batches)
+    assert torch.equal(stats.hit_map, ref.hit_map)
+
+
+def test_failed_spill_leaves_no_file_and_says_what_to_do(tmp_path, monkeypatch):
+    def torch_save_on_a_full_disk(obj, path):  # torch.save's writer fails as a RuntimeError, a part written
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file")
+
+    monkeypatch.setattr(activations.torch, "save", torch_save_on_a_full_disk)
+    store = activations.ActivationStore(0, tmp_path / "off")
+    with pytest.raises(OSError, match="cannot spill hidden states to .*hs_layer_3_batch_0.pt: .*free space there"):
+        store.put(0, torch.zeros(100), layer=3)
+    assert os.listdir(tmp_path / "off") == []
+    store.close()
+
+
 def test_one_layer_materialized_at_a_time(ckpts, monkeypatch):
     streamer = LayerwiseStreamer(ckpts["deepseek_v3"], dtype=torch.float32, device="cpu")
 

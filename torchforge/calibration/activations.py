@@ -47,6 +47,11 @@ class ActivationStore:
                 self._dir_path = self.offload_dir
         return self._dir_path
 
+    def expect(self, nbytes: int) -> None:
+        """The largest batch to come, when the caller knows it up front: room for it is kept free from the first
+        `put` on (else a larger batch after smaller ones, kept by their own size, would overrun the budget)."""
+        self.max_chunk_bytes = max(self.max_chunk_bytes, int(nbytes))
+
     def _note(self, transient: int) -> None:
         self.peak_host_bytes = max(self.peak_host_bytes, self.held_bytes + transient)
 
@@ -63,9 +68,13 @@ class ActivationStore:
             return
         self._note(n)
         path = os.path.join(self._dir(), f"hs_layer_{layer}_batch_{batch}.pt")
+        tmp = path + ".tmp"
         try:
-            torch.save(t, path)
-        except OSError as e:
+            torch.save(t, tmp)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:  # a full disk fails inside torch.save's writer as a RuntimeError
+            if os.path.exists(tmp):
+                os.unlink(tmp)
             raise OSError(f"cannot spill hidden states to {path}: {e}; free space there, pass another offload_dir "
                           "or raise host_budget_bytes") from e
         self._files[batch] = path

@@ -274,6 +274,8 @@ class LayerwiseStreamer:
         prefix = next(n for n, m in self.model.named_modules() if m is emb) + "."
         host = layer_loader.read_host(self.model_path, self._names(prefix), pin=False)
         self._load(emb, prefix, host)
+        if batches:  # every layer's hidden states are [B, S, H] in the embedding's dtype: reserve the largest
+            store.expect(max(ids.numel() for ids in batches) * emb.weight.shape[1] * emb.weight.element_size())
         try:
             for b, ids in enumerate(batches):
                 store.put(b, emb(ids.to(self.device)).to("cpu"), layer=0)
