@@ -218,3 +218,28 @@ def test_atomic_write_text_and_json(tmp_path, monkeypatch):
         atomic_write_text(path, "new content")
     assert json.loads(path.read_text()) == {"a": 2, "b": 1}
     assert _listing(tmp_path) == ["config.json"]
+
+
+def test_atomic_torch_save_and_bytes_leave_nothing_on_a_failed_write(tmp_path, monkeypatch):
+    from torchforge.calibration.router_stats import RouterStats
+    from torchforge.io.save import atomic_torch_save, atomic_write_bytes
+
+    atomic_torch_save({"a": torch.ones(3)}, tmp_path / "x.pt")
+    atomic_write_bytes(tmp_path / "x.png", b"\x89PNG")
+    assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)["a"], torch.ones(3))
+    assert (tmp_path / "x.png").read_bytes() == b"\x89PNG"
+
+    real_save = torch.save
+
+    def full_disk(obj, f):  # torch.save's writer fails as a RuntimeError after writing a part
+        real_save(obj, f)
+        raise RuntimeError("PytorchStreamWriter failed writing file")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    stats = RouterStats(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match="failed writing"):
+        stats.save(str(tmp_path / "hits.pt"))
+    with pytest.raises(RuntimeError, match="failed writing"):
+        atomic_torch_save({"b": torch.zeros(1)}, tmp_path / "x.pt")
+    assert sorted(os.listdir(tmp_path)) == ["x.png", "x.pt"]  # no temporaries, the old x.pt kept
+    assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)["a"], torch.ones(3))

@@ -9,7 +9,6 @@ count. Hooks read the router's input and output, so the model's own routing is w
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -37,10 +36,11 @@ class RouterStats:
 
     def save(self, path: str) -> str:
         """torch.save of a plain dict (loadable with weights_only=True), written atomically."""
-        tmp = f"{path}.tmp"
-        torch.save({"hit_map": self.hit_map, "topk_counts": self.topk_counts, "routed_weight": self.routed_weight,
-                    "tokens": self.tokens, "layers": self.layers, "settings": self.settings}, tmp)
-        os.replace(tmp, path)
+        from torchforge.io.save import atomic_torch_save
+
+        atomic_torch_save({"hit_map": self.hit_map, "topk_counts": self.topk_counts,
+                           "routed_weight": self.routed_weight, "tokens": self.tokens, "layers": self.layers,
+                           "settings": self.settings}, path)
         return path
 
     @classmethod

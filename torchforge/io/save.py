@@ -93,6 +93,34 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
     _fsync_dir(os.path.dirname(path))
 
 
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (a fresh temporary file, fsynced, renamed into place)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    _atomic_write(path, write)
+
+
+def atomic_torch_save(obj, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` atomically: a failed write (a full disk fails inside torch.save as RuntimeError)
+    leaves neither a partial file under ``path`` nor a temporary one."""
+    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def _atomic_write(path: str | os.PathLike, write) -> None:
+    path = os.path.abspath(os.fspath(path))
+    tmp = _temp_path(path)
+    try:
+        write(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path))
+
+
 def atomic_write_json(path: str | os.PathLike, obj, *, indent: int = 2, sort_keys: bool = False) -> None:
     """:func:`atomic_write_text` of ``json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\\n"``."""
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, ensure_ascii=False) + "\n")

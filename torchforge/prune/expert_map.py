@@ -203,21 +203,13 @@ def validate_expert_map(expert_map, num_experts: int | None = None) -> torch.Ten
 
 def save_expert_map(expert_map, directory: str | os.PathLike) -> str:
     """Validates and writes `directory/expert_map.pt` (a plain int32 tensor) atomically; returns its path."""
-    from torchforge.io.save import _fsync_dir, _fsync_file, _temp_path, _unlink_quiet
+    from torchforge.io.save import atomic_torch_save
 
     m = validate_expert_map(expert_map)
     directory = os.path.abspath(os.fspath(directory))
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, EXPERT_MAP_FILE)
-    tmp = _temp_path(path)
-    try:
-        torch.save(m, tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quiet(tmp)
-        raise
-    _fsync_dir(directory)
+    atomic_torch_save(m, path)
     return path
 
 

@@ -2,7 +2,6 @@
 the PNG (8-bit RGB, one IDAT chunk) is written directly with zlib."""
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 
@@ -56,8 +55,7 @@ def png_bytes(img: torch.Tensor) -> bytes:
 
 def save_hitmap_png(path: str, hit_map, expert_map=None, cell: int = 8) -> str:
     data = png_bytes(hitmap_image(hit_map, expert_map, cell))
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)  # atomic: never a half-written PNG under the final name
+    from torchforge.io.save import atomic_write_bytes
+
+    atomic_write_bytes(path, data)  # never a half-written PNG under the final name, nor a stray temporary file
     return path

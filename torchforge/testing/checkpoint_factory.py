@@ -238,7 +238,6 @@ def make_checkpoint(path, arch: str = "deepseek_v3", *, num_layers: int = 8, hid
     if fp8:
         config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                          "weight_block_size": list(FP8_BLOCK)}
-    atomic_write_json(os.path.join(path, "config.json"), config)
 
     temps = []
     try:
@@ -258,5 +257,6 @@ def make_checkpoint(path, arch: str = "deepseek_v3", *, num_layers: int = 8, hid
     index = {"metadata": {"total_size": sum(sizes.values())},
              "weight_map": {n: fname for fname, shard in zip(names, plan) for n in shard}}
     atomic_write_json(os.path.join(path, SAFE_WEIGHTS_INDEX_NAME), index, sort_keys=True)
+    atomic_write_json(os.path.join(path, "config.json"), config)  # last, as the exports: a failed write leaves none
     return path
 
