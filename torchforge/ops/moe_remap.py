@@ -144,7 +144,8 @@ def _moe_remap(topk_ids: Tensor, topk_weights: Tensor, layer_map: Tensor) -> Tup
         return launch_moe_remap(topk_ids, topk_weights, layer_map)
     if topk_ids.device.type == "cpu" and not _is_traced(topk_ids, layer_map):
         check_ids_in_range(topk_ids, layer_map.shape[0])
-    return moe_remap_ref(topk_ids, topk_weights, layer_map)
+    ids, weights = moe_remap_ref(topk_ids, topk_weights, layer_map)
+    return ids.contiguous(), weights.contiguous()  # the fake's (and the kernel's) layout for any input strides
 
 
 @_moe_remap.register_fake

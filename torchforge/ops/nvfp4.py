@@ -261,7 +261,7 @@ def _nvfp4_fake_quantize_activation(x: Tensor, input_scale: Tensor) -> Tensor:
 @_nvfp4_fake_quantize_activation.register_fake
 def _(x: Tensor, input_scale: Tensor) -> Tensor:
     _check_act_quant_args("nvfp4_fake_quantize_activation", x, input_scale)
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the reference's output for any input strides
 
 
 def _check_swizzle_args(op: str, scales: Tensor) -> None:
@@ -300,7 +300,9 @@ def _check_unswizzle_args(swizzled: Tensor, rows: int, cols: int) -> None:
 @custom_op("torchforge::nvfp4_unswizzle_scales", mutates_args=())
 def _nvfp4_unswizzle_scales(swizzled: Tensor, rows: int, cols: int) -> Tensor:
     _check_unswizzle_args(swizzled, rows, cols)
-    return unswizzle_scales_ref(swizzled, rows, cols)
+    out = unswizzle_scales_ref(swizzled, rows, cols)
+    # views all the way for an empty tensor (or one already in order): a custom op's output may not alias its input
+    return out.clone() if out.untyped_storage().data_ptr() == swizzled.untyped_storage().data_ptr() else out
 
 
 @_nvfp4_unswizzle_scales.register_fake

@@ -130,7 +130,7 @@ def _out_shape(weight: Tensor, group_size: int) -> Tuple[int, ...]:
 @custom_op("torchforge::qmeta4_encode", mutates_args=())
 def _qmeta4_encode(scale: Tensor, zero: Tensor, symmetric: bool) -> Tensor:
     _check_encode(scale, zero)
-    return qmeta4_encode_ref(scale, zero, symmetric)
+    return qmeta4_encode_ref(scale, zero, symmetric).contiguous()  # the fake's layout, whatever the inputs' strides
 
 
 @_qmeta4_encode.register_fake
@@ -143,7 +143,7 @@ def _(scale: Tensor, zero: Tensor, symmetric: bool) -> Tensor:
 @custom_op("torchforge::qmeta4_decode", mutates_args=())
 def _qmeta4_decode(qmeta: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     _check_qmeta("qmeta4_decode", qmeta)
-    return qmeta4_decode_ref(qmeta)
+    return tuple(t.contiguous() for t in qmeta4_decode_ref(qmeta))
 
 
 @_qmeta4_decode.register_fake
@@ -173,7 +173,7 @@ def _qmeta4_mse_refine(weight: Tensor, qmeta: Tensor, grid: Tensor, group_size: 
     _check_refine(weight, qmeta, grid, group_size, bits, norm, scale_dtype)
     if use_triton(weight):
         return launch_qmeta4_mse_refine(weight, qmeta, grid, group_size, bits, norm, scale_dtype)
-    return qmeta4_mse_refine_ref(weight, qmeta, grid, group_size, bits, norm, scale_dtype)
+    return qmeta4_mse_refine_ref(weight, qmeta, grid, group_size, bits, norm, scale_dtype).contiguous()
 
 
 @_qmeta4_mse_refine.register_fake
