@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check", "check_type", "check_value"]
+__all__ = ["check", "check_type", "check_value", "check_same_device"]
 
 
 def check(cond, message=None) -> None:
@@ -26,3 +26,11 @@ def check_value(cond, message) -> None:
     if cond is True:
         return
     torch._check_value(cond, message)
+
+
+def check_same_device(op: str, name: str, t, ref, ref_name: str) -> None:
+    """`t` (an optional tensor argument) lives where `ref` does: a CPU bias with CUDA x would hand a kernel a host
+    pointer, and a meta one gives garbage on the CPU path."""
+    if t is not None:
+        check_value(t.device == ref.device, lambda: f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                                                    "move them to one device")

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from torchforge.ops._check import check_type, check_value
+from torchforge.ops._check import check_same_device, check_type, check_value
 from torchforge.ops._ext import has_cuda_ext
 from torchforge.ops._gemm import matmul_bias
 from torchforge.ops._triton import HAS_TRITON, use_triton
@@ -214,6 +214,7 @@ def _check_w4a16_args(
             bias.dim() == 1 and bias.shape[0] == oc,
             lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({oc},) = [OC]",
         )
+        check_same_device(op, "bias", bias, x, "x")
     return ic, oc
 
 
@@ -318,7 +319,7 @@ def _w4a16_linear(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int, bias: Optional[Tensor]
 ) -> Tensor:
     ic, oc = _check_w4a16_args(x, qweight, scales, qzeros, group_size, bias)
-    if _kernel_ok(x, group_size):
+    if _kernel_ok(x, group_size) and ic > 0:  # IC = 0: an empty sum, the reference's zeros (+ bias)
         m = x.numel() // ic
         # the kernels index these as dense row-major arrays
         qweight, scales, qzeros = qweight.contiguous(), scales.contiguous(), qzeros.contiguous()

@@ -60,7 +60,7 @@ def _awq_moe_gemm(x: Tensor, expert_ids: Tensor, qweight: Tensor, scales: Tensor
             return launch_awq_moe_gemv(x, expert_ids, qweight, scales, qzeros, group_size, x_row_div=x_row_div)
         return launch_awq_moe_gemm(x, expert_ids, qweight, scales, qzeros, group_size, x_row_div=x_row_div)
     rows = x.repeat_interleave(x_row_div, dim=0) if x_row_div > 1 else x
-    return awq_grouped_linear_ref(rows, expert_ids, qweight, scales, qzeros, group_size)
+    return awq_grouped_linear_ref(rows, expert_ids, qweight, scales, qzeros, group_size, op="awq_moe_gemm")
 
 
 @_awq_moe_gemm.register_fake

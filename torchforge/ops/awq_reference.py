@@ -175,7 +175,7 @@ def _is_traced(*tensors: Tensor) -> bool:
     return torch.compiler.is_compiling() or any(is_fake(t) for t in tensors)
 
 
-def check_expert_ids(expert_ids: Tensor, num_experts: int) -> None:
+def check_expert_ids(expert_ids: Tensor, num_experts: int, op: str = "awq_grouped_linear") -> None:
     """Eager range check of ``expert_ids`` (a host sync: not used on CUDA)."""
     if expert_ids.numel() == 0:
         return
@@ -184,7 +184,7 @@ def check_expert_ids(expert_ids: Tensor, num_experts: int) -> None:
     if nbad:
         first = int(expert_ids[bad][0])
         raise ValueError(
-            f"awq_grouped_linear: expert_ids has {nbad} values outside [0, {num_experts}) (e.g. {first}); "
+            f"{op}: expert_ids has {nbad} values outside [0, {num_experts}) (e.g. {first}); "
             f"qweight holds {num_experts} experts, check the router output / expert offset"
         )
 
@@ -196,6 +196,7 @@ def awq_grouped_linear_ref(
     scales: Tensor,
     qzeros: Tensor,
     group_size: int,
+    op: str = "awq_grouped_linear",
 ) -> Tensor:
     """Row ``r`` of the ``[R, OC]`` result is ``x[r] @ W[expert_ids[r]].T`` (same math as
     ``w4a16_linear_ref``).
@@ -214,7 +215,7 @@ def awq_grouped_linear_ref(
             w = _dequantize_fp32(qweight[e], scales[e], qzeros[e], group_size).to(x.dtype)
             out = torch.where((ids == e).unsqueeze(-1), xf @ w.to(torch.float32), out)
         return out.to(x.dtype)
-    check_expert_ids(ids, num_experts)
+    check_expert_ids(ids, num_experts, op)  # `op`: the public op the caller ran, for the message
     out = x.new_empty(x.shape[0], oc)
     for e in torch.unique(ids).tolist():
         rows = (ids == e).nonzero().squeeze(-1)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from torchforge.ops._check import check_type, check_value
+from torchforge.ops._check import check_same_device, check_type, check_value
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.gptq_reference import (
     gptq_dequantize_ref,
@@ -89,8 +89,10 @@ def _check_linear(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, g_
                        lambda: f"{op}: x has shape {tuple(x.shape)} but qweight {tuple(qweight.shape)} expects IC={ic}")
     check_value(x.device == qweight.device, lambda: f"{op}: x is on {x.device} but qweight on {qweight.device}")
     if bias is not None:
+        check_type(bias.dtype in _FLOAT_DTYPES, lambda: f"{op}: bias must be float16/bfloat16/float32, got {bias.dtype}")
         check_value(bias.dim() == 1 and bias.shape[0] == oc,
                            lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({oc},) = [OC]")
+        check_same_device(op, "bias", bias, x, "x")
     return ic, oc
 
 
@@ -115,12 +117,19 @@ def _(codes: Tensor) -> Tensor:
 
 @custom_op("torchforge::gptq_unpack", mutates_args=())
 def _gptq_unpack(qweight: Tensor) -> Tensor:
-    check_type(qweight.dtype == torch.int32, lambda: f"gptq_unpack: qweight must be int32, got {qweight.dtype}")
+    _check_unpack(qweight)
     return gptq_unpack_ref(qweight)
+
+
+def _check_unpack(qweight: Tensor) -> None:
+    check_type(qweight.dtype == torch.int32, lambda: f"gptq_unpack: qweight must be int32, got {qweight.dtype}")
+    check_value(qweight.dim() >= 2, lambda: f"gptq_unpack: qweight must be [..., IC // 8, OC], got shape "
+                                            f"{tuple(qweight.shape)}")
 
 
 @_gptq_unpack.register_fake
 def _(qweight: Tensor) -> Tensor:
+    _check_unpack(qweight)
     return qweight.new_empty((*qweight.shape[:-2], qweight.shape[-2] * 8, qweight.shape[-1]), dtype=torch.uint8)
 
 
@@ -172,6 +181,9 @@ def gptq_unpack(qweight: Tensor) -> Tensor:
 
 def gptq_pack_zeros(zeros: Tensor) -> Tensor:
     """True zero points ``[..., NG, OC]`` (1..15) -> v1 ``qzeros`` int32 ``[..., NG, OC // 8]`` (``z - 1``)."""
+    check_value(zeros.dim() >= 2 and zeros.shape[-1] % 8 == 0,
+                lambda: f"gptq_pack_zeros: zeros must be [..., NG, OC] with OC divisible by 8 (8 zero points per "
+                        f"int32), got shape {tuple(zeros.shape)}")
     return gptq_pack_zeros_ref(zeros)
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from torchforge.ops._check import check_type, check_value
+from torchforge.ops._check import check_same_device, check_type, check_value
 from torchforge.ops._routed_rows import check_routed_rows
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.nvfp4_reference import (
@@ -144,9 +144,10 @@ def _check_activation(op: str, x: Tensor, k: int, like: Tensor) -> None:
                        lambda: f"{op}: x is on {x.device} but the weight is on {like.device}")
 
 
-def _check_input_scale(op: str, input_scale: Optional[Tensor], want: tuple) -> None:
+def _check_input_scale(op: str, input_scale: Optional[Tensor], want: tuple, x: Tensor) -> None:
     if input_scale is None:
         return
+    check_same_device(op, "input_scale", input_scale, x, "x")
     check_type(input_scale.dtype == torch.float32,
                       lambda: f"{op}: input_scale must be float32, got {input_scale.dtype}")
     check_value(
@@ -172,7 +173,7 @@ def _check_grouped_args(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: T
     n, k = _check_packed(op, packed, scales, weight_scale_2, lead_dims=1)
     _check_activation(op, x, k, packed)
     check_routed_rows(op, x, expert_ids, x_row_div)
-    _check_input_scale(op, input_scale, (packed.shape[0],))
+    _check_input_scale(op, input_scale, (packed.shape[0],), x)
     return n, k
 
 
@@ -181,21 +182,23 @@ def _check_linear_args(x: Tensor, packed: Tensor, scales: Tensor, weight_scale_2
     op = "nvfp4_linear"
     n, k = _check_packed(op, packed, scales, weight_scale_2, lead_dims=0)
     _check_activation(op, x, k, packed)
-    _check_input_scale(op, input_scale, ())
+    _check_input_scale(op, input_scale, (), x)
     if bias is not None:
         check_type(bias.dtype in _FLOAT_DTYPES, lambda: f"{op}: bias must be a float tensor, got {bias.dtype}")
         check_value(bias.dim() == 1 and bias.shape[0] == n,
                            lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({n},)")
+        check_same_device(op, "bias", bias, x, "x")
     return n, k
 
 
 def _check_positive(op: str, t: Optional[Tensor], what: str) -> None:
     if t is None or t.numel() == 0 or _is_traced(t):  # a data check: eager only
         return
-    bad = int((~(torch.isfinite(t) & (t > 0))).sum())
+    bad_mask = ~(torch.isfinite(t) & (t > 0))
+    bad = int(bad_mask.sum())
     if bad:
         raise ValueError(f"{op}: {what} must be positive and finite; {bad} of {t.numel()} values are not "
-                         f"(e.g. {float(t.flatten()[0])})")
+                         f"(e.g. {float(t[bad_mask].flatten()[0])})")
 
 
 # -------------------------------------------------------------------------------------------- ops

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from torchforge.ops._check import check_type, check_value
+from torchforge.ops._check import check_same_device, check_type, check_value
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.qmeta4_reference import (
     default_grid,
@@ -111,6 +111,7 @@ def _check_refine(weight: Tensor, qmeta: Tensor, grid: Tensor, group_size: int, 
     _check_weight(op, weight, group_size, bits)
     _check_qmeta_for(op, qmeta, weight, group_size)
     check_type(grid.dtype == torch.float32, lambda: f"{op}: grid must be float32, got {grid.dtype}")
+    check_same_device(op, "grid", grid, weight, "weight")
     check_value(
         grid.dim() == 1 and grid.shape[0] >= 1,
         lambda: f"{op}: grid must be a non-empty 1-D tensor of scale factors, got shape {tuple(grid.shape)}",
