@@ -102,7 +102,7 @@ def _encode_codes(scale: Tensor) -> Tensor:
     """fp32 scale > 0 -> int32 Q8.8 code ``round(256 * log2(scale))`` (exact, clamped)."""
     _, bounds = scale_tables(scale.device, fresh=_is_traced(scale))
     m, e = torch.frexp(scale)  # scale = m * 2**e, m in [0.5, 1)
-    m2 = m * 2.0  # [1, 2), exact
+    m2 = (m * 2.0).contiguous()  # [1, 2), exact; contiguous for searchsorted (strided scales)
     f = torch.searchsorted(bounds, m2, right=True)  # 0..256
     code = (e.to(torch.int64) - 1) * 256 + f
     return code.clamp(QMETA4_CODE_MIN, QMETA4_CODE_MAX).to(torch.int32)
