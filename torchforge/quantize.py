@@ -26,9 +26,10 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
              gptq=None) -> nn.Module:
     """Quantizes `model` in place and returns it.
 
-    Linear layers matched by `recipe.targets` and not by `recipe.ignore` become `ForgeAWQLinear`; an HF
-    sparse-MoE block whose fused experts are matched becomes a `ForgeMoE` holding `ForgeAWQExperts`
-    (router kept as is). `calib_data` is accepted for calibrated schemes and unused by `w4a16-rtn`.
+    Linear layers matched by `recipe.targets` and not by `recipe.ignore` become `ForgeAWQLinear` (`w4a16-rtn`),
+    `ForgeGPTQLinear` (`w4a16-gptq`) or `NVFP4Linear` (`nvfp4`); an HF sparse-MoE block whose fused experts are
+    matched becomes a `ForgeMoE` holding `ForgeAWQExperts` (an `NVFP4MoE` holding `NVFP4Experts` for nvfp4), router
+    kept as is. Every replacement is built before the first is installed: an error leaves the model unchanged. `calib_data` is accepted for calibrated schemes and unused by `w4a16-rtn`.
     `w4a16-gptq` calibrates on `calib_data` (see torchforge.gptq.calibrate; `gptq`: a GPTQConfig or dict).
     """
     recipe = Recipe.coerce(recipe)

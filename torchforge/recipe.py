@@ -41,8 +41,7 @@ class RecipeError(ValueError):
     """An invalid recipe: bad field value, unknown key, unknown preset, unreadable file."""
 
 
-# Implemented quantization schemes. Planned: "w4a16-awq", "w4a16-gptq", "nvfp4" -- add each
-# here (and to _SCHEME_BITS / _check_group_size as needed) when its algorithm lands.
+# Implemented quantization schemes; "nvfp4" and "w4a16-gptq" are added below with their formats.
 SCHEMES: tuple[str, ...] = ("w4a16-rtn",)
 
 # Weight bit widths each scheme supports.

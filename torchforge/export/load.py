@@ -83,7 +83,8 @@ def _rebuild_rotary(model: nn.Module, device) -> None:
 
 
 def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Loads a folder written by `torchforge.save_quantized` (vllm-awq) as an HF model with torchforge modules."""
+    """Loads a folder written by `torchforge.save_quantized` (any of its formats: vllm-awq, vllm-gptq,
+    compressed-tensors W4A16 or NVFP4, modelopt-nvfp4) as an HF model with torchforge modules."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"load_quantized: {path} has no config.json (not a checkpoint folder, or an unfinished save)")
     model, qcfg = _build_skeleton(path, dtype)

@@ -94,9 +94,11 @@ def vllm_awq_quantization_config(model: nn.Module) -> dict:
 
 def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, tokenizer=None, source_dir=None,
                    max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
-    """Writes an HF-style checkpoint folder that vLLM loads as is. Returns `out_dir`.
+    """Writes an HF-style checkpoint folder that vLLM loads as is. Returns `out_dir`. `format`: "vllm-awq" (below),
+    "vllm-gptq" or "compressed-tensors" (W4A16, torchforge.export.gptq_export; compressed-tensors' NVFP4 for NVFP4
+    models) or "modelopt-nvfp4" (torchforge.export.nvfp4); README "Formats" has each layout.
 
-    config.json carries `quantization_config = {quant_method: awq, bits: 4, group_size, zero_point: true,
+    vllm-awq: config.json carries `quantization_config = {quant_method: awq, bits: 4, group_size, zero_point: true,
     version: gemm, modules_to_not_convert}`; routed experts are written one by one
     (`...mlp.experts.{e}.{gate,up,down}_proj.{qweight,qzeros,scales}`), unquantized tensors in bf16.
     """

@@ -86,7 +86,9 @@ class ForgeAWQLinear(nn.Module):
         """Switch qweight to the mma layout (exact, in place of the AWQ words); False, and nothing changed, where
         the shape or group size does not fit it (OC, IC and the group size multiples of 64). The CUDA kernel needs
         the compiled extension and reads fp16 scales (AWQ's own dtype), or bf16 ones with bf16 activations (after
-        `model.to(torch.bfloat16)`); otherwise, and past 128 rows, a call dequantizes the weight and runs cuBLAS."""
+        `model.to(torch.bfloat16)`); otherwise, and past 128 rows, a call dequantizes the weight and runs cuBLAS,
+        except on Hopper, where 32-512 rows run the warpgroup-MMA kernel wherever its time model has it faster
+        (torchforge.ops.awq_mma)."""
         if self.weight_layout == "mma":
             return True
         if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
@@ -132,7 +134,7 @@ def _import_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, *a
 def use_mma_layout(model: nn.Module, experts: bool = True, fused_moe: bool = True) -> int:
     """Switch every `ForgeAWQLinear` and `ForgeGPTQLinear` (and, with `experts`, `ForgeAWQExperts`) of `model` that
     fits to the mma layout: faster decode on CUDA (the tensor-core kernels of csrc/awq_mma.cu; linear layers run
-    Triton dequantize + cuBLAS beyond 128 rows). With `fused_moe`, every `ForgeMoE` block that then qualifies also
+    Triton dequantize + cuBLAS beyond 128 rows, or on Hopper up to 512 rows csrc/awq_wgmma.cu where faster). With `fused_moe`, every `ForgeMoE` block that then qualifies also
     takes the fused decode path (`ForgeMoE.use_fused_decode`: shared expert inside the grouped expert kernels,
     DeepSeek-V3 routing in one kernel). Returns how many modules switched, fused blocks included. Exports are
     unchanged (each module's own checkpoint layout)."""

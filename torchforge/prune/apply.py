@@ -53,7 +53,7 @@ def prune_experts(model: nn.Module, expert_map, mode: str = "reroute", renormali
 
     `expert_map`: int32 `[L, E]` from `torchforge.prune.build_expert_map`, row l for the l-th MoE block in
     `model.named_modules()` order. Blocks may be HF sparse-MoE blocks or ForgeMoE (so pruning works after
-    `torchforge.quantize`; quantize before pruning, as quantize rebuilds MoE blocks). Shared experts and the
+    `torchforge.quantize`: pruning and quantizing compose in either order). Shared experts and the
     router are kept. `mode`: "reroute" (pruned experts removed before top-k; exports as a standard smaller
     checkpoint) or "drop" (seed 000: pruned picks get weight 0; `renormalize` rescales the kept weights).
     """
