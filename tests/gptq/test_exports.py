@@ -159,5 +159,7 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match=r"vllm-awq\): model\.layers\.0\.mlp\.down_proj: act-order"):
         torchforge.save_quantized(model, str(tmp_path / "a"), format="vllm-awq")
     torchforge.save_quantized(model, str(tmp_path / "g"), format="vllm-gptq")  # fine: g_idx is written
+    # and read: vLLM's GPTQ kernels replace g_idx by k // G unless desc_act is true
+    assert json.load(open(tmp_path / "g" / "config.json"))["quantization_config"]["desc_act"] is True
     loaded = torchforge.load_quantized(str(tmp_path / "g"), dtype=torch.float32)
     assert torch.equal(loaded.model.layers[0].mlp.down_proj.dequantized_weight(), lin.dequantized_weight())

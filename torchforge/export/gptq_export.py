@@ -9,8 +9,8 @@ layouts are exact re-packings of the same numbers (``ForgeGPTQLinear``, ``ForgeA
 
 * ``vllm-gptq`` (AutoGPTQ / vLLM ``quant_method: gptq``): ``qweight [IC // 8, OC]`` packed along IC,
   ``qzeros [IC // G, OC // 8]`` holding ``z - 1`` (v1, see :mod:`torchforge.ops.gptq_reference`),
-  ``scales``, ``g_idx``. Config: ``bits, group_size, desc_act: false, sym, lm_head: false,
-  checkpoint_format: gptq``, the quantized modules in ``modules_in_block_to_quantize`` (vLLM treats an
+  ``scales``, ``g_idx``. Config: ``bits, group_size, desc_act`` (true only for a permuted ``g_idx``: vLLM reads
+  ``g_idx`` only then), ``sym, lm_head: false, checkpoint_format: gptq``, the quantized modules in ``modules_in_block_to_quantize`` (vLLM treats an
   entry as a substring of a layer's name; full module names), and every unquantized Linear as a negative
   ``dynamic`` rule (``"-:^name$"``, vLLM ``re.match`` es it against the layer name).
 * ``compressed-tensors`` ``pack-quantized`` (what vLLM's ``CompressedTensorsWNA16`` reads):
@@ -127,7 +127,11 @@ def _symmetric(mods) -> bool:
 def vllm_gptq_config(model: nn.Module) -> dict:
     mods = _w4_modules(model)
     quantized = module_names_for_config([n for n, _ in mods], model)
-    return {"quant_method": "gptq", "bits": 4, "group_size": _group_size(mods), "desc_act": False,
+    # desc_act tells vLLM whether to read g_idx at all: with false its GPTQ kernels (exllama, Marlin) replace it by
+    # k // group_size, so a permuted g_idx (an act-order checkpoint loaded and re-exported) needs true. A trivial
+    # g_idx beside it is read as it is, so one act-order layer sets it for the checkpoint.
+    desc_act = any(isinstance(m, ForgeGPTQLinear) and m.has_act_order() for _, m in mods)
+    return {"quant_method": "gptq", "bits": 4, "group_size": _group_size(mods), "desc_act": desc_act,
             "sym": _symmetric(mods), "lm_head": False, "static_groups": False, "true_sequential": True,
             "checkpoint_format": "gptq", "modules_in_block_to_quantize": quantized,
             "dynamic": {f"-:^{re.escape(n)}$": {} for n in module_names_for_config(_skip_list(model), model)}}
