@@ -152,7 +152,9 @@ def test_group_balanced_map_keeps_the_best_of_each_group():
     assert m[0].tolist() == [0, 1, -1, -1, -1, 3, 2, -1]
     assert m[1].tolist() == [-1, -1, 3, 2, -1, -1, 1, 0]
     assert ((m >= 0).view(2, 2, 4).sum(-1) == 2).all()
-    with pytest.raises(ValueError, match="split evenly over n_group=2"):
+    with pytest.raises(ValueError, match="keep_k=3 does not split evenly over n_group=2"):
         build_expert_map(hits, keep_k=3, n_group=2)
+    with pytest.raises(ValueError, match="keep_ratio=0.375 keeps 3 experts per layer, which does not split evenly"):
+        build_expert_map(hits, keep_ratio=0.375, n_group=2)
     with pytest.raises(ValueError, match="positive divisor of the 8"):
         build_expert_map(hits, keep_k=4, n_group=3)

@@ -147,7 +147,7 @@ def build_expert_map(hit_map, keep_k=None, keep_ratio=None, n_group: int | None 
     num_layers, num_experts = hits.shape
     ks = _per_layer_keep(num_layers, num_experts, keep_k, keep_ratio)
     if n_group is not None:
-        _check_groups(num_experts, ks, n_group)
+        _check_groups(num_experts, ks, n_group, keep_ratio)
     out = torch.full((num_layers, num_experts), -1, dtype=torch.int32)
     for layer, k in enumerate(ks):
         # A stable sort of the negated hits: descending, and equal hits keep ascending expert ids.
@@ -163,13 +163,15 @@ def build_expert_map(hit_map, keep_k=None, keep_ratio=None, n_group: int | None 
     return out
 
 
-def _check_groups(num_experts: int, ks: list[int], n_group: int) -> None:
+def _check_groups(num_experts: int, ks: list[int], n_group: int, keep_ratio=None) -> None:
     if not _is_int(n_group) or n_group < 1 or num_experts % n_group:
         raise ValueError(f"build_expert_map: n_group={n_group!r} must be a positive divisor of the {num_experts} "
                          "routed experts (the router's n_group)")
     bad = [k for k in ks if k % n_group]
     if bad:
-        raise ValueError(f"build_expert_map: keep_k={bad[0]} does not split evenly over n_group={n_group} groups; "
+        given = f"keep_ratio={keep_ratio} keeps {bad[0]} experts per layer, which" if keep_ratio is not None else \
+            f"keep_k={bad[0]}"
+        raise ValueError(f"build_expert_map: {given} does not split evenly over n_group={n_group} groups; "
                          f"keep a multiple of {n_group} experts per layer")
 
 
