@@ -92,6 +92,13 @@ def test_failed_quantize_leaves_the_model_unchanged(scheme):
     with pytest.raises(ValueError, match="the model is unchanged"):
         torchforge.quantize(model, recipe)
     assert {n: type(m) for n, m in model.named_modules()} == before
+    # a NaN weight in the last layer: found before anything is swapped too
+    model = models.build("qwen3_moe")
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.1\.mlp\.experts: .*NaN.*unchanged"):
+        torchforge.quantize(model, {"scheme": scheme, "group_size": 32} if scheme == "w4a16-rtn" else "nvfp4")
+    assert {n: type(m) for n, m in model.named_modules()} == before
 
 
 class _PerExpertMLP(torch.nn.Module):

@@ -10,6 +10,7 @@ from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
 from torchforge.nn.moe import ForgeMoE
+from torchforge.ops.awq_reference import check_finite_weight
 from torchforge.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,9 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     Linear layers matched by `recipe.targets` and not by `recipe.ignore` become `ForgeAWQLinear` (`w4a16-rtn`),
     `ForgeGPTQLinear` (`w4a16-gptq`) or `NVFP4Linear` (`nvfp4`); an HF sparse-MoE block whose fused experts are
     matched becomes a `ForgeMoE` holding `ForgeAWQExperts` (an `NVFP4MoE` holding `NVFP4Experts` for nvfp4), router
-    kept as is. Every replacement is built before the first is installed: an error leaves the model unchanged. `calib_data` is accepted for calibrated schemes and unused by `w4a16-rtn`.
+    kept as is. Every module is checked (shapes, group size, finite weights) before the first is replaced: such an
+    error leaves the model unchanged. Modules are then quantized and swapped one at a time, so peak memory is the
+    model plus one quantized module. `calib_data` is accepted for calibrated schemes and unused by `w4a16-rtn`.
     `w4a16-gptq` calibrates on `calib_data` (see torchforge.gptq.calibrate; `gptq`: a GPTQConfig or dict).
     """
     recipe = Recipe.coerce(recipe)
@@ -60,23 +63,50 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     err = paired_modules_error([n for n, _ in selected], all_names)
     if err:
         raise ValueError(err)
-    # Every replacement is built before the first is installed: a module that cannot be quantized (a shape the group
-    # size does not divide, NaN weights) leaves the model as it was, not half quantized with a retry mixing settings.
-    replacements = []
+    # Every module is checked before the first is replaced: one that cannot be quantized (a shape the group size does
+    # not divide, NaN weights) leaves the model as it was, not half quantized with a retry mixing settings. The
+    # modules are then quantized and swapped one at a time (building them all first would hold both copies).
+    check_quantizable(selected, lambda m: ForgeAWQLinear(m.in_features, m.out_features, bias=m.bias is not None,
+                                                          group_size=recipe.group_size, symmetric=recipe.symmetric,
+                                                          device="meta"),
+                      lambda m: ForgeAWQExperts.empty_for(m, recipe.group_size, recipe.symmetric, device="meta"),
+                      recipe.quantize_experts)
+    counts = {"linear": 0, "moe": 0}
     for name, module in selected:
         try:
             r = _replacement(model, name, module, recipe)
-        except ValueError as e:
-            raise ValueError(f"quantize: cannot quantize {name}: {e}; the model is unchanged") from e
+        except ValueError as e:  # not seen by the checks (a quantizer's own error); earlier modules are swapped
+            raise ValueError(f"quantize: cannot quantize {name}: {e}") from e
         if r is not None:
-            replacements.append(r)
-    counts = {"linear": 0, "moe": 0}
-    for target, new, kind in replacements:
-        model.set_submodule(target, new)
-        counts[kind] += 1
+            target, new, kind = r
+            model.set_submodule(target, new)
+            counts[kind] += 1
     setattr(model, RECIPE_ATTR, recipe)
     log.info("quantize: %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
     return model
+
+
+def check_quantizable(selected, linear_shell, experts_shell, quantize_experts: bool) -> None:
+    """Raises, naming the module, what quantizing `selected` would raise before anything is swapped: each module's
+    empty replacement built on the meta device (`linear_shell(linear)`, `experts_shell(fused experts)`: shapes,
+    group size) and its weights' finiteness (not for meta weights)."""
+    for name, module in selected:
+        try:
+            if is_fused_experts(module):
+                if not quantize_experts:
+                    continue
+                experts_shell(module)
+                weights = (module.gate_up_proj, module.down_proj)
+            elif isinstance(module, nn.Linear):
+                linear_shell(module)
+                weights = (module.weight,)
+            else:
+                continue
+            for w in weights:
+                if w.device.type != "meta":
+                    check_finite_weight(w.detach())
+        except ValueError as e:
+            raise ValueError(f"quantize: cannot quantize {name}: {e}; the model is unchanged") from e
 
 
 def _replacement(model: nn.Module, name: str, module: nn.Module, recipe: Recipe) -> tuple[str, nn.Module, str] | None:

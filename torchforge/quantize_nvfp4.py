@@ -19,7 +19,6 @@ from torch import nn
 
 from torchforge.export.naming import VLLM_FUSED
 from torchforge.matching import is_fused_experts, paired_modules_error
-from torchforge.nn.moe import ForgeMoE
 from torchforge.nn.nvfp4_experts import NVFP4Experts
 from torchforge.nn.nvfp4_linear import E2M1_E4M3_MAX, NVFP4Linear
 from torchforge.nn.nvfp4_moe import NVFP4MoE
@@ -121,6 +120,13 @@ def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)
+    # Every module is checked before the first is replaced (as in torchforge.quantize): one that cannot be quantized
+    # leaves the model as it was. Then they are calibrated, quantized and swapped one at a time.
+    from torchforge.quantize import check_quantizable
+
+    check_quantizable(selected, lambda m: NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                                                       device="meta"),
+                      lambda m: NVFP4Experts.empty_for(m, device="meta"), recipe.quantize_experts)
     amax = calibrate(model, selected, calib_data) if calib_data is not None else {}
     # One weight_scale_2 and one input amax per group of Linear layers vLLM fuses (ModelOpt does the same).
     group_w: dict[str, float] = defaultdict(float)
@@ -130,9 +136,7 @@ def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
             key = _fused_key(name)
             group_w[key] = max(group_w[key], float(mod.weight.detach().abs().amax()))
             group_a[key] = max(group_a[key], amax.get(name, 0.0))
-    # Every replacement is built before the first is installed (as in torchforge.quantize): a module that cannot be
-    # quantized leaves the model as it was.
-    replacements = []
+    counts = {"linear": 0, "moe": 0}
     for name, module in selected:
         try:
             if is_fused_experts(module):
@@ -143,10 +147,8 @@ def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
                     experts.set_input_amax(*amax[name])
                 block_name = _parent_name(name)
                 block = model.get_submodule(block_name)
-                if isinstance(block, ForgeMoE):  # already ours (a PrunedMoE): only its experts change
-                    replacements.append((name, experts, "moe"))
-                else:
-                    replacements.append((block_name, NVFP4MoE.from_hf(block, experts), "moe"))
+                model.set_submodule(block_name, NVFP4MoE.from_hf(block, experts))
+                counts["moe"] += 1
             elif isinstance(module, nn.Linear):
                 key = _fused_key(name)
                 ws2 = None
@@ -154,11 +156,8 @@ def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
                     ws2 = torch.tensor(group_w[key], dtype=torch.float32) / E2M1_E4M3_MAX
                     ws2 = ws2.to(module.weight.device)
                 a = group_a[key] if name in amax else None
-                replacements.append((name, NVFP4Linear.from_linear(module, ws2, a), "linear"))
-        except ValueError as e:
-            raise ValueError(f"quantize: cannot quantize {name}: {e}; the model is unchanged") from e
-    counts = {"linear": 0, "moe": 0}
-    for target, new, kind in replacements:
-        model.set_submodule(target, new)
-        counts[kind] += 1
+                model.set_submodule(name, NVFP4Linear.from_linear(module, ws2, a))
+                counts["linear"] += 1
+        except ValueError as e:  # not seen by the checks (a quantizer's own error); earlier modules are swapped
+            raise ValueError(f"quantize: cannot quantize {name}: {e}") from e
     return counts

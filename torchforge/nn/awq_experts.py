@@ -87,13 +87,18 @@ class ForgeAWQExperts(nn.Module):
     @classmethod
     def from_hf(cls, experts: nn.Module, group_size: int = 128, symmetric: bool = True) -> "ForgeAWQExperts":
         gu, down = experts.gate_up_proj, experts.down_proj
+        return cls.empty_for(experts, group_size, symmetric, device=gu.device).pack_weights(gu, down)
+
+    @classmethod
+    def empty_for(cls, experts: nn.Module, group_size: int = 128, symmetric: bool = True,
+                  device=None) -> "ForgeAWQExperts":
+        """The unpacked module for HF fused `experts` (on `device`, e.g. meta to check that they fit)."""
         if getattr(experts, "is_transposed", False):
             raise ValueError(f"{type(experts).__name__} stores transposed expert weights; not supported yet")
         if getattr(experts, "has_bias", False):
             raise ValueError(f"{type(experts).__name__} has expert biases; not supported yet")
-        E, two_i, H = gu.shape
-        mod = cls(E, H, two_i // 2, group_size=group_size, symmetric=symmetric, act_fn=experts.act_fn, device=gu.device)
-        return mod.pack_weights(gu, down)
+        E, two_i, H = experts.gate_up_proj.shape
+        return cls(E, H, two_i // 2, group_size=group_size, symmetric=symmetric, act_fn=experts.act_fn, device=device)
 
     def dequantized_weights(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) in HF's layout, computed in `dtype`."""

@@ -90,13 +90,17 @@ class NVFP4Experts(nn.Module):
     @classmethod
     def from_hf(cls, experts: nn.Module) -> "NVFP4Experts":
         gu, down = experts.gate_up_proj, experts.down_proj
+        return cls.empty_for(experts, device=gu.device).pack_weights(gu, down)
+
+    @classmethod
+    def empty_for(cls, experts: nn.Module, device=None) -> "NVFP4Experts":
+        """The unpacked module for HF fused `experts` (on `device`, e.g. meta to check that they fit)."""
         if getattr(experts, "is_transposed", False):
             raise ValueError(f"{type(experts).__name__} stores transposed expert weights; not supported yet")
         if getattr(experts, "has_bias", False):
             raise ValueError(f"{type(experts).__name__} has expert biases; not supported yet")
-        E, two_i, H = gu.shape
-        mod = cls(E, H, two_i // 2, act_fn=experts.act_fn, device=gu.device)
-        return mod.pack_weights(gu, down)
+        E, two_i, H = experts.gate_up_proj.shape
+        return cls(E, H, two_i // 2, act_fn=experts.act_fn, device=device)
 
     @property
     def calibrated(self) -> bool:
