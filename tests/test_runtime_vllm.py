@@ -46,3 +46,35 @@ def test_routing_function_matches_pruned_moe_drop(arch, renorm):
 def test_bad_scoring():
     with pytest.raises(ValueError, match="scoring"):
         make_routing_function(torch.zeros(4, dtype=torch.int32), scoring="relu")
+
+
+def test_install_takes_each_layers_group_limited_routing():
+    """install() turns vLLM's grouped top-k off; without n_group / topk_group it must take the layer's own (it routed
+    a DeepSeek-V3 layer without its group limit: 138 of 256 tokens differed)."""
+    from torch import nn
+
+    from torchforge.runtime.vllm import install
+
+    torch.manual_seed(3)
+    model = models.build("deepseek_v3")
+    gate, cfg = models.moe_blocks(model)[0][1].gate, model.config
+    emap = build_expert_map(torch.rand(1, 8), keep_k=6)
+
+    class FakeFusedMoE(nn.Module):  # the attributes vLLM's FusedMoE has for DeepSeek-V3
+        def __init__(self):
+            super().__init__()
+            self.top_k, self.custom_routing_function = cfg.num_experts_per_tok, None
+            self.use_grouped_topk, self.num_expert_group, self.topk_group = True, cfg.n_group, cfg.topk_group
+            self.e_score_correction_bias = gate.e_score_correction_bias
+
+    vm = nn.Sequential(FakeFusedMoE())
+    assert install(vm, emap, scoring="sigmoid") == 1 and vm[0].use_grouped_topk is False
+    prune_experts(model, emap, mode="drop")
+    block = models.moe_blocks(model)[0][1]
+    x = torch.randn(256, cfg.hidden_size)
+    ids_ref, w_ref = block.remap(*block.route(x))
+    w, ids = vm[0].custom_routing_function(hidden_states=x, gating_output=F.linear(x, gate.weight),
+                                           topk=cfg.num_experts_per_tok, renormalize=True)
+    a = torch.zeros(256, 6).scatter_add_(1, ids.long(), w)
+    b = torch.zeros(256, 6).scatter_add_(1, ids_ref.long(), w_ref / cfg.routed_scaling_factor)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

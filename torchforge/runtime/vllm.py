@@ -54,17 +54,27 @@ def make_routing_function(layer_map: torch.Tensor, *, scoring: str = "softmax",
     return routing
 
 
-def install(vllm_model, expert_map: torch.Tensor, *, scoring: str, n_group: int = 1, topk_group: int = 1,
-            renormalize_kept: bool = False) -> int:
-    """Sets a routing function on every FusedMoE of a loaded vLLM model, in layer order. Returns the count."""
+def install(vllm_model, expert_map: torch.Tensor, *, scoring: str, n_group: int | None = None,
+            topk_group: int | None = None, renormalize_kept: bool = False) -> int:
+    """Sets a routing function on every FusedMoE of a loaded vLLM model, in layer order. Returns the count.
+
+    `n_group` / `topk_group`: None takes each layer's own group-limited routing (`num_expert_group`, `topk_group`,
+    where `use_grouped_topk` is on), which `install` turns off in vLLM and does in the routing function instead;
+    silently routing a DeepSeek model without its group limit would pick other experts."""
     layers = [m for m in vllm_model.modules() if hasattr(m, "custom_routing_function") and hasattr(m, "top_k")]
     if len(layers) != expert_map.shape[0]:
         raise ValueError(f"torchforge.runtime.vllm.install: the model has {len(layers)} FusedMoE layers but the "
                          f"expert map has {expert_map.shape[0]} rows")
     for row, layer in zip(expert_map, layers):
         bias = getattr(layer, "e_score_correction_bias", None)
+        grouped = bool(getattr(layer, "use_grouped_topk", False))
+        ng = n_group if n_group is not None else (getattr(layer, "num_expert_group", None) or 1) if grouped else 1
+        tg = topk_group if topk_group is not None else (getattr(layer, "topk_group", None) or 1) if grouped else 1
+        # the map on the layer's device once: a host-to-device copy per call would not be CUDA-graph capturable
+        param = next(iter(layer.parameters()), None) if hasattr(layer, "parameters") else None
+        row = row.to(param.device) if param is not None else row
         layer.custom_routing_function = make_routing_function(
-            row, scoring=scoring, e_score_correction_bias=bias, n_group=n_group, topk_group=topk_group,
+            row, scoring=scoring, e_score_correction_bias=bias, n_group=ng, topk_group=tg,
             renormalize_kept=renormalize_kept)
         layer.use_grouped_topk = False
     return len(layers)
