@@ -218,3 +218,19 @@ def test_pruned_moe_backward_and_compile_with_grad(mode):
         if n in grads:
             torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_reroute_router_hooks_fire():
+    """Reroute routing reads the router's weights without calling it: its hooks (router statistics, transformers'
+    capture for output_router_logits) never ran, so the aux loss raised IndexError and router stats were zeros."""
+    from torchforge.calibration import collect_router_stats
+    from torchforge.prune import build_expert_map, prune_experts
+
+    model = models.build("qwen3_moe")
+    prune_experts(model, build_expert_map(torch.rand(2, 8), keep_k=4), mode="reroute")
+    ids = torch.randint(0, 96, (2, 5))
+    out = model(ids, output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (10, 8)  # all original experts
+    assert torch.isfinite(out.aux_loss)
+    stats = collect_router_stats(model, [ids])
+    assert int(stats.topk_counts.sum()) == 2 * 10 * model.config.num_experts_per_tok

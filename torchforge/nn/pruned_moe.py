@@ -31,6 +31,7 @@ from torch import nn
 
 from torchforge import ops
 from torchforge.nn.moe import ForgeMoE
+from torchforge.nn.moe_fused_decode import router_is_hooked
 from torchforge.nn.routing import KeptExperts, route_kept, router_family, router_groups
 
 MODES = ("drop", "reroute")
@@ -202,6 +203,11 @@ class PrunedMoE(ForgeMoE):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mode == "drop":
             return super().route(x)  # HF's router over all original experts
+        if router_is_hooked(self.gate):
+            # route_kept reads the router's weights without calling it: call it for its hooks (router statistics,
+            # transformers' router-logit capture for output_router_logits), which see HF's router over all original
+            # experts; the routing itself runs over the kept ones below
+            self.gate(x)
         weights, ids = route_kept(self.gate, x, self.kept)
         return ids, weights
 
