@@ -73,14 +73,14 @@ class ForgeMoE(nn.Module):
     def use_fused_decode(self) -> bool:
         """Run phase, after the weights are loaded and `torchforge.use_mma_layout`: the shared expert rides in the
         routed experts' grouped kernels as expert id E (weight 1), and a DeepSeek-V3 router runs as one kernel
-        (`torchforge::sigmoid_group_topk`). See torchforge/nn/moe_fused_decode.py. False, and nothing changed,
-        where the block does not qualify (`fold_reason` says why). Same experts and weights as HF's router up to
-        float rounding of the scores, and except among exactly tied scores (sigmoid saturating to 1.0 with no bias
-        to part them), where the kernel takes the lowest expert id and torch.topk any; the expert outputs are summed in fp32 with the shared one and rounded once.
-        Taken only without autograd (inference) and for decode batches (FUSED_DECODE_MAX_TOKENS); otherwise the
-        block runs as before. A hooked router (router statistics, a user's hook, transformers recording router logits)
-        is called as usual. The fused copy of the shared gate_up follows `load_state_dict`; other in-place weight
-        changes need this call again."""
+        (`torchforge::sigmoid_group_topk`). See torchforge/nn/moe_fused_decode.py. False, and nothing changed, where
+        the block does not qualify (`fold_reason` says why). Same experts and weights as HF's router up to float
+        rounding of the scores, and except among exactly tied scores (sigmoid saturating to 1.0 with no bias to part
+        them), where the kernel takes the lowest expert id and torch.topk any; the expert outputs are summed in fp32
+        with the shared one and rounded once. Taken only without autograd (inference) and for decode batches
+        (FUSED_DECODE_MAX_TOKENS); otherwise the block runs as before. A hooked router (router statistics, a user's
+        hook, transformers recording router logits) is called as usual. The fused copy of the shared gate_up follows
+        `load_state_dict`; other in-place weight changes need this call again."""
         from torchforge.nn.routing import router_family
 
         if fold_reason(self.experts, self.shared, self.shared_expert_gate) is not None:
