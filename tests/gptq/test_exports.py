@@ -121,18 +121,24 @@ def test_compressed_tensors_decoded_by_compressed_tensors(tmp_path, symmetric):
     assert checked > 5 and ct is not None
 
 
-def test_rtn_model_exports_to_gptq_and_ct(tmp_path):
-    model = models.build("mixtral")
-    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 32})
+def _reloaded_w4(model, tmp_path):
+    """(format, the model saved in it and loaded back in fp32) for both W4 formats; asserts identical logits."""
     ids = _ids(2, 7)
     ref = _logits(model, ids)
     for fmt in ("vllm-gptq", "compressed-tensors"):
         out = str(tmp_path / fmt)
         torchforge.save_quantized(model, out, format=fmt, dtype=torch.float32)
         loaded = torchforge.load_quantized(out, dtype=torch.float32)
+        assert torch.equal(_logits(loaded, ids), ref), fmt
+        yield fmt, loaded
+
+
+def test_rtn_model_exports_to_gptq_and_ct(tmp_path):
+    model = models.build("mixtral")
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 32})
+    for _, loaded in _reloaded_w4(model, tmp_path):
         assert any(isinstance(m, ForgeGPTQLinear) for m in loaded.modules())
         assert not any(isinstance(m, ForgeAWQLinear) for m in loaded.modules())
-        assert torch.equal(_logits(loaded, ids), ref)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -141,14 +147,8 @@ def test_unquantized_experts_reload(tmp_path, arch):
     # (it raised "missing ...experts.gate_up_proj" for both W4 formats)
     model = models.build(arch)
     torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 32, "quantize_experts": False})
-    ids = _ids(2, 7)
-    ref = _logits(model, ids)
-    for fmt in ("vllm-gptq", "compressed-tensors"):
-        out = str(tmp_path / fmt)
-        torchforge.save_quantized(model, out, format=fmt, dtype=torch.float32)
-        loaded = torchforge.load_quantized(out, dtype=torch.float32)
-        assert not any(isinstance(m, ForgeAWQExperts) for m in loaded.modules())
-        assert torch.equal(_logits(loaded, ids), ref), fmt
+    for fmt, loaded in _reloaded_w4(model, tmp_path):
+        assert not any(isinstance(m, ForgeAWQExperts) for m in loaded.modules()), fmt
 
 
 def test_errors(tmp_path):
