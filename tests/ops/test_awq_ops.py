@@ -302,3 +302,25 @@ def test_cuda_compile_w4a16_linear():
     f = torch.compile(lambda x: w4a16_linear(x, qweight, scales, qzeros, 128) + 1, fullgraph=True)
     x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(f(x), w4a16_linear(x, qweight, scales, qzeros, 128) + 1)
+
+
+def test_cuda_quantize_takes_only_what_its_kernel_takes():
+    """The CUDA op takes group sizes 32-256, contiguous aligned weights, and weights whose scales cannot pass fp16's
+    maximum; anything else goes to the reference (a group of 16 raised a RuntimeError; a scale above 65504 came
+    back rounded, or inf, where the reference raises)."""
+    from torchforge.ops.awq import _cuda_quantize_ok
+    from torchforge.ops.awq_reference import FP16_MAX
+
+    w = torch.randn(64, 256)
+    assert _cuda_quantize_ok(w, 128) and _cuda_quantize_ok(w, 32)
+    assert not _cuda_quantize_ok(w, 16) and not _cuda_quantize_ok(w, 512)
+    assert not _cuda_quantize_ok(w.T.contiguous().T, 128)  # not contiguous
+    assert not _cuda_quantize_ok(torch.randn(64 * 256 + 1)[1:].view(64, 256), 128)  # 4 bytes past 16-byte alignment
+    big = w.clone()
+    big[0, 0] = 7 * FP16_MAX * 1.01
+    assert not _cuda_quantize_ok(big, 128)
+    big[0, 0] = 7 * FP16_MAX
+    assert _cuda_quantize_ok(big, 128)
+    nan = w.clone()
+    nan[3, 3] = float("nan")
+    assert not _cuda_quantize_ok(nan, 128)  # the reference raises its NaN error

@@ -28,6 +28,7 @@ from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq_reference import (
     AWQ_NIBBLE_OF_COLUMN,
     AWQ_PACK_ORDER,
+    FP16_MAX,
     awq_dequantize_ref,
     awq_grouped_linear_ref,
     awq_pack_ref,
@@ -282,12 +283,23 @@ def _(qweight: Tensor) -> Tensor:
 @custom_op("torchforge::awq_quantize", mutates_args=())
 def _awq_quantize(weight: Tensor, group_size: int, symmetric: bool) -> Tuple[Tensor, Tensor, Tensor]:
     _check_quantize_args(weight, group_size)
-    if weight.is_cuda and has_cuda_ext():
+    if weight.is_cuda and has_cuda_ext() and _cuda_quantize_ok(weight, group_size):
         # Fused CUDA kernel of the optional extension (csrc/, registered by torchforge._C as
         # torchforge::awq_quantize_cuda); it must match awq_quantize_ref bit for bit.
         check_finite_weight(weight)
         return torch.ops.torchforge.awq_quantize_cuda(weight, group_size, symmetric)
     return awq_quantize_ref(weight, group_size, symmetric)
+
+
+def _cuda_quantize_ok(weight: Tensor, group_size: int) -> bool:
+    """What csrc/ops.cpp's awq_quantize_cuda takes (else the reference, the same numbers): group sizes 32-256, a
+    contiguous 16-byte-aligned weight, dims below 2^30. And no scale can pass fp16's maximum: at |w| <= 7 x 65504
+    (s = amax / 7, or (max - min) / 15 <= 2 amax / 15), where the reference raises for a larger scale but the kernel
+    would round it to 65504 or inf."""
+    oc, ic = weight.shape[-2], weight.shape[-1]
+    return (group_size in (32, 64, 128, 256) and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and oc < 2 ** 30 and ic < 2 ** 30
+            and (weight.numel() == 0 or float(weight.detach().abs().amax()) <= 7 * FP16_MAX))
 
 
 @_awq_quantize.register_fake

@@ -247,7 +247,10 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
     """Whether the grouped CUDA kernel takes this MoE call (with `shared`: one more expert's tensors)."""
     from torchforge.ops._ext import has_cuda_ext
 
+    # x.shape[-1] > 0: with K = 0 the launcher's K-slice rule has no items, which ops.cpp rejects (the reference
+    # returns the empty sums)
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0 and has_cuda_ext()
+            and x.dim() > 0 and x.shape[-1] > 0
             and x.numel() < _MAX_X_NUMEL and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and _scales_ok(x, scales)
             and qweight_mma.device == x.device and _aligned16(qweight_mma)
             and (shared is None or (all(t.is_contiguous() for t in shared) and _aligned16(shared[0]))))
