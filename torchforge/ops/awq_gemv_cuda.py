@@ -83,9 +83,9 @@ def register_fake() -> None:
     @torch.library.register_fake("torchforge::awq_gemv_cuda")
     def _(x, qweight, scales, qzeros, group_size, bias, splits, rows):
         check(x.numel() == qweight.shape[0],
-                     lambda: f"awq_gemv_cuda: x has {x.numel()} elements, qweight has K = {qweight.shape[0]} rows")
+              lambda: f"awq_gemv_cuda: x has {x.numel()} elements, qweight has K = {qweight.shape[0]} rows")
         check(x.dtype in (torch.float16, torch.bfloat16),
-                     lambda: f"awq_gemv_cuda: x must be float16 or bfloat16, got {x.dtype}")
+              lambda: f"awq_gemv_cuda: x must be float16 or bfloat16, got {x.dtype}")
         return x.new_empty((qweight.shape[1] * 8,))
 
     _registered = True

@@ -35,11 +35,11 @@ __all__ = ["awq_mma_linear", "awq_mma_moe_gate_up_silu", "awq_mma_moe_down_combi
 def _check_mma_args(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                     bias: Optional[Tensor]) -> None:
     check_type(qweight_mma.dtype == torch.int32 and qweight_mma.dim() == 2,
-                 lambda: f"awq_mma_linear: qweight_mma must be a 2-D int32 tensor [OC / 64, IC * 8], got "
-                         f"{qweight_mma.dtype} {tuple(qweight_mma.shape)}")
+               lambda: f"awq_mma_linear: qweight_mma must be a 2-D int32 tensor [OC / 64, IC * 8], got "
+                       f"{qweight_mma.dtype} {tuple(qweight_mma.shape)}")
     check_value(x.dim() >= 1 and qweight_mma.shape[1] == x.shape[-1] * 8,
-                 lambda: f"awq_mma_linear: qweight_mma {tuple(qweight_mma.shape)} is not [OC / 64, IC * 8] for x with "
-                         f"IC = {x.shape[-1] if x.dim() else None} features")
+                lambda: f"awq_mma_linear: qweight_mma {tuple(qweight_mma.shape)} is not [OC / 64, IC * 8] for x with "
+                        f"IC = {x.shape[-1] if x.dim() else None} features")
     check_value(x.shape[-1] % 64 == 0, lambda: f"awq_mma_linear: IC = {x.shape[-1]} must be a multiple of 64")
     # the rest (dtypes, devices, scales / qzeros / bias shapes, group size) as for the AWQ layout, on a view of
     # the same words with the AWQ shape [IC, OC / 8]
@@ -89,11 +89,11 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
 # the codes go back to the AWQ layout (exact; a copy of the experts per call: the CPU and no-extension path).
 def _moe_args(op: str, x: Tensor, expert_ids: Tensor, qweight_mma: Tensor) -> None:
     check_type(qweight_mma.dtype == torch.int32 and qweight_mma.dim() == 3,
-                      lambda: f"{op}: qweight_mma must be an int32 tensor [E, OC / 64, IC * 8], got {qweight_mma.dtype} "
-                              f"{tuple(qweight_mma.shape)}")
+               lambda: f"{op}: qweight_mma must be an int32 tensor [E, OC / 64, IC * 8], got {qweight_mma.dtype} "
+                       f"{tuple(qweight_mma.shape)}")
     check_value(x.dim() == 2 and qweight_mma.shape[2] == x.shape[1] * 8,
-                       lambda: f"{op}: qweight_mma {tuple(qweight_mma.shape)} is not [E, OC / 64, IC * 8] for x "
-                               f"{tuple(x.shape)} = [rows, IC]")
+                lambda: f"{op}: qweight_mma {tuple(qweight_mma.shape)} is not [E, OC / 64, IC * 8] for x "
+                        f"{tuple(x.shape)} = [rows, IC]")
 
 
 def _check_shared(op: str, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, shared_qweight: Optional[Tensor],
@@ -101,14 +101,14 @@ def _check_shared(op: str, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, 
     """Whether a shared expert (routed as expert id E) is passed; its tensors must be one routed expert's."""
     given = [t is not None for t in (shared_qweight, shared_scales, shared_qzeros)]
     check_value(all(given) or not any(given),
-                       lambda: f"{op}: pass all three of shared_qweight, shared_scales and shared_qzeros, or none")
+                lambda: f"{op}: pass all three of shared_qweight, shared_scales and shared_qzeros, or none")
     if not all(given):
         return False
     for name, t, ref in (("shared_qweight", shared_qweight, qweight_mma), ("shared_scales", shared_scales, scales),
                          ("shared_qzeros", shared_qzeros, qzeros)):
         check_value(t.shape == ref.shape[1:] and t.dtype == ref.dtype and t.device == ref.device,
-                           lambda: f"{op}: {name} must be one expert of the stacked tensor: {tuple(ref.shape[1:])} "
-                                   f"{ref.dtype} on {ref.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+                    lambda: f"{op}: {name} must be one expert of the stacked tensor: {tuple(ref.shape[1:])} "
+                            f"{ref.dtype} on {ref.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
     return True
 
 

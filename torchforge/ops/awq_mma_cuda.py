@@ -322,14 +322,14 @@ def register_fake() -> None:
     def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None, warps=8, prefetch=False):
         check(warps in (4, 8), lambda: f"awq_mma_cuda: warps must be 4 or 8, got {warps}")
         check(not prefetch or item_chunks == 2,
-                     lambda: f"awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got {item_chunks}")
+              lambda: f"awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got {item_chunks}")
         check(x.dim() == 2 and qweight.dim() == 2,
-                     lambda: f"awq_mma_cuda: x and qweight must be 2-D, got {tuple(x.shape)} and {tuple(qweight.shape)}")
+              lambda: f"awq_mma_cuda: x and qweight must be 2-D, got {tuple(x.shape)} and {tuple(qweight.shape)}")
         check(qweight.shape[1] == x.shape[1] * 8,
-                     lambda: f"awq_mma_cuda: qweight must be [N / 64, K * 8] with K = {x.shape[1]}, got "
-                             f"{tuple(qweight.shape)}")
+              lambda: f"awq_mma_cuda: qweight must be [N / 64, K * 8] with K = {x.shape[1]}, got "
+                      f"{tuple(qweight.shape)}")
         check(x.dtype in (torch.float16, torch.bfloat16),
-                     lambda: f"awq_mma_cuda: x must be float16 or bfloat16, got {x.dtype}")
+              lambda: f"awq_mma_cuda: x must be float16 or bfloat16, got {x.dtype}")
         return x.new_empty((x.shape[0], qweight.shape[0] * 64))
 
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda"):
@@ -337,11 +337,11 @@ def register_fake() -> None:
         def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False,
               dp_tiles=0, tickets=None):
             check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
-                         lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
-                                 f"{tuple(x.shape)} and {tuple(qweight.shape)}")
+                  lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
+                          f"{tuple(x.shape)} and {tuple(qweight.shape)}")
             check((block_m, tile_set) in _WGMMA_SHAPES,
-                         lambda: f"awq_wgmma_cuda: (block_m, tile_set) must be one of {_WGMMA_SHAPES}, got "
-                                 f"({block_m}, {tile_set})")
+                  lambda: f"awq_wgmma_cuda: (block_m, tile_set) must be one of {_WGMMA_SHAPES}, got "
+                          f"({block_m}, {tile_set})")
             return x.new_empty((x.shape[0], qweight.shape[0] * 64))
 
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
@@ -350,8 +350,8 @@ def register_fake() -> None:
               item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None, warps=4):
             check(warps in (4, 8), lambda: f"awq_mma_moe_cuda: warps must be 4 or 8, got {warps}")
             check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
-                         lambda: f"awq_mma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "
-                                 f"{tuple(qweight.shape)}")
+                  lambda: f"awq_mma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "
+                          f"{tuple(qweight.shape)}")
             return x.new_empty((splits, num_rows, qweight.shape[1] * 64), dtype=torch.float32)
 
     _registered = True

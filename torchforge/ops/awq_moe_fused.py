@@ -42,12 +42,12 @@ def _check_gate_up(x, expert_ids, qweight, scales, qzeros, group_size, top_k):
 def _check_combine(h, expert_ids, weights, qweight, scales, qzeros, group_size):
     _, oc = _check_moe_args(h, expert_ids, qweight, scales, qzeros, group_size, 1)
     check_value(weights.dim() == 2 and weights.shape[0] * weights.shape[1] == expert_ids.shape[0],
-                       lambda: f"awq_moe_down_combine: weights has shape {tuple(weights.shape)}; expected [T, k] "
-                       f"with T * k = {expert_ids.shape[0]} routed rows")
+                lambda: f"awq_moe_down_combine: weights has shape {tuple(weights.shape)}; expected [T, k] "
+                f"with T * k = {expert_ids.shape[0]} routed rows")
     check_type(weights.is_floating_point(),
-                      lambda: f"awq_moe_down_combine: weights must be floating point, got {weights.dtype}")
+               lambda: f"awq_moe_down_combine: weights must be floating point, got {weights.dtype}")
     check_value(weights.device == h.device,
-                       lambda: f"awq_moe_down_combine: weights is on {weights.device} but h is on {h.device}")
+                lambda: f"awq_moe_down_combine: weights is on {weights.device} but h is on {h.device}")
     return weights.shape[0], oc
 
 

@@ -42,30 +42,30 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _check_packed(op: str, qweight: Tensor, scales: Tensor, qzeros: Tensor, g_idx: Tensor) -> Tuple[int, int]:
     """qweight [..., IC // 8, OC], scales [..., NG, OC], qzeros [..., NG, OC // 8], g_idx [IC]; returns (IC, OC)."""
     check_type(qweight.dtype == torch.int32,
-                      lambda: f"{op}: qweight must be int32 (8 packed 4-bit codes per word), got {qweight.dtype}")
+               lambda: f"{op}: qweight must be int32 (8 packed 4-bit codes per word), got {qweight.dtype}")
     check_type(qzeros.dtype == torch.int32,
-                      lambda: f"{op}: qzeros must be int32 (packed GPTQ zero points), got {qzeros.dtype}")
+               lambda: f"{op}: qzeros must be int32 (packed GPTQ zero points), got {qzeros.dtype}")
     check_type(scales.dtype in _FLOAT_DTYPES,
-                      lambda: f"{op}: scales must be float16 (or bfloat16/float32), got {scales.dtype}")
+               lambda: f"{op}: scales must be float16 (or bfloat16/float32), got {scales.dtype}")
     check_type(g_idx.dtype in (torch.int32, torch.int64),
-                      lambda: f"{op}: g_idx must be int32 (one group index per input row), got {g_idx.dtype}")
+               lambda: f"{op}: g_idx must be int32 (one group index per input row), got {g_idx.dtype}")
     check_value(qweight.dim() >= 2,
-                       lambda: f"{op}: qweight must be [..., IC // 8, OC], got shape {tuple(qweight.shape)}")
+                lambda: f"{op}: qweight must be [..., IC // 8, OC], got shape {tuple(qweight.shape)}")
     lead = tuple(qweight.shape[:-2])
     ic, oc = qweight.shape[-2] * 8, qweight.shape[-1]
     check_value(oc % 8 == 0, lambda: f"{op}: OC={oc} must be divisible by 8 (qzeros packs 8 outputs per word)")
     for name, t in (("scales", scales), ("qzeros", qzeros), ("g_idx", g_idx)):
         check_value(t.device == qweight.device,
-                           lambda: f"{op}: {name} is on {t.device} but qweight is on {qweight.device}")
+                    lambda: f"{op}: {name} is on {t.device} but qweight is on {qweight.device}")
     check_value(scales.dim() == len(lead) + 2 and tuple(scales.shape[:-2]) == lead and scales.shape[-1] == oc,
-                       lambda: f"{op}: scales has shape {tuple(scales.shape)} but qweight {tuple(qweight.shape)} "
-                       f"needs [..., NG, OC={oc}]")
+                lambda: f"{op}: scales has shape {tuple(scales.shape)} but qweight {tuple(qweight.shape)} "
+                f"needs [..., NG, OC={oc}]")
     ng = scales.shape[-2]
     want_z = (*lead, ng, oc // 8)
     check_value(qzeros.dim() == len(want_z) and all(a == b for a, b in zip(qzeros.shape, want_z)),
-                       lambda: f"{op}: qzeros has shape {tuple(qzeros.shape)}, expected {want_z} = [..., NG, OC // 8]")
+                lambda: f"{op}: qzeros has shape {tuple(qzeros.shape)}, expected {want_z} = [..., NG, OC // 8]")
     check_value(g_idx.dim() == 1 and g_idx.shape[0] == ic,
-                       lambda: f"{op}: g_idx has shape {tuple(g_idx.shape)}, expected ({ic},) = [IC]")
+                lambda: f"{op}: g_idx has shape {tuple(g_idx.shape)}, expected ({ic},) = [IC]")
     return ic, oc
 
 
@@ -86,12 +86,12 @@ def _check_linear(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, g_
     ic, oc = _check_packed(op, qweight, scales, qzeros, g_idx)
     check_type(x.dtype in _FLOAT_DTYPES, lambda: f"{op}: x must be float16/bfloat16/float32, got {x.dtype}")
     check_value(x.dim() >= 1 and x.shape[-1] == ic,
-                       lambda: f"{op}: x has shape {tuple(x.shape)} but qweight {tuple(qweight.shape)} expects IC={ic}")
+                lambda: f"{op}: x has shape {tuple(x.shape)} but qweight {tuple(qweight.shape)} expects IC={ic}")
     check_value(x.device == qweight.device, lambda: f"{op}: x is on {x.device} but qweight on {qweight.device}")
     if bias is not None:
         check_type(bias.dtype in _FLOAT_DTYPES, lambda: f"{op}: bias must be float16/bfloat16/float32, got {bias.dtype}")
         check_value(bias.dim() == 1 and bias.shape[0] == oc,
-                           lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({oc},) = [OC]")
+                    lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({oc},) = [OC]")
         check_same_device(op, "bias", bias, x, "x")
     return ic, oc
 
@@ -106,7 +106,7 @@ def _gptq_pack(codes: Tensor) -> Tensor:
 def _check_pack(codes: Tensor) -> None:
     check_type(codes.dtype == torch.uint8, lambda: f"gptq_pack: codes must be uint8 (0..15), got {codes.dtype}")
     check_value(codes.dim() >= 2 and codes.shape[-2] % 8 == 0,
-                       lambda: f"gptq_pack: codes must be [..., IC, OC] with IC divisible by 8, got {tuple(codes.shape)}")
+                lambda: f"gptq_pack: codes must be [..., IC, OC] with IC divisible by 8, got {tuple(codes.shape)}")
 
 
 @_gptq_pack.register_fake

@@ -103,18 +103,18 @@ def _check_quantize_args(weight: Tensor, weight_scale_2: Optional[Tensor]) -> No
 def _check_packed(op: str, packed: Tensor, scales: Tensor, weight_scale_2: Tensor, lead_dims: Optional[int]) -> Tuple[int, int]:
     """packed uint8 [..., N, K/2], scales fp8 [..., N, K/16], weight_scale_2 fp32 [...]; returns (N, K)."""
     check_type(packed.dtype == torch.uint8,
-                      lambda: f"{op}: packed must be uint8 (two E2M1 codes per byte), got {packed.dtype}")
+               lambda: f"{op}: packed must be uint8 (two E2M1 codes per byte), got {packed.dtype}")
     check_type(scales.dtype == _FP8,
-                      lambda: f"{op}: scales must be float8_e4m3fn (block-16 scales), got {scales.dtype}")
+               lambda: f"{op}: scales must be float8_e4m3fn (block-16 scales), got {scales.dtype}")
     check_type(weight_scale_2.dtype == torch.float32,
-                      lambda: f"{op}: weight_scale_2 must be float32, got {weight_scale_2.dtype}")
+               lambda: f"{op}: weight_scale_2 must be float32, got {weight_scale_2.dtype}")
     if lead_dims is None:
         check_value(packed.dim() >= 2,
-                           lambda: f"{op}: packed must be [..., N, K/2], got shape {tuple(packed.shape)}")
+                    lambda: f"{op}: packed must be [..., N, K/2], got shape {tuple(packed.shape)}")
     else:
         layout = "[E, N, K/2]" if lead_dims else "[N, K/2]"
         check_value(packed.dim() == 2 + lead_dims,
-                           lambda: f"{op}: packed must be {layout}, got shape {tuple(packed.shape)}")
+                    lambda: f"{op}: packed must be {layout}, got shape {tuple(packed.shape)}")
     lead = tuple(packed.shape[:-2])
     n, k = packed.shape[-2], packed.shape[-1] * 2
     _check_k(op, k, "packed")
@@ -131,7 +131,7 @@ def _check_packed(op: str, packed: Tensor, scales: Tensor, weight_scale_2: Tenso
     )
     for name, t in (("scales", scales), ("weight_scale_2", weight_scale_2)):
         check_value(t.device == packed.device,
-                           lambda: f"{op}: {name} is on {t.device} but packed is on {packed.device}")
+                    lambda: f"{op}: {name} is on {t.device} but packed is on {packed.device}")
     return n, k
 
 
@@ -139,9 +139,9 @@ def _check_activation(op: str, x: Tensor, k: int, like: Tensor) -> None:
     check_type(x.dtype in _FLOAT_DTYPES, lambda: f"{op}: x must be float16/bfloat16/float32, got {x.dtype}")
     check_value(x.dim() >= 1, lambda: f"{op}: x must be [..., K], got a scalar")
     check_value(x.shape[-1] == k,
-                       lambda: f"{op}: x has {x.shape[-1]} features (last dim) but the weight expects K={k}")
+                lambda: f"{op}: x has {x.shape[-1]} features (last dim) but the weight expects K={k}")
     check_value(x.device == like.device,
-                       lambda: f"{op}: x is on {x.device} but the weight is on {like.device}")
+                lambda: f"{op}: x is on {x.device} but the weight is on {like.device}")
 
 
 def _check_input_scale(op: str, input_scale: Optional[Tensor], want: tuple, x: Tensor) -> None:
@@ -149,7 +149,7 @@ def _check_input_scale(op: str, input_scale: Optional[Tensor], want: tuple, x: T
         return
     check_same_device(op, "input_scale", input_scale, x, "x")
     check_type(input_scale.dtype == torch.float32,
-                      lambda: f"{op}: input_scale must be float32, got {input_scale.dtype}")
+               lambda: f"{op}: input_scale must be float32, got {input_scale.dtype}")
     check_value(
         tuple(input_scale.shape) == want or (not want and input_scale.numel() == 1),
         lambda: f"{op}: input_scale has shape {tuple(input_scale.shape)}, expected {want}",
@@ -161,10 +161,10 @@ def _check_act_quant_args(op: str, x: Tensor, input_scale: Tensor) -> None:
     check_value(x.dim() >= 1, lambda: f"{op}: x must be [..., K], got a scalar")
     _check_k(op, x.shape[-1], "x")
     check_type(input_scale.dtype == torch.float32,
-                      lambda: f"{op}: input_scale must be float32, got {input_scale.dtype}")
+               lambda: f"{op}: input_scale must be float32, got {input_scale.dtype}")
     check_value(input_scale.numel() == 1,
-                       lambda: f"{op}: input_scale must be a scalar (static per-tensor scale), got shape "
-                       f"{tuple(input_scale.shape)}")
+                lambda: f"{op}: input_scale must be a scalar (static per-tensor scale), got shape "
+                f"{tuple(input_scale.shape)}")
 
 
 def _check_grouped_args(x: Tensor, expert_ids: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Tensor,
@@ -186,7 +186,7 @@ def _check_linear_args(x: Tensor, packed: Tensor, scales: Tensor, weight_scale_2
     if bias is not None:
         check_type(bias.dtype in _FLOAT_DTYPES, lambda: f"{op}: bias must be a float tensor, got {bias.dtype}")
         check_value(bias.dim() == 1 and bias.shape[0] == n,
-                           lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({n},)")
+                    lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({n},)")
         check_same_device(op, "bias", bias, x, "x")
     return n, k
 
@@ -294,10 +294,10 @@ def _check_unswizzle_args(swizzled: Tensor, rows: int, cols: int) -> None:
     _check_swizzle_args(op, swizzled)
     mp, kp = swizzled.shape[-2], swizzled.shape[-1]
     check_value(mp % 128 == 0 and kp % 4 == 0,
-                       lambda: f"{op}: swizzled scales must be [..., 128*i, 4*j], got {tuple(swizzled.shape)}")
+                lambda: f"{op}: swizzled scales must be [..., 128*i, 4*j], got {tuple(swizzled.shape)}")
     check_value(0 <= rows <= mp and 0 <= cols <= kp and mp - rows < 128 and kp - cols < 4,
-                       lambda: f"{op}: rows={rows}, cols={cols} do not fit the padded shape {(mp, kp)} (rows must "
-                       "round up to it in multiples of 128, cols in multiples of 4)")
+                lambda: f"{op}: rows={rows}, cols={cols} do not fit the padded shape {(mp, kp)} (rows must "
+                "round up to it in multiples of 128, cols in multiples of 4)")
 
 
 @custom_op("torchforge::nvfp4_unswizzle_scales", mutates_args=())
