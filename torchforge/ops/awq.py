@@ -34,7 +34,6 @@ from torchforge.ops.awq_reference import (
     awq_pack_ref,
     awq_quantize_ref,
     awq_unpack_ref,
-    check_finite_weight,
     w4a16_linear_ref,
 )
 from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
@@ -285,8 +284,8 @@ def _awq_quantize(weight: Tensor, group_size: int, symmetric: bool) -> Tuple[Ten
     _check_quantize_args(weight, group_size)
     if weight.is_cuda and has_cuda_ext() and _cuda_quantize_ok(weight, group_size):
         # Fused CUDA kernel of the optional extension (csrc/, registered by torchforge._C as
-        # torchforge::awq_quantize_cuda); it must match awq_quantize_ref bit for bit.
-        check_finite_weight(weight)
+        # torchforge::awq_quantize_cuda); it must match awq_quantize_ref bit for bit. The weight is finite here (its
+        # amax was); NaN / Inf weights take the reference, which names them.
         return torch.ops.torchforge.awq_quantize_cuda(weight, group_size, symmetric)
     return awq_quantize_ref(weight, group_size, symmetric)
 
