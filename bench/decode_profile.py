@@ -185,7 +185,8 @@ def prefill_breakdown(gen, batch, cc, top) -> None:
     prof.disable()
     stats = pstats.Stats(prof).stats
     # by own time, then torchforge's own functions by cumulative time (what each op's Python costs, inner calls in)
-    for title, key, keep in (("own time", 2, lambda f: True), ("torchforge, cumulative", 3, lambda f: "torchforge" in f)):
+    for title, key, keep in (("own time", 2, lambda f: True),
+                             ("torchforge, cumulative", 3, lambda f: "torchforge" in f)):
         rows = sorted(((k, v) for k, v in stats.items() if keep(k[0])), key=lambda kv: -kv[1][key])[:top]
         print(f"\nhost, by {title}:\n")
         print(markdown_table(["function", "calls", "own ms", "cumulative ms"],

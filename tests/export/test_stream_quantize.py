@@ -82,8 +82,8 @@ def test_streamed_source_with_extra_missing_or_bad_tensors(tmp_path):
     # a missing tensor (a lost shard, an index that does not list it): an error before config.json is written
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     assert name in sd
-    with pytest.raises(CheckpointError, match=r"lacks 1 tensors of the model, e\.g\. \('model\.layers\.1\.mlp\.experts', "
-                                              r"3, 'down_proj'\)"):
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensors of the model, e\.g\. "
+                                              r"\('model\.layers\.1\.mlp\.experts', 3, 'down_proj'\)"):
         stream({k: v for k, v in sd.items() if k != name}, "missing")
     assert not os.path.exists(tmp_path / "missing" / "config.json")
     with pytest.raises(CheckpointError, match="lacks 1 tensors of the model, e.g. model.norm.weight"):

@@ -7,7 +7,8 @@ import torch
 from torchforge.ops._check import check, check_type, check_value
 
 
-@pytest.mark.parametrize("fn, torch_name, error", [(check, "_check", RuntimeError), (check_type, "_check_type", TypeError),
+@pytest.mark.parametrize("fn, torch_name, error", [(check, "_check", RuntimeError),
+                                                   (check_type, "_check_type", TypeError),
                                                    (check_value, "_check_value", ValueError)])
 def test_same_errors_as_torch(fn, torch_name, error):
     assert fn(True, lambda: "unused") is None

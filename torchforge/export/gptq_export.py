@@ -10,7 +10,8 @@ layouts are exact re-packings of the same numbers (``ForgeGPTQLinear``, ``ForgeA
 * ``vllm-gptq`` (AutoGPTQ / vLLM ``quant_method: gptq``): ``qweight [IC // 8, OC]`` packed along IC,
   ``qzeros [IC // G, OC // 8]`` holding ``z - 1`` (v1, see :mod:`torchforge.ops.gptq_reference`),
   ``scales``, ``g_idx``. Config: ``bits, group_size, desc_act`` (true only for a permuted ``g_idx``: vLLM reads
-  ``g_idx`` only then), ``sym, lm_head: false, checkpoint_format: gptq``, the quantized modules in ``modules_in_block_to_quantize`` (vLLM treats an
+  ``g_idx`` only then), ``sym, lm_head: false, checkpoint_format: gptq``, the quantized modules in
+  ``modules_in_block_to_quantize`` (vLLM treats an
   entry as a substring of a layer's name; full module names), and every unquantized Linear as a negative
   ``dynamic`` rule (``"-:^name$"``, vLLM ``re.match`` es it against the layer name).
 * ``compressed-tensors`` ``pack-quantized`` (what vLLM's ``CompressedTensorsWNA16`` reads):

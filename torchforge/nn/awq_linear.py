@@ -134,9 +134,10 @@ def _import_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, *a
 def use_mma_layout(model: nn.Module, experts: bool = True, fused_moe: bool = True) -> int:
     """Switch every `ForgeAWQLinear` and `ForgeGPTQLinear` (and, with `experts`, `ForgeAWQExperts`) of `model` that
     fits to the mma layout: faster decode on CUDA (the tensor-core kernels of csrc/awq_mma.cu; linear layers run
-    Triton dequantize + cuBLAS beyond 128 rows, or on Hopper up to 512 rows csrc/awq_wgmma.cu where faster). With `fused_moe`, every `ForgeMoE` block that then qualifies also
-    takes the fused decode path (`ForgeMoE.use_fused_decode`: shared expert inside the grouped expert kernels,
-    DeepSeek-V3 routing in one kernel). Returns how many modules switched, fused blocks included. Exports are
+    Triton dequantize + cuBLAS beyond 128 rows, or on Hopper up to 512 rows csrc/awq_wgmma.cu where faster). With
+    `fused_moe`, every `ForgeMoE` block that then qualifies also takes the fused decode path
+    (`ForgeMoE.use_fused_decode`: shared expert inside the grouped expert kernels, DeepSeek-V3 routing in one
+    kernel). Returns how many modules switched, fused blocks included. Exports are
     unchanged (each module's own checkpoint layout)."""
     from torchforge.nn.awq_experts import ForgeAWQExperts
     from torchforge.nn.gptq_linear import ForgeGPTQLinear

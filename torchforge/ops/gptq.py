@@ -89,7 +89,8 @@ def _check_linear(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, g_
                 lambda: f"{op}: x has shape {tuple(x.shape)} but qweight {tuple(qweight.shape)} expects IC={ic}")
     check_value(x.device == qweight.device, lambda: f"{op}: x is on {x.device} but qweight on {qweight.device}")
     if bias is not None:
-        check_type(bias.dtype in _FLOAT_DTYPES, lambda: f"{op}: bias must be float16/bfloat16/float32, got {bias.dtype}")
+        check_type(bias.dtype in _FLOAT_DTYPES,
+                   lambda: f"{op}: bias must be float16/bfloat16/float32, got {bias.dtype}")
         check_value(bias.dim() == 1 and bias.shape[0] == oc,
                     lambda: f"{op}: bias has shape {tuple(bias.shape)}, expected ({oc},) = [OC]")
         check_same_device(op, "bias", bias, x, "x")

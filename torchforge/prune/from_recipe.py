@@ -55,7 +55,8 @@ def prune_from_recipe(model: nn.Module, section) -> nn.Module:
     if pruned:  # an earlier call (quantize retried, or run twice): fine with the same map, else an error
         same = len(pruned) == len(blocks) == expert_map.shape[0] and all(
             b.mode == section.mode and b.renormalize == section.renormalize
-            and torch.equal(b._row_host.to(torch.int32), row.to(torch.int32)) for (_, b), row in zip(pruned, expert_map))
+            and torch.equal(b._row_host.to(torch.int32), row.to(torch.int32))
+            for (_, b), row in zip(pruned, expert_map))
         if not same:
             raise ValueError(f"recipe prune: the model is already pruned ({pruned[0][0]} is a PrunedMoE, {len(pruned)} "
                              f"of {len(blocks)} MoE blocks) with another expert map or mode than this recipe's; prune "
