@@ -157,6 +157,31 @@ def host_breakdown(gen, batch, steps, cc, top) -> None:
                            f"{cum * 1e3:.3f}"] for (f, line, fn), (c, own, cum) in rows]))
 
 
+def cpu_op_breakdown(gen, batch, cc, top) -> None:
+    """torch.profiler's host-side view of one generate() of 1 token: ops by self CPU time, torchforge's ops by total
+    CPU time (checks, dispatch rules and launches inside), and the CUDA runtime calls that wait for the device
+    (cProfile misattributes time across torch.library's dynamo-disabled wrappers; this does not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        gen.run(batch, 1, cc)
+    avg = prof.key_averages()
+    self_total = sum(e.self_cpu_time_total for e in avg)
+    print(f"\nhost ops (torch.profiler): {sum(e.count for e in avg)} events, self CPU {self_total / 1e3:.2f} ms\n")
+    rows = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:top]
+    print(markdown_table(["op", "calls", "self CPU ms", "CPU total ms", "us / call"],
+                         [[e.key[:80], str(e.count), f"{e.self_cpu_time_total / 1e3:.3f}",
+                           f"{e.cpu_time_total / 1e3:.3f}", f"{e.cpu_time_total / max(e.count, 1):.1f}"]
+                          for e in rows]))
+    mine = [e for e in avg if e.key.startswith("torchforge::") or "Synchronize" in e.key or "Memcpy" in e.key
+            or e.key in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero")]
+    print("\ntorchforge ops, syncs and copies:\n")
+    print(markdown_table(["op", "calls", "self CPU ms", "CPU total ms", "us / call"],
+                         [[e.key[:80], str(e.count), f"{e.self_cpu_time_total / 1e3:.3f}",
+                           f"{e.cpu_time_total / 1e3:.3f}", f"{e.cpu_time_total / max(e.count, 1):.1f}"]
+                          for e in sorted(mine, key=lambda e: -e.cpu_time_total)]))
+
+
 def prefill_breakdown(gen, batch, cc, top) -> None:
     """The eager prefill (generate() of 1 new token): wall ms, kernels by family and name, the GPU span, and the
     functions with the most own host time."""
@@ -179,6 +204,7 @@ def prefill_breakdown(gen, batch, cc, top) -> None:
     print(markdown_table(["kernel", "family", "us", "count", "us each"],
                          [[name[:90], family(name), f"{us:.1f}", str(c), f"{us / c:.1f}"] for name, (us, c)
                           in sorted(times.items(), key=lambda kv: -kv[1][0])[:top]]))
+    cpu_op_breakdown(gen, batch, cc, top)
     prof = cProfile.Profile()
     prof.enable()
     gen.run(batch, 1, cc)

@@ -52,6 +52,7 @@ case " $SUITE " in *" bench "*)
       nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6
       decode_profile) TAIL=${PROFILE_TAIL:-150} step bench_decode_profile python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;  # kernels per step (+ --host: host time)
       moe_block) TAIL=20 step bench_moe_block python3 bench/moe_block.py ${MOE_BLOCK_ARGS:-} ;;  # fused decode path on / off by tokens
+      host) TAIL=${HOST_TAIL:-60} step bench_op_host_overhead python3 bench/op_host_overhead.py ${HOST_ARGS:-} ;;  # host us per eager op call
       decode) TAIL=30 step bench_decode_e2e python3 bench/decode_e2e.py ${DECODE_ARGS:-} ;;  # end-to-end generate, bf16 vs W4A16 (not in the default list: ~4 min)
     esac
   done ;;
