@@ -8,10 +8,26 @@ number of blocks), so this is capturable in a CUDA graph and traceable by torch.
 Expert ids outside [0, E) are not checked on the host (a sync): they are sorted into one more bucket, after
 expert E - 1, whose blocks get block expert E like the empty blocks past the end. The grouped kernels write NaN
 rows for the real rows of such blocks (past the end there are none), as the per-row decode kernels do.
+
+On CUDA the sort is one Triton launch (moe_align_triton.py) instead of ~20 small torch ops (about
+500 us of host time per call on the H200's host, twice per MoE block of an eager prefill). Its single program
+walks the rows, so past MOE_ALIGN_TRITON_MAX_ROWS rows the torch ops (moe_align_ref, also the kernel's test
+oracle) run.
 """
 from __future__ import annotations
 
 import torch
+
+from torchforge.ops._triton import use_triton
+
+# Routed rows up to which CUDA tensors take the one-program Triton kernel. Its program walks the rows serially, so
+# its GPU time grows with R where the torch ops' stays near flat. H200, `bench/op_host_overhead.py`, GPU us from a
+# CUDA graph, Triton / torch ops (host us per call, eager: about 170 / 500 at any R):
+#   rows            9         144       288       1152       4608
+#   65 experts    8 / 51    17 / 74   27 / 77   88 / 84   340 / 112
+#   257 experts   4 / 52    24 / 75   47 / 79  153 / 86   567 / 117
+# The crossings are at about 1000 rows (65 experts) and 550 (257), so past 512 rows the torch ops run.
+MOE_ALIGN_TRITON_MAX_ROWS = 512
 
 
 def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -25,6 +41,15 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_rows[b * block_m + i] is the i-th row of block b (R where it is padding); block_expert[b] is the
     expert of block b, or `num_experts` for the rows of out-of-range ids and for the (empty) blocks past the end.
     """
+    if use_triton(expert_ids) and expert_ids.numel() <= MOE_ALIGN_TRITON_MAX_ROWS:
+        from torchforge.ops.moe_align_triton import launch_moe_align_triton  # imports max_blocks from here
+
+        return launch_moe_align_triton(expert_ids, num_experts, block_m)
+    return moe_align_ref(expert_ids, num_experts, block_m)
+
+
+def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch-ops version of moe_align (any device, any R); the Triton kernel must match it bit for bit."""
     ids = expert_ids.reshape(-1).to(torch.int64)
     ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # bucket E: out-of-range ids
     R = ids.numel()
