@@ -3,11 +3,11 @@
 Why: the eager prefill of the end-to-end model (bench/decode_profile.py --prefill) is host bound, and its W4A16
 form took longer than bf16 with fewer kernel microseconds. This splits one `awq_mma_linear` call into what it
 costs on the host: the public op (torch.library dispatch + argument checks + dispatch rules + launch), the
-registered Python function alone, the dispatch rules alone, the checks alone, and the raw extension op.
+registered Python function alone, the dispatch rules alone, the checks alone, and the launcher (config + extension op).
 
 Each row: microseconds per call, back to back for N calls with one synchronize at the end (the host cost when it
-exceeds the kernel), and the ratio to `F.linear` on the same shape in the same run. Also prints the running torch's
-`custom_op` backend wrapper source lines, since that wrapper's cost differs between torch releases.
+exceeds the kernel), and the ratio to `F.linear` on the same shape in the same run. Then the MoE ops' row sort
+(`moe_align`): the one-launch Triton kernel against the torch ops, host us and CUDA-graph GPU us.
 
     python3 bench/op_host_overhead.py [--shapes 4096x4096,11008x4096] [--ms 1,32] [--calls 2000]
 """
@@ -52,10 +52,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/op_host_overhead.py: needs a CUDA device")
         return 0
-    import inspect
-
-    import torch._library.custom_ops as custom_ops
-
     import torchforge  # noqa: F401
     from torchforge.ops import awq_mma as mma_ops
     from torchforge.ops.awq import awq_quantize
@@ -64,12 +60,6 @@ def main() -> int:
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
 
     print(f"{device_line()}, torch {torch.__version__}")
-    src, first = inspect.getsourcelines(custom_ops.CustomOpDef._register_to_dispatcher)
-    lines = [(first + i, s.rstrip()) for i, s in enumerate(src)]
-    at = next((i for i, (_, s) in enumerate(lines) if "def backend_impl" in s), None)
-    if at is not None:
-        print("\ncustom_ops backend_impl in this torch:\n")
-        print("\n".join(f"{n}: {s}" for n, s in lines[at:at + 30]))
     g = 128
     rows = []
     for shape in args.shapes.split(","):
