@@ -5,7 +5,7 @@
 #   decode only: SUITE=bench BENCHES=decode bash bench/gpu_suite.sh   (DECODE_ARGS: e.g. "--batches 1")
 #   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernels' tests; SANITIZE_SETS
 #                picks some of "quantize mma wgmma")
-#   some tests: SUITE=tests TESTS="tests/ops/x.py ..." (PYTEST_ARGS too); W4A16_ARGS / DECODE_ARGS / MOE_ARGS pass
+#   some tests: SUITE=tests TESTS="tests/ops/x.py ..." (PYTEST_ARGS too), or SHARD=1/2 then SHARD=2/2 for all of them; W4A16_ARGS / DECODE_ARGS / MOE_ARGS pass
 #   arguments to the benchmarks; BENCHES="w4a16 w4a16_sweep" runs w4a16_linear.py a second time with W4A16_SWEEP_ARGS
 set -uo pipefail
 OUT=${OUT:-/tmp/torchforge-out}
@@ -39,7 +39,12 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail
   echo "== $name: rc=$rc, $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 SUITE=${SUITE:-tests bench demo}
-case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 -p no:cacheprovider ${TESTS:-tests} ${PYTEST_ARGS:-} ;; esac
+# SHARD=i/n (e.g. 1/2): every n-th test file from the i-th, so the whole suite (over 420 s on the device since the
+# sixteenth session) runs in n calls; --durations names the slowest cases to mark
+if [ -n "${SHARD:-}" ] && [ -z "${TESTS:-}" ]; then
+  TESTS=$(find tests -name 'test_*.py' | sort | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" '(NR - i) % n == 0' | tr '\n' ' ')
+fi
+case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 --durations=15 -p no:cacheprovider ${TESTS:-tests} ${PYTEST_ARGS:-} ;; esac
 case " $SUITE " in *" bench "*)
   for b in ${BENCHES:-w4a16 quantize moe gptq nvfp4}; do
     case $b in

@@ -7,7 +7,7 @@ from torch import nn
 from torchforge import ops
 from torchforge.nn._group_size import check_group_size
 from torchforge.ops.awq_moe import awq_moe_gemm
-from torchforge.ops.awq_mma import awq_mma_moe_down_combine, awq_mma_moe_gate_up_silu
+from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
 from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
 from torchforge.ops.awq_moe_fused import awq_moe_down_combine, awq_moe_gate_up_silu
 
@@ -139,11 +139,10 @@ class ForgeAWQExperts(nn.Module):
             raise ValueError("ForgeAWQExperts: a shared expert is only taken on the mma layout with SiLU experts and "
                              "no autograd through the router weights; add it separately")
         if fused and self.weight_layout == "mma":
-            gate_up, down = shared if shared is not None else (None, None)
-            h = awq_mma_moe_gate_up_silu(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
-                                         self.gate_up_qzeros, G, k, gate_up)
-            return awq_mma_moe_down_combine(h, flat_ids, top_k_weights, self.down_qweight, self.down_scales,
-                                            self.down_qzeros, G, down)
+            # one op for both halves: where the rows are sorted by expert, gate_up and down share one sort
+            return awq_mma_moe_experts(hidden_states, flat_ids, top_k_weights,
+                                       (self.gate_up_qweight, self.gate_up_scales, self.gate_up_qzeros),
+                                       (self.down_qweight, self.down_scales, self.down_qzeros), G, k, shared)
         if fused:
             # the same computation as below as two ops, whose decode path fuses SiLU * up and the weighted sum
             # into the GEMVs' split-K reduce kernels (awq_moe_fused.py); they have no autograd formula, so

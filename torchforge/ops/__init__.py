@@ -64,6 +64,8 @@ __all__ += ["gptq_pack", "gptq_unpack", "gptq_dequantize", "w4a16_gptq_linear", 
 # The mma layout (run-time re-packing of AWQ / GPTQ codes for the tensor-core kernels of csrc/awq_mma.cu).
 from torchforge.ops.awq_mma import awq_mma_linear, awq_mma_moe_down_combine, awq_mma_moe_gate_up_silu  # noqa: E402
 from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_to_awq  # noqa: E402
+from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts  # noqa: E402
 
-__all__ += ["awq_mma_linear", "awq_mma_moe_gate_up_silu", "awq_mma_moe_down_combine", "awq_to_mma_layout",
+__all__ += ["awq_mma_linear", "awq_mma_moe_gate_up_silu", "awq_mma_moe_down_combine", "awq_mma_moe_experts",
+            "awq_to_mma_layout",
             "mma_layout_to_awq"]

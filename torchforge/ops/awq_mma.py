@@ -125,23 +125,47 @@ def _awq_view(qweight_mma: Tensor) -> Tensor:
     return qweight_mma.reshape(e, k8 // 8, nb * 8)
 
 
+def _gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+                  top_k: int, shared: Optional[tuple], alignment: Optional[tuple] = None) -> Tensor:
+    from torchforge.ops.awq_moe_fused import awq_moe_gate_up_silu
+    from torchforge.ops.moe_epilogue_triton import launch_silu_mul_reduce
+
+    if mma_moe_cuda_ok(x, qweight_mma, scales, group_size, shared):
+        part = launch_awq_mma_moe_cuda(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared, alignment)
+        return launch_silu_mul_reduce(part, x.dtype)
+    q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
+    return awq_moe_gate_up_silu(x, expert_ids, mma_layout_to_awq(q), s, z, group_size, top_k)
+
+
+def _down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
+                  group_size: int, shared: Optional[tuple], alignment: Optional[tuple] = None) -> Tensor:
+    from torchforge.ops.awq_moe_fused import awq_moe_down_combine
+    from torchforge.ops.moe_epilogue_triton import launch_combine_reduce
+
+    if mma_moe_cuda_ok(h, qweight_mma, scales, group_size, shared):
+        part = launch_awq_mma_moe_cuda(h, expert_ids, qweight_mma, scales, qzeros, group_size, 1, shared, alignment)
+        return launch_combine_reduce(part, weights, h.dtype)
+    q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
+    return awq_moe_down_combine(h, expert_ids, weights, mma_layout_to_awq(q), s, z, group_size)
+
+
+def _shared_or_none(op: str, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, shared_qweight: Optional[Tensor],
+                    shared_scales: Optional[Tensor], shared_qzeros: Optional[Tensor]) -> Optional[tuple]:
+    has = _check_shared(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
+    return (shared_qweight, shared_scales, shared_qzeros) if has else None
+
+
 @_define_kernel_op("torchforge::awq_mma_moe_gate_up_silu", mutates_args=())
 def _awq_mma_moe_gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
                               group_size: int, top_k: int, shared_qweight: Optional[Tensor] = None,
                               shared_scales: Optional[Tensor] = None, shared_qzeros: Optional[Tensor] = None) -> Tensor:
-    from torchforge.ops.awq_moe_fused import _check_gate_up, awq_moe_gate_up_silu
-    from torchforge.ops.moe_epilogue_triton import launch_silu_mul_reduce
+    from torchforge.ops.awq_moe_fused import _check_gate_up
 
     op = "awq_mma_moe_gate_up_silu"
     _moe_args(op, x, expert_ids, qweight_mma)
     _check_gate_up(x, expert_ids, _awq_view(qweight_mma), scales, qzeros, group_size, top_k)
-    has = _check_shared(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
-    shared = (shared_qweight, shared_scales, shared_qzeros) if has else None
-    if mma_moe_cuda_ok(x, qweight_mma, scales, group_size, shared):
-        part = launch_awq_mma_moe_cuda(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared)
-        return launch_silu_mul_reduce(part, x.dtype)
-    q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
-    return awq_moe_gate_up_silu(x, expert_ids, mma_layout_to_awq(q), s, z, group_size, top_k)
+    shared = _shared_or_none(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
+    return _gate_up_silu(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared)
 
 
 @_awq_mma_moe_gate_up_silu.register_fake
@@ -160,19 +184,13 @@ def _(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared_qwei
 def _awq_mma_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor,
                               qzeros: Tensor, group_size: int, shared_qweight: Optional[Tensor] = None,
                               shared_scales: Optional[Tensor] = None, shared_qzeros: Optional[Tensor] = None) -> Tensor:
-    from torchforge.ops.awq_moe_fused import _check_combine, awq_moe_down_combine
-    from torchforge.ops.moe_epilogue_triton import launch_combine_reduce
+    from torchforge.ops.awq_moe_fused import _check_combine
 
     op = "awq_mma_moe_down_combine"
     _moe_args(op, h, expert_ids, qweight_mma)
     _check_combine(h, expert_ids, weights, _awq_view(qweight_mma), scales, qzeros, group_size)
-    has = _check_shared(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
-    shared = (shared_qweight, shared_scales, shared_qzeros) if has else None
-    if mma_moe_cuda_ok(h, qweight_mma, scales, group_size, shared):
-        part = launch_awq_mma_moe_cuda(h, expert_ids, qweight_mma, scales, qzeros, group_size, 1, shared)
-        return launch_combine_reduce(part, weights, h.dtype)
-    q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
-    return awq_moe_down_combine(h, expert_ids, weights, mma_layout_to_awq(q), s, z, group_size)
+    shared = _shared_or_none(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
+    return _down_combine(h, expert_ids, weights, qweight_mma, scales, qzeros, group_size, shared)
 
 
 @_awq_mma_moe_down_combine.register_fake

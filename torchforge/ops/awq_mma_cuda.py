@@ -17,8 +17,8 @@ from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_config, decode_mm
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_prefetch", "mma_cuda_launch_config",
            "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
-           "mma_moe_cuda_ok", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M", "wgmma_cuda_config",
-           "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake",
+           "mma_moe_cuda_ok", "mma_moe_sorts", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M",
+           "wgmma_cuda_config", "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake",
            "moe_sorted_block_rows", "MOE_SORTED_BLOCK_ROWS", "MOE_WARPS"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
@@ -280,22 +280,32 @@ def moe_sorted_block_rows(rows: int, num_experts: int) -> int:
     return 8 if rows <= 8 * num_experts else 16
 
 
+def mma_moe_sorts(rows: int, num_experts: int) -> bool:
+    """Whether the grouped kernel sorts `rows` routed rows over `num_experts` experts (the shared one included) into
+    blocks of moe_sorted_block_rows (moe_align); at most one row per expert (decode), each row is a block."""
+    return rows > num_experts
+
+
 def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
-                            group_size: int, x_row_div: int, shared: Optional[tuple[Tensor, Tensor, Tensor]] = None
-                            ) -> Tensor:
+                            group_size: int, x_row_div: int, shared: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+                            alignment: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
     """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
     `[E, N / 64, K * 8]`. While there are no more routed rows than experts (decode) each row is a block of its own;
     beyond, rows are sorted by expert on the device into blocks of moe_sorted_block_rows (moe_align). No host sync
     either way.
-    `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones."""
+    `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones.
+    `alignment`: moe_align's (sorted_rows, block_expert) for these ids, computed once by the caller for both of a
+    layer's grouped calls (checked for shape by the op; used only where the rows are sorted)."""
     from torchforge.ops.moe_align import moe_align
 
     num_experts, nb, k8 = qweight_mma.shape
-    num_experts += shared is not None
+    num_experts += int(shared is not None)  # an int: SymInt + bool trips sympy on torch 2.11 (opcheck, dynamic)
     k, n, rows = k8 // 8, nb * 64, expert_ids.numel()
-    if rows <= num_experts:  # decode: one routed row per block, no sort kernels in the step
+    if not mma_moe_sorts(rows, num_experts):  # decode: one routed row per block, no sort kernels in the step
         sorted_rows = torch.empty(0, dtype=torch.int32, device=x.device)
         block_expert = expert_ids.reshape(-1).to(torch.int32)
+    elif alignment is not None:
+        sorted_rows, block_expert = alignment
     else:
         sorted_rows, block_expert = moe_align(expert_ids, num_experts, moe_sorted_block_rows(rows, num_experts))
     # K slices by the dense kernel's rule, on the (upper bound of the) number of row blocks
