@@ -44,9 +44,10 @@ def _two_ops(x, ids, w, gate_up, dn, G, k, extra):
     ("cpu", 2, 3, True),
     pytest.param("cuda", 1, 4, False, marks=[pytest.mark.cuda, cuda]),  # direct: a block per routed row
     pytest.param("cuda", 1, 4, True, marks=[pytest.mark.cuda, cuda]),
-    pytest.param("cuda", 40, 5, False, marks=[pytest.mark.cuda, cuda]),  # sorted blocks
+    pytest.param("cuda", 6, 5, True, marks=[pytest.mark.cuda, cuda]),  # 30 rows over 9 experts: sorted blocks of 8
+    pytest.param("cuda", 40, 5, False, marks=[pytest.mark.cuda, cuda]),  # 200 rows: sorted blocks of 16
     pytest.param("cuda", 40, 5, True, marks=[pytest.mark.cuda, cuda]),
-    pytest.param("cuda", 300, 8, True, marks=[pytest.mark.cuda, cuda]),  # sorted, blocks of 16 rows
+    pytest.param("cuda", 300, 8, True, marks=[pytest.mark.cuda, cuda]),
 ])
 def test_equals_the_two_ops(device, T, k, shared):
     E, G = 9, 64
@@ -73,10 +74,11 @@ def _count_aligns(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("T,sorts", [(1, False), (6, True)])
-def test_one_sort_for_both_halves(T, sorts, monkeypatch):
-    """With the grouped kernel standing in (CPU), the op sorts once where rows outnumber experts (12 > 9 + 1 rows
-    at T = 6, k = 2) and hands the same alignment to both launches; in decode it sorts nothing."""
+@pytest.mark.parametrize("T,k,sorts", [(1, 2, False), (16, 5, True)])
+def test_one_sort_for_both_halves(T, k, sorts, monkeypatch):
+    """With the grouped kernel standing in (CPU), the op sorts once where rows outnumber experts and hands the same
+    alignment to both launches; in decode it sorts nothing. 80 rows over 9 routed experts + the shared one take
+    blocks of 8 rows (80 <= 8 x 10); without the shared expert counted they would take 16."""
     import sys
 
     import torchforge.ops.awq_mma as awq_mma
@@ -84,7 +86,7 @@ def test_one_sort_for_both_halves(T, sorts, monkeypatch):
 
     experts_op = sys.modules["torchforge.ops.awq_mma_moe_experts"]  # the package exports a function of that name
 
-    E, G, k = 9, 64, 2
+    E, G = 9, 64
     x, ids, w, gate_up, dn, extra = _case(E + 1, T, k, G, "cpu", True)
     calls = _count_aligns(monkeypatch)
     seen = []
@@ -104,7 +106,8 @@ def test_one_sort_for_both_halves(T, sorts, monkeypatch):
         from torchforge.ops.awq_mma_cuda import moe_sorted_block_rows
         from torchforge.ops.moe_align import moe_align_ref
 
-        assert calls == [(E + 1, moe_sorted_block_rows(T * k, E + 1))]
+        assert moe_sorted_block_rows(T * k, E + 1) == 8 and moe_sorted_block_rows(T * k, E) == 16
+        assert calls == [(E + 1, 8)]
         ref = moe_align_ref(ids, E + 1, moe_sorted_block_rows(T * k, E + 1))
         assert all(torch.equal(a, b) for a, b in zip(seen[0], ref))
     else:
@@ -125,8 +128,12 @@ def test_cuda_sorts_once(monkeypatch):
 def test_errors_name_what_is_wrong():
     E, G, T, k = 5, 64, 2, 2
     x, ids, w, gate_up, dn, extra = _case(E, T, k, G, "cpu", True)
-    with pytest.raises(ValueError, match=r"awq_mma_moe_experts: weights must be \[T, top_k\] = \[2, 2\], got \(1, 4\)"):
+    with pytest.raises(ValueError, match=r"awq_mma_moe_experts: weights must be \[T, top_k\] with T = 2 tokens, got "
+                                         r"\(1, 4\)"):
         awq_mma_moe_experts(x, ids, w.reshape(1, 4), gate_up, dn, G, k, extra)
+    with pytest.raises(ValueError, match=r"down_qweight must be \[E, OC / 64, I \* 8\] with the intermediate size "
+                                         r"I = 128 of gate_up \(gate rows then up rows\), got \(4, 2, 512\)"):
+        awq_mma_moe_experts(x, ids, w, gate_up, (dn[0][..., :512].contiguous(), *dn[1:]), G, k, extra)  # I = 64
     with pytest.raises(ValueError, match="gate_up holds 4 experts but down holds 3"):
         awq_mma_moe_experts(x, ids, w, gate_up, tuple(t[:3] for t in dn), G, k, extra)
     with pytest.raises(ValueError, match="shared expert's gate_up and down tensors together"):

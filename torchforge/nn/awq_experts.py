@@ -7,8 +7,8 @@ from torch import nn
 from torchforge import ops
 from torchforge.nn._group_size import check_group_size
 from torchforge.ops.awq_moe import awq_moe_gemm
-from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
 from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
+from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
 from torchforge.ops.awq_moe_fused import awq_moe_down_combine, awq_moe_gate_up_silu
 
 

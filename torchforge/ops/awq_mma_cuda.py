@@ -294,8 +294,9 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     beyond, rows are sorted by expert on the device into blocks of moe_sorted_block_rows (moe_align). No host sync
     either way.
     `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones.
-    `alignment`: moe_align's (sorted_rows, block_expert) for these ids, computed once by the caller for both of a
-    layer's grouped calls (checked for shape by the op; used only where the rows are sorted)."""
+    `alignment`: moe_align's (sorted_rows, block_expert) for these ids, `num_experts` (the shared one included) and
+    moe_sorted_block_rows, computed once by the caller for both of a layer's grouped calls (awq_mma_moe_experts).
+    Used only where the rows are sorted. Not checked here: an alignment of other ids reads wrong rows."""
     from torchforge.ops.moe_align import moe_align
 
     num_experts, nb, k8 = qweight_mma.shape

@@ -26,25 +26,29 @@ OP = "awq_mma_moe_experts"
 
 
 def _check_experts(x, expert_ids, weights, gu_q, gu_s, gu_z, dn_q, dn_s, dn_z, group_size, top_k,
-                   shared_gu, shared_dn) -> tuple[bool, bool, int, int]:
-    """The checks of both halves (their messages name the half's op) and of what ties them together; returns
-    (has shared gate_up, has shared down, tokens, output features)."""
+                   shared_gu, shared_dn) -> tuple[bool, int, int]:
+    """The checks of both halves (most messages name the AWQ-layout ops whose checks they share, e.g. awq_moe_gemm)
+    and of what ties the halves together; returns (has a shared expert, tokens, output features)."""
     from torchforge.ops.awq_moe_fused import _check_combine, _check_gate_up
 
     _moe_args(OP, x, expert_ids, gu_q)
     inter = _check_gate_up(x, expert_ids, _awq_view(gu_q), gu_s, gu_z, group_size, top_k)
-    h = x.new_empty(1).expand(expert_ids.shape[0], inter)  # stands for SiLU(gate) * up in the checks; no memory
-    _moe_args(OP, h, expert_ids, dn_q)
-    tokens, oc = _check_combine(h, expert_ids, weights, _awq_view(dn_q), dn_s, dn_z, group_size)
+    check_value(dn_q.dim() == 3 and dn_q.shape[2] == inter * 8,
+                lambda: f"{OP}: down_qweight must be [E, OC / 64, I * 8] with the intermediate size I = {inter} of "
+                        f"gate_up (gate rows then up rows), got {tuple(dn_q.shape)}")
     check_value(dn_q.shape[0] == gu_q.shape[0],
                 lambda: f"{OP}: gate_up holds {gu_q.shape[0]} experts but down holds {dn_q.shape[0]}")
-    check_value(tokens == x.shape[0] and weights.shape[1] == top_k,
-                lambda: f"{OP}: weights must be [T, top_k] = [{x.shape[0]}, {top_k}], got {tuple(weights.shape)}")
+    h = x.new_empty(1).expand(expert_ids.shape[0], inter)  # SiLU(gate) * up's shape for down's checks: one element
+    tokens, oc = _check_combine(h, expert_ids, weights, _awq_view(dn_q), dn_s, dn_z, group_size)
+    check_value(tokens == x.shape[0],
+                lambda: f"{OP}: weights must be [T, top_k] with T = {x.shape[0]} tokens, got {tuple(weights.shape)}")
+    check_value(weights.shape[1] == top_k,
+                lambda: f"{OP}: weights must be [T, top_k] with top_k = {top_k}, got {tuple(weights.shape)}")
     has_gu = _check_shared(OP, gu_q, gu_s, gu_z, *shared_gu)
     has_dn = _check_shared(OP, dn_q, dn_s, dn_z, *shared_dn)
     check_value(has_gu == has_dn, lambda: f"{OP}: pass the shared expert's gate_up and down tensors together, or "
                                           f"neither")
-    return has_gu, has_dn, tokens, oc
+    return has_gu, tokens, oc
 
 
 @_define_kernel_op("torchforge::awq_mma_moe_experts", mutates_args=())
@@ -58,7 +62,7 @@ def _awq_mma_moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
                          shared_down_qzeros: Optional[Tensor] = None) -> Tensor:
     shared_gu = (shared_gate_up_qweight, shared_gate_up_scales, shared_gate_up_qzeros)
     shared_dn = (shared_down_qweight, shared_down_scales, shared_down_qzeros)
-    has, _, _, _ = _check_experts(x, expert_ids, weights, gate_up_qweight, gate_up_scales, gate_up_qzeros,
+    has, _, _ = _check_experts(x, expert_ids, weights, gate_up_qweight, gate_up_scales, gate_up_qzeros,
                                   down_qweight, down_scales, down_qzeros, group_size, top_k, shared_gu, shared_dn)
     shared_gu, shared_dn = (shared_gu, shared_dn) if has else (None, None)
     num_experts, rows = gate_up_qweight.shape[0] + int(has), expert_ids.numel()  # SymInt + bool: sympy error (2.11)
@@ -77,7 +81,7 @@ def _awq_mma_moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
 def _(x, expert_ids, weights, gate_up_qweight, gate_up_scales, gate_up_qzeros, down_qweight, down_scales, down_qzeros,
       group_size, top_k, shared_gate_up_qweight=None, shared_gate_up_scales=None, shared_gate_up_qzeros=None,
       shared_down_qweight=None, shared_down_scales=None, shared_down_qzeros=None):
-    _, _, tokens, oc = _check_experts(
+    _, tokens, oc = _check_experts(
         x, expert_ids, weights, gate_up_qweight, gate_up_scales, gate_up_qzeros, down_qweight, down_scales,
         down_qzeros, group_size, top_k, (shared_gate_up_qweight, shared_gate_up_scales, shared_gate_up_qzeros),
         (shared_down_qweight, shared_down_scales, shared_down_qzeros))
