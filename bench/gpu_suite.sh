@@ -43,6 +43,7 @@ SUITE=${SUITE:-tests bench demo}
 # sixteenth session) runs in n calls; --durations names the slowest cases to mark
 if [ -n "${SHARD:-}" ] && [ -z "${TESTS:-}" ]; then
   TESTS=$(find tests -name 'test_*.py' | sort | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" '(NR - i) % n == 0' | tr '\n' ' ')
+  for t in ${SHARD_EXTRA:-}; do case " $TESTS " in *" $t "*) ;; *) TESTS="$TESTS $t" ;; esac; done  # changed files
 fi
 case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 --durations=15 -p no:cacheprovider ${TESTS:-tests} ${PYTEST_ARGS:-} ;; esac
 case " $SUITE " in *" bench "*)
@@ -58,6 +59,7 @@ case " $SUITE " in *" bench "*)
       decode_profile) TAIL=${PROFILE_TAIL:-150} step bench_decode_profile python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;  # kernels per step (+ --host: host time)
       moe_block) TAIL=20 step bench_moe_block python3 bench/moe_block.py ${MOE_BLOCK_ARGS:-} ;;  # fused decode path on / off by tokens
       host) TAIL=${HOST_TAIL:-60} step bench_op_host_overhead python3 bench/op_host_overhead.py ${HOST_ARGS:-} ;;  # host us per eager op call
+      moe_align) TAIL=22 step bench_moe_align python3 bench/moe_align.py ${MOE_ALIGN_ARGS:-} ;;  # the MoE row sort three ways
       decode) TAIL=30 step bench_decode_e2e python3 bench/decode_e2e.py ${DECODE_ARGS:-} ;;  # end-to-end generate, bf16 vs W4A16 (not in the default list: ~4 min)
     esac
   done ;;

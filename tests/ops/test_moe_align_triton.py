@@ -1,5 +1,5 @@
-"""The one-launch moe_align kernel against the torch-ops reference, bit for bit. Without a GPU it runs under
-TRITON_INTERPRET=1 (tests/conftest.py) on CPU tensors."""
+"""The moe_align kernels (one program; chunks over three launches) against the torch-ops reference, bit for bit.
+Without a GPU they run under TRITON_INTERPRET=1 (tests/conftest.py) on CPU tensors."""
 import pytest
 import torch
 
@@ -7,15 +7,18 @@ pytest.importorskip("triton")
 
 from torchforge.ops._triton import can_launch  # noqa: E402
 from torchforge.ops.moe_align import moe_align_ref  # noqa: E402
-from torchforge.ops.moe_align_triton import launch_moe_align_triton  # noqa: E402
+from torchforge.ops.moe_align_triton import launch_moe_align_chunked, launch_moe_align_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if not can_launch(torch.empty(0, device=DEVICE)):
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 
-def _check(ids, E, BM):
-    rows, block_expert = launch_moe_align_triton(ids, E, BM)
+def _check(ids, E, BM, chunk_rows=None):
+    if chunk_rows is None:
+        rows, block_expert = launch_moe_align_triton(ids, E, BM)
+    else:
+        rows, block_expert = launch_moe_align_chunked(ids, E, BM, chunk_rows)
     ref_rows, ref_block_expert = moe_align_ref(ids, E, BM)
     assert rows.dtype == block_expert.dtype == torch.int32
     assert torch.equal(rows.cpu(), ref_rows.cpu()) and torch.equal(block_expert.cpu(), ref_block_expert.cpu())
@@ -38,3 +41,33 @@ def test_moe_align_triton_edge_cases(R, E, BM):
     if R:
         _check(torch.full((R,), -1, dtype=torch.int32, device=DEVICE), E, BM)  # all out of range, int32 ids
         _check(torch.arange(R, device=DEVICE).reshape(-1, 1).expand(R, 2)[:, 1] % E, E, BM)  # strided view
+
+
+@pytest.mark.parametrize("R,E,BM,chunk_rows", [
+    (600, 65, 8, 64),     # 10 chunks, the last one partial
+    (512, 8, 16, 128),    # whole chunks only
+    (130, 257, 8, 16),    # a chunk is one step of the scatter walk (16 rows x 512 buckets)
+    (9, 65, 16, 256),     # fewer rows than one chunk
+    (0, 8, 16, 64),
+])
+def test_moe_align_chunked_matches_reference(R, E, BM, chunk_rows):
+    g = torch.Generator().manual_seed(R + E)
+    ids = torch.randint(-2, E + 3, (R,), generator=g)  # some out of range on both sides
+    _check(ids.to(DEVICE), E, BM, chunk_rows)
+    _check(torch.full((R,), E - 1, dtype=torch.int32, device=DEVICE), E, BM, chunk_rows)  # all one expert
+
+
+def test_moe_align_dispatch_by_rows(monkeypatch):
+    """moe_align on CUDA: one program up to MOE_ALIGN_TRITON_MAX_ROWS rows, chunks beyond (launchers recorded)."""
+    import torchforge.ops.moe_align as dispatch
+    import torchforge.ops.moe_align_triton as kernels
+
+    calls = []
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    monkeypatch.setattr(kernels, "launch_moe_align_triton", lambda ids, e, bm: calls.append(("one", ids.numel())))
+    monkeypatch.setattr(kernels, "launch_moe_align_chunked",
+                        lambda ids, e, bm, c: calls.append(("chunked", ids.numel(), c)))
+    for rows in (dispatch.MOE_ALIGN_TRITON_MAX_ROWS, dispatch.MOE_ALIGN_TRITON_MAX_ROWS + 1):
+        dispatch.moe_align(torch.zeros(rows, dtype=torch.int64), 8, 16)
+    big = dispatch.MOE_ALIGN_TRITON_MAX_ROWS + 1
+    assert calls == [("one", dispatch.MOE_ALIGN_TRITON_MAX_ROWS), ("chunked", big, dispatch.moe_align_chunk_rows(big))]

@@ -10,9 +10,9 @@ expert E - 1, whose blocks get block expert E like the empty blocks past the end
 rows for the real rows of such blocks (past the end there are none), as the per-row decode kernels do.
 
 On CUDA the sort is one Triton launch (moe_align_triton.py) instead of ~20 small torch ops (about
-500 us of host time per call on the H200's host, twice per MoE block of an eager prefill). Its single program
-walks the rows, so past MOE_ALIGN_TRITON_MAX_ROWS rows the torch ops (moe_align_ref, also the kernel's test
-oracle) run.
+500 us of host time per call on the H200's host). Its single program walks the rows, so past
+MOE_ALIGN_TRITON_MAX_ROWS rows the chunked kernels (three launches, a program per chunk of rows) run. The torch ops
+(moe_align_ref) are the CPU path and the kernels' test oracle.
 """
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ from torchforge.ops._triton import use_triton
 MOE_ALIGN_TRITON_MAX_ROWS = 512
 
 
+def moe_align_chunk_rows(num_rows: int) -> int:
+    """Rows per program of the chunked kernels for `num_rows` routed rows."""
+    return 256
+
+
 def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
     """Upper bound on non-empty blocks: each expert adds < 1 block of padding, and no block is empty."""
     return max(1, min(-(-num_rows // block_m) + num_experts, num_rows))
@@ -41,10 +46,13 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_rows[b * block_m + i] is the i-th row of block b (R where it is padding); block_expert[b] is the
     expert of block b, or `num_experts` for the rows of out-of-range ids and for the (empty) blocks past the end.
     """
-    if use_triton(expert_ids) and expert_ids.numel() <= MOE_ALIGN_TRITON_MAX_ROWS:
-        from torchforge.ops.moe_align_triton import launch_moe_align_triton  # imports max_blocks from here
+    if use_triton(expert_ids):
+        from torchforge.ops import moe_align_triton as kernels  # imports max_blocks from here
 
-        return launch_moe_align_triton(expert_ids, num_experts, block_m)
+        rows = expert_ids.numel()
+        if rows <= MOE_ALIGN_TRITON_MAX_ROWS:
+            return kernels.launch_moe_align_triton(expert_ids, num_experts, block_m)
+        return kernels.launch_moe_align_chunked(expert_ids, num_experts, block_m, moe_align_chunk_rows(rows))
     return moe_align_ref(expert_ids, num_experts, block_m)
 
 
