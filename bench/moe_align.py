@@ -4,7 +4,9 @@ prefills (tokens x 9 routed rows: top-8 + the shared expert) over 65 experts (th
 257 (DeepSeek-V3).
 
 Each cell: GPU microseconds from a CUDA graph (what a compiled decode step pays), and host microseconds per eager
-call back to back (what an eager prefill pays, when it exceeds the GPU time). `same`: every kernel's result equals
+call back to back (what an eager prefill pays, when it exceeds the GPU time). The kernels launch as they do inside
+torchforge's ops: a triton_op's eager body launches directly, not through torch's triton HOP (`wrap_triton`), which
+costs far more host time outside an op (torch's note: ~1 ms; the first run of this script, 300-600 us a call). `same`: every kernel's result equals
 the torch ops' bit for bit. `dispatched`: what `torchforge.ops.moe_align.moe_align` runs for that row count.
 
     python3 bench/moe_align.py [--tokens 1,16,57,128,512,1820,7282] [--chunks 64,128,256,512] [--calls 500]
@@ -36,6 +38,14 @@ def main() -> int:
     from torchforge.ops.awq_mma_cuda import moe_sorted_block_rows
     from torchforge.ops.moe_align_triton import launch_moe_align_chunked, launch_moe_align_triton
 
+    # eager launches as inside a triton_op body (no HOP dispatch); torch versions without the switch launch through it
+    from torch._library import triton as torch_triton
+
+    no_hop = getattr(torch_triton, "set_wrap_triton_enabled", None)
+    direct = no_hop(False) if no_hop is not None else None  # kept referenced: its exit would restore the HOP
+    if direct is not None:
+        direct.__enter__()
+    print(f"eager launches: {'direct, as inside an op' if no_hop else 'through wrap_triton (HOP)'}")
     chunks = [int(c) for c in args.chunks.split(",")]
     rows_out = []
     for experts in (int(e) for e in args.experts.split(",")):

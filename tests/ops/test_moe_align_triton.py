@@ -58,7 +58,8 @@ def test_moe_align_chunked_matches_reference(R, E, BM, chunk_rows):
 
 
 def test_moe_align_dispatch_by_rows(monkeypatch):
-    """moe_align on CUDA: one program up to MOE_ALIGN_TRITON_MAX_ROWS rows, chunks beyond (launchers recorded)."""
+    """moe_align on CUDA: one program up to MOE_ALIGN_TRITON_MAX_ROWS rows, chunks up to MOE_ALIGN_CHUNKED_MAX_ROWS,
+    the torch ops beyond (launchers recorded)."""
     import torchforge.ops.moe_align as dispatch
     import torchforge.ops.moe_align_triton as kernels
 
@@ -67,7 +68,9 @@ def test_moe_align_dispatch_by_rows(monkeypatch):
     monkeypatch.setattr(kernels, "launch_moe_align_triton", lambda ids, e, bm: calls.append(("one", ids.numel())))
     monkeypatch.setattr(kernels, "launch_moe_align_chunked",
                         lambda ids, e, bm, c: calls.append(("chunked", ids.numel(), c)))
-    for rows in (dispatch.MOE_ALIGN_TRITON_MAX_ROWS, dispatch.MOE_ALIGN_TRITON_MAX_ROWS + 1):
+    monkeypatch.setattr(dispatch, "moe_align_ref", lambda ids, e, bm: calls.append(("torch", ids.numel())))
+    one, chunked = dispatch.MOE_ALIGN_TRITON_MAX_ROWS, dispatch.MOE_ALIGN_CHUNKED_MAX_ROWS
+    for rows in (one, one + 1, 8192, 8193, chunked, chunked + 1):
         dispatch.moe_align(torch.zeros(rows, dtype=torch.int64), 8, 16)
-    big = dispatch.MOE_ALIGN_TRITON_MAX_ROWS + 1
-    assert calls == [("one", dispatch.MOE_ALIGN_TRITON_MAX_ROWS), ("chunked", big, dispatch.moe_align_chunk_rows(big))]
+    assert calls == [("one", one), ("chunked", one + 1, 64), ("chunked", 8192, 64), ("chunked", 8193, 128),
+                     ("chunked", chunked, 128), ("torch", chunked + 1)]

@@ -10,9 +10,10 @@ expert E - 1, whose blocks get block expert E like the empty blocks past the end
 rows for the real rows of such blocks (past the end there are none), as the per-row decode kernels do.
 
 On CUDA the sort is one Triton launch (moe_align_triton.py) instead of ~20 small torch ops (about
-500 us of host time per call on the H200's host). Its single program walks the rows, so past
-MOE_ALIGN_TRITON_MAX_ROWS rows the chunked kernels (three launches, a program per chunk of rows) run. The torch ops
-(moe_align_ref) are the CPU path and the kernels' test oracle.
+500 us of host time per call on the H200's host) up to MOE_ALIGN_TRITON_MAX_ROWS rows; its single program walks the
+rows. Beyond, the chunked kernels (three launches, a program per chunk of rows) run, and past
+MOE_ALIGN_CHUNKED_MAX_ROWS the torch ops, whose sort then wins. The torch ops (moe_align_ref) are also the CPU path
+and the kernels' test oracle.
 """
 from __future__ import annotations
 
@@ -20,19 +21,22 @@ import torch
 
 from torchforge.ops._triton import use_triton
 
-# Routed rows up to which CUDA tensors take the one-program Triton kernel. Its program walks the rows serially, so
-# its GPU time grows with R where the torch ops' stays near flat. H200, `bench/op_host_overhead.py`, GPU us from a
-# CUDA graph, Triton / torch ops (host us per call, eager: about 170 / 500 at any R):
-#   rows            9         144       288       1152       4608
-#   65 experts    8 / 51    17 / 74   27 / 77   88 / 84   340 / 112
-#   257 experts   4 / 52    24 / 75   47 / 79  153 / 86   567 / 117
-# The crossings are at about 1000 rows (65 experts) and 550 (257), so past 512 rows the torch ops run.
-MOE_ALIGN_TRITON_MAX_ROWS = 512
+# Which kernel sorts on CUDA, by routed rows. H100, `bench/moe_align.py` (BENCHMARKS.md, seventeenth session), GPU us
+# from a CUDA graph, 65 / 257 experts:
+#   rows                 9            144          1152         4608         16380         65538
+#   one program        8.4 / 4.3   17.3 / 23.8   87 / 152    337 / 561    1738 / 2320   7755 / 10611
+#   chunks of 64       9.8 / 13.6  11.1 / 17.0   13.3 / 30.3 20.9 / 43.7   53.6 / 122    257 / 416
+#   chunks of 128     15.4 / 22.2  14.5 / 24.1   16.7 / 36.7 22.9 / 46.1   51.5 / 110    196 / 323
+#   torch ops         53.6 / 54.8  75.4 / 77.3   86.2 / 88.1  115 / 120     138 / 142    140 / 138
+# The one program walks all rows serially; the chunked kernels walk a chunk per program, then one program walks the
+# chunks (their offsets), which is what grows past ~16k rows; the torch ops' sort stays near flat.
+MOE_ALIGN_TRITON_MAX_ROWS = 64  # the one-program kernel
+MOE_ALIGN_CHUNKED_MAX_ROWS = 32768  # the chunked kernels; beyond, the torch ops
 
 
 def moe_align_chunk_rows(num_rows: int) -> int:
-    """Rows per program of the chunked kernels for `num_rows` routed rows."""
-    return 256
+    """Rows per program of the chunked kernels for `num_rows` routed rows (table above)."""
+    return 64 if num_rows <= 8192 else 128
 
 
 def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -52,7 +56,8 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
         rows = expert_ids.numel()
         if rows <= MOE_ALIGN_TRITON_MAX_ROWS:
             return kernels.launch_moe_align_triton(expert_ids, num_experts, block_m)
-        return kernels.launch_moe_align_chunked(expert_ids, num_experts, block_m, moe_align_chunk_rows(rows))
+        if rows <= MOE_ALIGN_CHUNKED_MAX_ROWS:
+            return kernels.launch_moe_align_chunked(expert_ids, num_experts, block_m, moe_align_chunk_rows(rows))
     return moe_align_ref(expert_ids, num_experts, block_m)
 
 

@@ -20,9 +20,9 @@ from torchforge.ops.moe_align import max_blocks
 
 __all__ = ["launch_moe_align_triton", "launch_moe_align_chunked", "CHUNK_ROWS"]
 
-# Rows per program of the chunked kernels: the scatter program walks its chunk serially (sub-chunks of 16-256
-# rows), and the offsets program walks the chunks serially.
-CHUNK_ROWS = 256
+# Rows per program of the chunked kernels (moe_align.moe_align_chunk_rows picks by row count): the scatter program
+# walks its chunk serially (steps of 16-256 rows), and the offsets program walks the chunks serially.
+CHUNK_ROWS = 64
 
 if HAS_TRITON:
 
