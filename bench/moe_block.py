@@ -10,7 +10,7 @@ groups, one shared expert; random N(0, 0.02) weights, bf16). HF's block runs its
 "fused" and "unfused" time the same block with `torchforge.nn.moe.FUSED_DECODE_MAX_TOKENS` above and below T; the
 unfused block runs HF's router, the grouped kernels on the routed rows and the shared expert's three linear layers
 (the wgmma or dequantize + cuBLAS kernels past 32 rows). The dispatch takes the fused path up to
-FUSED_DECODE_MAX_TOKENS = 128 tokens, a bound set without a sweep; this is the sweep.
+FUSED_DECODE_MAX_TOKENS tokens: 128 until this sweep (H200, then H100) moved it to 256.
 
 Times in ms, medians: `eager` launches from Python (what an eager prefill pays, host included), `graph` replays a CUDA
 graph (GPU time). `fused / unfused`: graph time ratio (below 1: the fused path is faster). `max |fused - unfused|`

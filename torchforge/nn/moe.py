@@ -77,10 +77,10 @@ class ForgeMoE(nn.Module):
         the block does not qualify (`fold_reason` says why). Same experts and weights as HF's router up to float
         rounding of the scores, and except among exactly tied scores (sigmoid saturating to 1.0 with no bias to part
         them), where the kernel takes the lowest expert id and torch.topk any; the expert outputs are summed in fp32
-        with the shared one and rounded once. Taken only without autograd (inference) and for decode batches
-        (FUSED_DECODE_MAX_TOKENS); otherwise the block runs as before. A hooked router (router statistics, a user's
-        hook, transformers recording router logits) is called as usual. The fused copy of the shared gate_up follows
-        `load_state_dict`; other in-place weight changes need this call again."""
+        with the shared one and rounded once. Taken only without autograd (inference) and up to
+        FUSED_DECODE_MAX_TOKENS tokens (decode batches, short prefills); otherwise the block runs as before. A hooked
+        router (router statistics, a user's hook, transformers recording router logits) is called as usual. The fused
+        copy of the shared gate_up follows `load_state_dict`; other in-place weight changes need this call again."""
         from torchforge.nn.routing import router_family
 
         if fold_reason(self.experts, self.shared, self.shared_expert_gate) is not None:

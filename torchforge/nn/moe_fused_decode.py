@@ -15,9 +15,15 @@ from torch import nn
 from torchforge.nn.awq_experts import ForgeAWQExperts, _is_silu
 from torchforge.nn.awq_linear import ForgeAWQLinear
 
-# Tokens up to which a block takes the fused path: decode batches. Beyond, the shared expert's rows would go through
-# the grouped decode kernel in sorted blocks of 8 or 16 rows instead of the dense prefill kernels (wgmma, dequantize + cuBLAS).
-FUSED_DECODE_MAX_TOKENS = 128
+# Tokens up to which a block takes the fused path. Beyond, the shared expert's rows would go through the grouped
+# kernel in sorted blocks of 8 or 16 rows instead of the dense prefill kernels (wgmma, dequantize + cuBLAS).
+# `bench/moe_block.py` (one block of the end-to-end model: 64 experts of 1408 + the shared one), CUDA-graph time of the
+# fused path over the unfused one (BENCHMARKS.md, sixteenth and seventeenth sessions):
+#   tokens    1     8     16    32    64    96    128   192   256   512
+#   H200    0.50  1.07  0.94  0.86  0.93  0.90  0.90  0.91  0.94  1.01
+#   H100    0.51  0.71  0.80  0.81  1.03  0.89  0.89  0.90  0.93  1.00
+# and eager (host time included) the fused block was faster at every T on both. At 512 the two are even.
+FUSED_DECODE_MAX_TOKENS = 256
 
 
 def _mma_linear(m, in_features: int, out_features: int, group_size: int, scales_dtype) -> bool:
