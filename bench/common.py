@@ -79,3 +79,18 @@ def quantize_experts_chunked(make, hf, chunk: int = 16):
         for name, _ in list(out.named_buffers()):
             setattr(out, name, torch.cat([p.get_buffer(name) for p in parts]))
     return out
+
+
+def direct_triton_launches():
+    """Make eager Triton launches go straight to the kernel, as they do inside a torchforge op (a triton_op's eager
+    body turns torch's `wrap_triton` HOP off), rather than through the HOP, which costs hundreds of microseconds of
+    host time per launch. Returns the context (keep it referenced: closing it restores the HOP), or None on a torch
+    without the switch."""
+    from torch._library import triton as torch_triton
+
+    switch = getattr(torch_triton, "set_wrap_triton_enabled", None)
+    if switch is None:
+        return None
+    ctx = switch(False)
+    ctx.__enter__()
+    return ctx

@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_line, markdown_table  # noqa: E402
+from common import device_line, direct_triton_launches, markdown_table  # noqa: E402
 from op_host_overhead import graph_us, per_call_us  # noqa: E402
 
 
@@ -38,14 +38,8 @@ def main() -> int:
     from torchforge.ops.awq_mma_cuda import moe_sorted_block_rows
     from torchforge.ops.moe_align_triton import launch_moe_align_chunked, launch_moe_align_triton
 
-    # eager launches as inside a triton_op body (no HOP dispatch); torch versions without the switch launch through it
-    from torch._library import triton as torch_triton
-
-    no_hop = getattr(torch_triton, "set_wrap_triton_enabled", None)
-    direct = no_hop(False) if no_hop is not None else None  # kept referenced: its exit would restore the HOP
-    if direct is not None:
-        direct.__enter__()
-    print(f"eager launches: {'direct, as inside an op' if no_hop else 'through wrap_triton (HOP)'}")
+    direct = direct_triton_launches()  # kept referenced until the end
+    print(f"eager launches: {'direct, as inside an op' if direct else 'through wrap_triton (HOP)'}")
     chunks = [int(c) for c in args.chunks.split(",")]
     rows_out = []
     for experts in (int(e) for e in args.experts.split(",")):

@@ -7,7 +7,8 @@ registered Python function alone, the dispatch rules alone, the checks alone, an
 
 Each row: microseconds per call, back to back for N calls with one synchronize at the end (the host cost when it
 exceeds the kernel), and the ratio to `F.linear` on the same shape in the same run. Then the MoE ops' row sort
-(`moe_align`): the one-launch Triton kernel against the torch ops, host us and CUDA-graph GPU us.
+(`moe_align`): the one-launch Triton kernel against the torch ops, host us (launched as inside the ops, not through
+torch's wrap_triton HOP) and CUDA-graph GPU us. bench/moe_align.py times all three of its forms.
 
     python3 bench/op_host_overhead.py [--shapes 4096x4096,11008x4096] [--ms 1,32] [--calls 2000]
 """
@@ -21,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_line, markdown_table  # noqa: E402
+from common import device_line, direct_triton_launches, markdown_table  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -97,6 +98,9 @@ def main() -> int:
     from torchforge.ops.awq_mma_cuda import moe_sorted_block_rows
     from torchforge.ops.moe_align import moe_align_ref
     from torchforge.ops.moe_align_triton import launch_moe_align_triton
+
+    direct = direct_triton_launches()  # as inside the MoE ops (seventeenth session; the sixteenth went through the HOP)
+    print(f"\nmoe_align eager launches: {'direct, as inside an op' if direct else 'through wrap_triton (HOP)'}")
 
     sort_rows = []
     for experts in (65, 257):
