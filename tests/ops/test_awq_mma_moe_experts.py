@@ -140,3 +140,16 @@ def test_errors_name_what_is_wrong():
         torch.ops.torchforge.awq_mma_moe_experts(x, ids, w, *gate_up, *dn, G, k, *extra[0], None, None, None)
     with pytest.raises(ValueError, match=r"expert_ids has shape \(4,\), expected \(6,\)"):
         awq_mma_moe_experts(x, ids, w, gate_up, dn, G, 3, extra)
+
+
+def test_compiles_with_dynamic_shapes():
+    """torch.compile(fullgraph=True, dynamic=True) of the op (its checks and fake under symbolic sizes): one graph for
+    two token counts, the eager result within float
+    rounding (inductor compiles the CPU reference path's sums in its own order; on CUDA the kernels give the same
+    bits, tests/ops/test_awq_mma_moe.py)."""
+    E, G, k = 6, 64, 2
+    one = torch.compile(lambda x, ids, w, gu, dn, extra: awq_mma_moe_experts(x, ids, w, gu, dn, G, k, extra),
+                        fullgraph=True, dynamic=True)
+    for T in (3, 5):
+        args = _case(E, T, k, G, "cpu", True)
+        torch.testing.assert_close(one(*args), awq_mma_moe_experts(*args[:5], G, k, args[5]), rtol=1e-5, atol=1e-5)
