@@ -125,6 +125,7 @@ def test_fused_decode_on_cuda_compiles_and_matches():
         out, ref = fused(x), block(x)
         assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
     check_compile_and_cuda_graph(fused, torch.randn(2, 256, device="cuda", dtype=torch.bfloat16))
+    check_compile_and_cuda_graph(fused, torch.randn(40, 256, device="cuda", dtype=torch.bfloat16))  # sorted rows
 
 
 @torch.no_grad()

@@ -74,3 +74,25 @@ def test_moe_align_dispatch_by_rows(monkeypatch):
         dispatch.moe_align(torch.zeros(rows, dtype=torch.int64), 8, 16)
     assert calls == [("one", one), ("chunked", one + 1, 64), ("chunked", 8192, 64), ("chunked", 8193, 128),
                      ("chunked", chunked, 128), ("torch", chunked + 1)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.compile of the Triton kernels)")
+@pytest.mark.parametrize("R", [9, 144, 600, 9000])  # one program, chunks of 64, chunks of 128 (past 8192 rows)
+def test_moe_align_compiles_and_graphs(R):
+    """moe_align as dispatched under torch.compile(fullgraph=True) (inductor sees the kernels' stores, some inside a
+    called jit function, through torch's mutation analysis) and replayed from a CUDA graph on new ids."""
+    from torchforge.ops.moe_align import moe_align
+
+    E, BM = 65, 16
+    ids = torch.randint(0, E, (R,), device="cuda")
+    compiled = torch.compile(lambda i: moe_align(i, E, BM), fullgraph=True)
+    for got, want in zip(compiled(ids), moe_align_ref(ids, E, BM)):
+        assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_align(ids, E, BM)
+    ids.copy_(torch.randint(0, E, (R,), device="cuda"))
+    graph.replay()
+    for got, want in zip(captured, moe_align_ref(ids, E, BM)):
+        assert torch.equal(got, want)
