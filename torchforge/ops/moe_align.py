@@ -62,7 +62,7 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch-ops version of moe_align (any device, any R); the Triton kernel must match it bit for bit."""
+    """The torch-ops version of moe_align (any device, any R); the Triton kernels must match it bit for bit."""
     ids = expert_ids.reshape(-1).to(torch.int64)
     ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # bucket E: out-of-range ids
     R = ids.numel()

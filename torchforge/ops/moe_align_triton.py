@@ -7,10 +7,11 @@ reference's stable argsort gives. Buckets are one-hot compares against `arange(E
 0..E-1 the experts, E the out-of-range ids, one spare for the masked lanes of the last chunk.
 
 Past a few hundred rows the one program's serial walk is the bound, so `launch_moe_align_chunked` splits the rows
-into chunks of CHUNK_ROWS over three launches, still without atomics and with the same bits: (1) one program per
-chunk counts its rows per bucket; (2) one program turns the counts into each chunk's first slot per bucket (bucket
-start + rows of that bucket in earlier chunks), writes the padding and the block experts; (3) one program per
-chunk writes its rows from those slots, walking its chunk as the one-program kernel walks all rows.
+into chunks (moe_align.moe_align_chunk_rows picks their size) over three launches, still without atomics and with
+the same bits: (1) one program per chunk counts its rows per bucket; (2) one program turns the counts into each
+chunk's first slot per bucket (bucket start + rows of that bucket in earlier chunks), writes the padding and the
+block experts; (3) one program per chunk writes its rows from those slots, walking its chunk as the one-program
+kernel walks all rows.
 """
 import torch
 from torch import Tensor
@@ -18,11 +19,7 @@ from torch import Tensor
 from torchforge.ops._triton import HAS_TRITON, tl, triton
 from torchforge.ops.moe_align import max_blocks
 
-__all__ = ["launch_moe_align_triton", "launch_moe_align_chunked", "CHUNK_ROWS"]
-
-# Rows per program of the chunked kernels (moe_align.moe_align_chunk_rows picks by row count): the scatter program
-# walks its chunk serially (steps of 16-256 rows), and the offsets program walks the chunks serially.
-CHUNK_ROWS = 64
+__all__ = ["launch_moe_align_triton", "launch_moe_align_chunked"]
 
 if HAS_TRITON:
 
@@ -157,7 +154,7 @@ def launch_moe_align_triton(expert_ids: Tensor, num_experts: int, block_m: int) 
 
 
 def launch_moe_align_chunked(expert_ids: Tensor, num_experts: int, block_m: int,
-                             chunk_rows: int = CHUNK_ROWS) -> tuple[Tensor, Tensor]:
+                             chunk_rows: int) -> tuple[Tensor, Tensor]:
     """Same contract and result as `moe_align_ref`, in three launches over chunks of `chunk_rows` rows (a power of
     two); for row counts where one program walking all rows is too slow."""
     ids, R, B, sorted_rows, block_expert, eb, step = _prepare(expert_ids, num_experts, block_m, "moe_align_chunked")
