@@ -1,12 +1,17 @@
 """End to end: greedy decode tokens/s with HF `generate` of a DeepSeek-V3-architecture model, bf16 vs W4A16.
 
-    python bench/decode_e2e.py [--batches 1 16] [--new-tokens 64] [--variants ...] [--no-compile] [--tiny]
+    python bench/decode_e2e.py [--batches 1 16] [--new-tokens 64] [--variants ...] [--no-compile]
+                               [--model tiny|h4096|h7168] [--layers N] [--experts E]
 
 Model: `DeepseekV3ForCausalLM` from a `DeepseekV3Config` (random N(0, 0.02) weights, bf16, built on the meta device
-and initialised on the target device): hidden 4096, 8 layers (the first dense, intermediate 11008), 64 routed experts
-of 1408 (top-8, 8 groups, top-4 groups) + 1 shared expert, MLA as DeepSeek-V3 scaled down (q_lora 1536, kv_lora
-512, qk_nope 128, qk_rope 64, v_head 128, 32 heads), vocab 32000. About 8.6 B parameters, 17 GB of bf16: memory bound
-when decoding on an H100.
+and initialised on the target device). `--model h4096` (default): hidden 4096, 8 layers (the first dense, intermediate
+11008), 64 routed experts of 1408 (top-8, 8 groups, top-4 groups) + 1 shared expert, MLA as DeepSeek-V3 scaled down
+(q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64, v_head 128, 32 heads), vocab 32000: about 8.6 B parameters,
+17 GB of bf16. `--model h7168`: DeepSeek-V3's own layer (hidden 7168, 128 heads, experts of 2048, dense
+intermediate 18432, top-8 in 8 groups / top-4) with 20 layers of 32 experts and vocab 32000: 32.2 B parameters,
+64 GB of bf16 (the most layers that leave room for the caches and CUDA graphs on an 80 GB H100). At batch 1 a step reads the same bytes per layer whatever the expert count (8 routed + 1 shared),
+1.17 GB of bf16 for h7168 against 0.39 GB for h4096, so h7168's decode step is weight-read bound where h4096's is
+about half host time and fixed-cost kernels (norms, rope, attention, router).
 
 Variants (one model, quantized in place between the bf16 and the W4A16 runs):
   bf16            HF eager. Experts: transformers' `grouped_mm` (torch grouped GEMM over the experts hit, as in
@@ -57,19 +62,40 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:7.1f} s] {msg}", flush=True)
 
 
-def make_config(tiny: bool):
+MODELS = ("tiny", "h4096", "h7168")
+
+
+def make_config(tiny: bool | str, layers: int | None = None, experts: int | None = None):
+    """`tiny` (CPU smoke), `h4096` (the default: hidden 4096, 8 layers, 64 experts of 1408) or `h7168` (DeepSeek-V3's
+    own layer: hidden 7168, 128 heads, full MLA dims, experts of 2048, dense intermediate 18432; 20 layers of 32
+    experts by default, 32.2 B parameters, 64 GB of bf16). `layers` / `experts` override the preset's counts."""
     from transformers import DeepseekV3Config
 
-    if tiny:  # CPU smoke size; every quantized input dim is a multiple of 128 (the recipe's group size)
+    name = tiny if isinstance(tiny, str) else ("tiny" if tiny else "h4096")
+    if name not in MODELS:
+        raise ValueError(f"model preset {name!r}: expected one of {MODELS}")
+    if name == "tiny":  # CPU smoke size; every quantized input dim is a multiple of 128 (the recipe's group size)
         dims = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                     num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
                     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128,
                     qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
-    else:
+    elif name == "h4096":
         dims = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, moe_intermediate_size=1408,
                     num_hidden_layers=8, n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
                     num_attention_heads=32, num_key_value_heads=32, q_lora_rank=1536, kv_lora_rank=512,
                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    else:  # DeepSeek-V3's layer dimensions; fewer experts and layers so that the bf16 model fits one GPU
+        dims = dict(vocab_size=32000, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                    num_hidden_layers=20, n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4,
+                    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    if layers is not None:
+        dims["num_hidden_layers"] = layers
+    if experts is not None:
+        if experts % dims["n_group"] or experts // dims["n_group"] < 2:
+            raise ValueError(f"--experts {experts}: must be a multiple of n_group={dims['n_group']} with at least 2 "
+                             "experts per group (the group score is the sum of a group's top 2)")
+        dims["n_routed_experts"] = experts
     return DeepseekV3Config(**dims, first_k_dense_replace=1, n_shared_experts=1, max_position_embeddings=4096,
                             tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=None,
                             initializer_range=0.02)
@@ -276,7 +302,10 @@ def measure(gen: Generator, variant: str, batches, repeats: int, compile_config,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, 8 experts (CPU smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, 8 experts (CPU smoke test); = --model tiny")
+    ap.add_argument("--model", default="h4096", choices=MODELS, help="model preset (see make_config)")
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--experts", type=int, default=None, help="override the preset's routed expert count")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -295,7 +324,9 @@ def main() -> int:
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda" and not args.tiny:
+    if args.tiny:
+        args.model = "tiny"
+    if device.type != "cuda" and args.model != "tiny":
         print("bench/decode_e2e.py: no CUDA device; the full-size model needs one (use --tiny for a CPU smoke test)")
         return 0
     variants = [v for v in VARIANTS if v in args.variants and not (args.no_compile and v.endswith("-compile"))]
@@ -308,7 +339,7 @@ def main() -> int:
         f"torch {torch.__version__}, transformers {transformers.__version__}"
     log(f"device: {dev_line}; variants {variants}; batches {args.batches}; prompt {args.prompt_len}, "
         f"new tokens {args.new_tokens}")
-    cfg = make_config(args.tiny)
+    cfg = make_config(args.model, args.layers, args.experts)
     model = build_model(cfg, device)
     if args.bf16_experts != "hf":
         model.set_experts_implementation(args.bf16_experts)

@@ -1,6 +1,6 @@
 """Where the time of one compiled decode step goes: GPU kernel time per step, by kernel, bf16 against W4A16.
 
-    python bench/decode_profile.py [--batch 1] [--steps 32] [--top 25] [--variants bf16-compile w4a16-mma-compile]
+    python bench/decode_profile.py [--model h4096|h7168] [--batch 1] [--steps 32] [--top 25] [--variants bf16-compile w4a16-mma-compile]
 
 Same model and compile settings as bench/decode_e2e.py (CUDA graphs). Each variant is warmed up, then profiled
 (torch.profiler, CUDA activity) for one generate() of 1 new token (prefill only) and one of 1 + --steps new tokens;
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import markdown_table  # noqa: E402
-from decode_e2e import Generator, build_model, make_config, reset_dynamo, sync  # noqa: E402
+from decode_e2e import MODELS, Generator, build_model, make_config, reset_dynamo, sync  # noqa: E402
 
 # Kernel families, first match wins (names as CUPTI reports them).
 FAMILIES = (
@@ -223,6 +223,10 @@ def prefill_breakdown(gen, batch, cc, top) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--model", default="h4096", choices=[m for m in MODELS if m != "tiny"],
+                    help="decode_e2e's model preset")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--variants", nargs="+", default=["bf16-compile", "w4a16-mma-compile"],
@@ -240,7 +244,7 @@ def main() -> int:
 
     device = torch.device("cuda")
     t0 = time.time()
-    model = build_model(make_config(False), device)
+    model = build_model(make_config(args.model, args.layers, args.experts), device)
     model.set_experts_implementation("grouped_mm")
     model._optimize_model_for_decode = contextlib.nullcontext  # keep grouped_mm while decoding (see decode_e2e)
     cc = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead")

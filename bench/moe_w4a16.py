@@ -123,6 +123,8 @@ def main() -> int:
     ap.add_argument("--gemv-m", default="1,8", help="tokens for --gemv-sweep (x top-8 routed rows)")
     ap.add_argument("--mma-warps", default="", help="e.g. 4,8: also time the grouped mma kernel with these warps per "
                     "block (MOE_WARPS; default: mma_cuda_warps)")
+    ap.add_argument("--mma-splits", default="", help="e.g. 1,2,4: also time the grouped mma kernel with these K "
+                    "slices (MOE_SPLITS; default: the launch's rule)")
     ap.add_argument("--mma-block-rows", default="",
                     help="e.g. 8,16: also time the mma layout with these rows per sorted block (MOE_SORTED_BLOCK_ROWS; "
                          "default: moe_sorted_block_rows)")
@@ -213,7 +215,7 @@ def main() -> int:
         floor_ms = ids.unique().numel() * per_expert_int4 / bw / 1e6
         row += [g_hf, g_m, g_hf / g_m, floor_ms / g_m, f"{rel:.1e}"]
         torch.cuda.empty_cache()
-    if args.mma_block_rows or args.mma_warps:
+    if args.mma_block_rows or args.mma_warps or args.mma_splits:
         import torchforge.ops.awq_mma_cuda as mma_cuda
 
         def settings(arg):  # None: the library's rule
@@ -225,13 +227,15 @@ def main() -> int:
             x, ids, w = routed_batch(M, H, E, K)
             for b in settings(args.mma_block_rows):
                 for wp in settings(args.mma_warps):
-                    mma_cuda.MOE_SORTED_BLOCK_ROWS, mma_cuda.MOE_WARPS = b, wp
-                    with torch.no_grad():
-                        brows.append([M, b or "rule", wp or "rule", bench_graph_ms(lambda: q(x, ids, w))])
-        mma_cuda.MOE_SORTED_BLOCK_ROWS = mma_cuda.MOE_WARPS = None
+                    for sp in settings(args.mma_splits):
+                        mma_cuda.MOE_SORTED_BLOCK_ROWS, mma_cuda.MOE_WARPS, mma_cuda.MOE_SPLITS = b, wp, sp
+                        with torch.no_grad():
+                            brows.append([M, b or "rule", wp or "rule", sp or "rule",
+                                          bench_graph_ms(lambda: q(x, ids, w))])
+        mma_cuda.MOE_SORTED_BLOCK_ROWS = mma_cuda.MOE_WARPS = mma_cuda.MOE_SPLITS = None
         print("mma layout, rows per sorted block and warps per block of the grouped kernel (decode batches with no "
               "more routed rows than experts take one row per block whatever the setting):")
-        print(markdown_table(["M tokens", "rows per block", "warps", "graph ms"], brows))
+        print(markdown_table(["M tokens", "rows per block", "warps", "K slices", "graph ms"], brows))
     if args.sweep:
         print("grouped GEMM tile sweep (CUDA graph ms; BLOCK_M from moe_block_m):")
         print(markdown_table(["M", "GEMM", "BLOCK_N", "BLOCK_K", "warps", "stages", "ms"], sweep(q, E, H, I, K)))

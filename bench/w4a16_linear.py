@@ -91,7 +91,7 @@ def cuda_gemv_sweep(shapes: str) -> list:
     return out
 
 
-def mma_cuda_sweep(shapes: str, ms: str) -> list:
+def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8") -> list:
     """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices (item chunks as
     configured), warps and the prefetching loop, with fp16 scales and with bf16 ones (as after
     `model.to(torch.bfloat16)`), kept tickets, against bf16, tinygemm and the AWQ-layout op as dispatched
@@ -120,7 +120,8 @@ def mma_cuda_sweep(shapes: str, ms: str) -> list:
             default_splits, chunks, default_warps, default_pf = mma_cuda_launch_config(M, IC, OC, G, sms)
             default = (default_splits, chunks)
             pfs = (False, True) if chunks == 2 else (False,)  # the prefetching loop: items of 128 k only
-            configs = [(s, w_, sc, pf) for s in sorted({1, 2, 3, 4, 6, 8, default[0]}) for w_ in (4, 8) for pf in pfs]
+            counts = sorted({*map(int, split_counts.split(",")), default[0]})
+            configs = [(s, w_, sc, pf) for s in counts for w_ in (4, 8) for pf in pfs]
             configs.append((default[0], default_warps, sc.bfloat16(), default_pf))
             for splits, warps, scales, pf in configs:
                 if splits > IC // (64 * chunks):
@@ -308,6 +309,7 @@ def main() -> int:
                     help="time the extension's batch-1 GEMV (csrc/awq_gemv.cu) over its configurations, then stop")
     ap.add_argument("--mma-cuda-sweep", default="",
                     help="M list: time the extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu), then stop")
+    ap.add_argument("--mma-splits", default="1,2,3,4,6,8", help="with --mma-cuda-sweep: the K slice counts tried")
     ap.add_argument("--mma-sweep", default="", help="M list: time the tensor-core kernel's configurations, then stop")
     ap.add_argument("--wgmma-sweep", default="",
                     help="M list: time the extension's Hopper kernel (csrc/awq_wgmma.cu) over its configurations, "
@@ -334,7 +336,7 @@ def main() -> int:
                               "bf16 ms", "bf16/ms", "rel err"], crows))
         return 0
     if args.mma_cuda_sweep:
-        crows = mma_cuda_sweep(args.shapes, args.mma_cuda_sweep)
+        crows = mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits)
         print(f"device: {device_line()}")
         print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
               "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")

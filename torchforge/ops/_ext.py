@@ -1,5 +1,12 @@
 """Optional compiled extension (csrc/). Never imported unconditionally elsewhere: use `has_cuda_ext()`."""
 import functools
+import warnings
+
+# setup.py builds csrc/ for sm_90a only (`-gencode=arch=compute_90a,code=sm_90a`: wgmma, setmaxnreg), so its kernels
+# have no image for any other GPU and would fail at their first launch ("no kernel image is available"). On other
+# devices the ops' Triton and reference paths run instead. A build for other architectures (TORCHFORGE_CUDA_ARCH)
+# must list their capabilities here too.
+EXT_CAPABILITIES = frozenset({(9, 0)})
 
 
 @functools.lru_cache(maxsize=None)
@@ -8,6 +15,12 @@ def has_cuda_ext() -> bool:
         import torch
 
         if not torch.cuda.is_available():
+            return False
+        capability = tuple(torch.cuda.get_device_capability())
+        if capability not in EXT_CAPABILITIES:
+            warnings.warn(f"torchforge: the compiled extension is built for compute capability "
+                          f"{sorted(EXT_CAPABILITIES)} only; this GPU is {capability}, so torchforge runs its "
+                          "Triton kernels instead (see torchforge/ops/_ext.py)", stacklevel=2)
             return False
         from torchforge import _C  # noqa: F401  (registers torchforge:: ops via TORCH_LIBRARY_FRAGMENT)
     except Exception:

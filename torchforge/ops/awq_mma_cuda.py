@@ -271,6 +271,8 @@ MOE_SORTED_BLOCK_ROWS: Optional[int] = None
 # 16, 2.019 / 2.064 at 64, 3.708 / 3.885 at 512. The op's own default is 4 too. Set MOE_WARPS to override (benchmarks,
 # tests).
 MOE_WARPS: Optional[int] = None
+# K slices of the grouped kernel: set MOE_SPLITS to override the rule below (benchmarks); clamped to the K items.
+MOE_SPLITS: Optional[int] = None
 
 
 def moe_sorted_block_rows(rows: int, num_experts: int) -> int:
@@ -313,6 +315,8 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     item_chunks = 2 if group_size % 128 == 0 else 1
     tiles = block_expert.numel() * (n // 64)
     splits = 1 if tiles >= 96 else max(1, min(4, k // (64 * item_chunks)))
+    if MOE_SPLITS is not None:
+        splits = max(1, min(MOE_SPLITS, k // (64 * item_chunks)))
     x2 = x.contiguous() if not _aligned16(x) or not x.is_contiguous() else x
     warps = MOE_WARPS or 4
     return torch.ops.torchforge.awq_mma_moe_cuda(x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(),
