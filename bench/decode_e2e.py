@@ -309,7 +309,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed calls per variant and batch; the median is reported (batch-1 host time swings: BENCHMARKS.md)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
     ap.add_argument("--mode", default=None, help="torch.compile mode (default: reduce-overhead on CUDA, default on CPU)")

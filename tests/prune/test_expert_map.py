@@ -55,6 +55,9 @@ def test_keep_ratio_and_per_layer_budgets():
     assert (build_expert_map(hit, keep_ratio=0.5) >= 0).sum(1).tolist() == [5, 5, 5]
     assert (build_expert_map(hit, keep_ratio=0.01) >= 0).sum(1).tolist() == [1, 1, 1]  # at least one
     assert (build_expert_map(hit, keep_ratio=1.0) >= 0).sum(1).tolist() == [10, 10, 10]
+    # rounded half up, whatever the parity: 2.5 -> 3, 3.5 -> 4, and 0.29 * 50 (14.499999999999998 in floats) -> 15
+    for ratio, experts, kept in ((0.5, 5, 3), (0.5, 7, 4), (0.29, 50, 15), (0.3, 10, 3), (0.24, 10, 2)):
+        assert (build_expert_map(torch.rand(1, experts), keep_ratio=ratio) >= 0).sum().item() == kept, (ratio, experts)
     assert (build_expert_map(hit, keep_k=[1, 10, 4]) >= 0).sum(1).tolist() == [1, 10, 4]
     assert torch.equal(build_expert_map(hit, keep_k=torch.tensor([2, 2, 2])), build_expert_map(hit, keep_k=2))
 

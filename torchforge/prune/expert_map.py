@@ -94,7 +94,9 @@ def _per_layer_keep(num_layers: int, num_experts: int, keep_k, keep_ratio) -> li
                 0 < float(keep_ratio) <= 1):
             raise ValueError(f"build_expert_map: keep_ratio={keep_ratio!r} must be a number in (0, 1]; e.g. 0.5 keeps "
                              "half of the routed experts of every layer")
-        return [max(1, round(float(keep_ratio) * num_experts))] * num_layers
+        # half up, not Python's round (half to even, which keeps 2 of 5 experts at 0.5 but 4 of 7); the 1e-9 absorbs
+        # float products such as 0.29 * 50 = 14.499999999999998
+        return [max(1, math.floor(float(keep_ratio) * num_experts + 0.5 + 1e-9))] * num_layers
     if isinstance(keep_k, torch.Tensor):
         keep_k = keep_k.tolist()
     if _is_int(keep_k):
@@ -131,7 +133,7 @@ def build_expert_map(hit_map, keep_k=None, keep_ratio=None, n_group: int | None 
 
     Per layer, the `keep_k` experts with the largest hits are kept and numbered `0..keep_k-1` in
     descending hit order (ties: the lower original expert id first); the others get `-1`.
-    `keep_k`: an int for every layer, or one int per layer. `keep_ratio`: keeps `max(1, round(ratio * E))`
+    `keep_k`: an int for every layer, or one int per layer. `keep_ratio`: keeps `max(1, ratio * E rounded half up)`
     experts per layer. Exactly one of the two must be given.
     `n_group`: keep the same number, keep_k / n_group, in each of the n_group contiguous expert groups of
     group-limited routing (DeepSeek's `n_group`), the top ones of each group. A reroute export keeps
