@@ -18,6 +18,8 @@ def _cuda_extensions():
     sources = sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/*.cpp"))
     if not sources or torch.version.cuda is None or CUDA_HOME is None:
         return [], {}
+    # csrc/'s wgmma / setmaxnreg kernels need sm_90a; torchforge/ops/_ext.py (EXT_CAPABILITIES) uses the build on
+    # compute capability 9.0 only. TORCHFORGE_CUDA_ARCH replaces the nvcc -gencode flags.
     arch = os.environ.get("TORCHFORGE_CUDA_ARCH", "-gencode=arch=compute_90a,code=sm_90a")
     ext = CUDAExtension(
         name="torchforge._C",
