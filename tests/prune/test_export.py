@@ -128,3 +128,34 @@ def test_export_errors(tmp_path):
     with pytest.raises(ValueError, match="save_pruned: writes reroute-pruned models \\(this one is drop\\)"):
         save_pruned(drop, str(tmp_path))
     assert not os.path.exists(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("how", ["save_pruned", "vllm-awq", "vllm-gptq", "modelopt-nvfp4"])
+def test_refused_reroute_export_leaves_an_earlier_checkpoint_intact(how, tmp_path):
+    """The checks run before the folder is touched: begin_folder would remove config.json and the shards would be
+    overwritten, destroying the checkpoint already there."""
+    good = models.build("qwen3_moe", dtype=torch.bfloat16)
+    torchforge.prune_experts(good, _map([[0, 1, 2, 3]] * 2), mode="reroute")
+    save_pruned(good, str(tmp_path))
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    bad = models.build("qwen3_moe", dtype=torch.bfloat16)
+    if how != "save_pruned":
+        bad = torchforge.quantize(bad, "nvfp4" if how == "modelopt-nvfp4" else RECIPE)
+    torchforge.prune_experts(bad, _map([[0, 1, 2], [0, 1, 2, 3]]), mode="reroute")
+    with pytest.raises(ValueError, match=r"layers keep different expert counts \[3, 4\]"):
+        if how == "save_pruned":
+            save_pruned(bad, str(tmp_path))
+        else:
+            torchforge.save_quantized(bad, str(tmp_path), format=how)
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before
+
+
+def test_deepseek_v3_reroute_keeping_one_expert_is_refused(tmp_path):
+    # HF's (and vLLM's) V3 router takes each group's top-2: a 1-expert checkpoint could not run after the export
+    model = models.build("deepseek_v3", dtype=torch.bfloat16, num_experts_per_tok=1)
+    torchforge.prune_experts(model, _map([[5]]), mode="reroute")
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (1, 5)))  # the in-memory PrunedMoE runs
+    with pytest.raises(ValueError, match="scores a group by its top-2 experts"):
+        save_pruned(model, str(tmp_path))
+    assert os.listdir(tmp_path) == []

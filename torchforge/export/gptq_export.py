@@ -221,8 +221,9 @@ def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, sour
         dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16
     qcfg = {"vllm-awq": _vllm_awq_config, "vllm-gptq": vllm_gptq_config,
             "compressed-tensors": compressed_tensors_config}[format](model)
-    from torchforge.prune.export import prune_for_save
+    from torchforge.prune.export import check_pruned_export, prune_for_save
 
+    check_pruned_export(model)
     state = w4_state_dict(model, format, dtype)
     begin_folder(out_dir)  # no config.json until the new tensors are in
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,

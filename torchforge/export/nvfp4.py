@@ -209,8 +209,10 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
         hf_quant, qcfg = modelopt_configs(model)
     else:
         hf_quant, qcfg = None, compressed_tensors_config(model)
+    from torchforge.prune.export import check_pruned_export, prune_for_save
+
+    check_pruned_export(model)
     begin_folder(out_dir)  # no config.json until the new tensors are in
-    from torchforge.prune.export import prune_for_save
 
     state, exact = nvfp4_state_dict(model, format, dtype)
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None, "w4a4": _w4a4(model)}

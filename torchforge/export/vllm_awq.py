@@ -125,10 +125,11 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     if dtype is None:
         dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16
     qcfg = vllm_awq_quantization_config(model)
+    from torchforge.prune.export import check_pruned_export, prune_for_save
+
+    check_pruned_export(model)
     begin_folder(out_dir)  # no config.json until the new tensors are in
     state = export_state_dict(model, dtype)
-    from torchforge.prune.export import prune_for_save
-
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in _quantized_modules(model)})}
     # MoE expert pruning (no-op without PrunedMoE): reroute -> a standard smaller checkpoint (router rows sliced,

@@ -105,13 +105,26 @@ def pruned_config_changes(model: nn.Module) -> dict:
         raise ValueError(f"pruned export: layers keep different expert counts {sorted(ks)} but an HF config has one "
                          "routed-expert count; build the map with one keep_k for every layer, or use mode='drop' "
                          "(expert_map.pt at run time)")
-    changes = {_expert_count_key(model.config): ks.pop()}
+    kept = ks.pop()
+    if kept < 2 and router_family(blocks[0][1].gate) == "deepseek_v3":
+        # HF's and vLLM's DeepSeek-V3 routers take topk(2) per group even with n_group = 1: one expert cannot run
+        raise ValueError("pruned export: every layer keeps 1 routed expert, but DeepSeek-V3's router scores a group "
+                         "by its top-2 experts, so the exported checkpoint could not run in transformers or vLLM; "
+                         "keep at least 2 experts per layer, or use mode='drop' (expert_map.pt at run time)")
+    changes = {_expert_count_key(model.config): kept}
     n_group, _ = router_groups(blocks[0][1].gate)
     if n_group and n_group > 1:
         keep, _ = _group_plan(blocks)
         if not keep:
             changes.update(n_group=1, topk_group=1)
     return changes
+
+
+def check_pruned_export(model: nn.Module) -> None:
+    """Raises, before an export writes anything, where a pruned model's checkpoint cannot be written (layers keeping
+    different expert counts in reroute mode, ...): every save path calls it ahead of `begin_folder`, which removes
+    the folder's config.json, so a refused export leaves an earlier checkpoint there intact."""
+    pruned_config_changes(model)
 
 
 def apply_pruned_config(cfg, model: nn.Module):
@@ -212,6 +225,7 @@ def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = N
         raise ValueError("save_pruned: the model has quantized modules; use torchforge.save_quantized")
     if dtype is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    check_pruned_export(model)
     state, meta = export_pruned(model, export_state_dict(model, dtype), out_dir)
     begin_folder(out_dir)  # no config.json until the new tensors are in
     save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes, metadata={"torchforge": "pruned"})
