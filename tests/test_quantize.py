@@ -173,6 +173,30 @@ def test_recipe_prune_section_prunes_then_quantizes(tmp_path):
         assert torch.equal(a(ids).logits, b(ids).logits)
 
 
+@pytest.mark.parametrize("scheme", ["w4a16-rtn", "w4a16-gptq", "nvfp4"])
+def test_a_refused_quantize_leaves_the_model_unpruned(scheme, tmp_path):
+    """The prune section runs after the scheme's checks: an error (here a group size the layers do not divide, or
+    GPTQ without calibration data) leaves the model as it was, not pruned and unquantized."""
+    from torchforge.nn.pruned_moe import PrunedMoE
+
+    torch.save(torch.rand(1, 8), tmp_path / "hit.pt")
+    base = {"w4a16-rtn": {"scheme": "w4a16-rtn", "group_size": 128},
+            "w4a16-gptq": {"scheme": "w4a16-gptq", "group_size": 32},  # shapes pass; no calib_data
+            "nvfp4": {"scheme": "nvfp4", "group_size": 16, "export_format": "modelopt-nvfp4"}}[scheme]
+    model = models.build("deepseek_v3")
+    if scheme == "nvfp4":  # NaN in one attention weight: its check fails
+        model.model.layers[0].self_attn.o_proj.weight.data[0, 0] = float("nan")
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        before = model(ids).logits if scheme != "nvfp4" else None
+    with pytest.raises(ValueError, match="the model is unchanged|needs calib_data|is not divisible"):
+        torchforge.quantize(model, {**base, "prune": {"hit_map": str(tmp_path / "hit.pt"), "keep_k": 4}})
+    assert not any(isinstance(m, PrunedMoE) for m in model.modules())
+    if before is not None:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, before)
+
+
 def test_recipe_prune_section_bad_hit_map(tmp_path):
     torch.save(torch.rand(3, 8), tmp_path / "hit.pt")  # the model has one MoE layer, not 3
     recipe = {**RECIPE, "prune": {"hit_map": str(tmp_path / "hit.pt"), "keep_ratio": 0.5}}
@@ -216,11 +240,14 @@ def test_failed_prune_leaves_the_model_unpruned_and_a_retry_prunes_every_layer()
 def test_recipe_prune_on_a_pruned_model_needs_the_same_map(tmp_path):
     torch.save(torch.rand(1, 8), tmp_path / "hit.pt")
     prune = {"hit_map": str(tmp_path / "hit.pt"), "keep_k": 4, "mode": "drop"}
+    from torchforge.prune import build_expert_map, prune_experts
+
     model = models.build("deepseek_v3")
-    with pytest.raises(ValueError, match="the model is unchanged"):  # the experts' I = 32: group 64 fails after pruning
+    with pytest.raises(ValueError, match="the model is unchanged"):  # the experts' I = 32: group 64 fails the checks
         torchforge.quantize(model, {**RECIPE, "prune": prune, "group_size": 64})
-    assert type(model.model.layers[1].mlp).__name__ == "PrunedMoE"
-    torchforge.quantize(model, {**RECIPE, "prune": prune})  # the retry: the same section keeps the pruning as it is
+    assert type(model.model.layers[1].mlp).__name__ == "DeepseekV3MoE"  # checked before pruning: not pruned either
+    prune_experts(model, build_expert_map(torch.load(tmp_path / "hit.pt"), keep_k=4), mode="drop")
+    torchforge.quantize(model, {**RECIPE, "prune": prune})  # pruned by hand with the same map: kept as it is
     assert model.model.layers[1].mlp.experts.num_experts == 4
     assert isinstance(model.model.layers[1].mlp.experts, ForgeAWQExperts)
     other = models.build("deepseek_v3")

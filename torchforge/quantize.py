@@ -39,6 +39,13 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     if recipe.prune is not None:  # prune first; quantization then covers only the kept experts
         from torchforge.prune.from_recipe import prune_from_recipe
 
+        # the scheme's checks first, so that an error leaves the model unpruned too; pruning keeps every module's
+        # dimensions, so what passes here passes again after it
+        _select_and_check(model, recipe)
+        if recipe.scheme == "w4a16-gptq":
+            from torchforge.gptq.calibrate import require_calib_data
+
+            require_calib_data(calib_data)
         prune_from_recipe(model, recipe.prune)
     if recipe.scheme == "nvfp4":  # NVFP4 (issue 6): NVFP4Linear / NVFP4MoE swaps, see torchforge.quantize_nvfp4
         from torchforge.quantize_nvfp4 import quantize_nvfp4
@@ -58,19 +65,10 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
         raise ValueError(f"quantize: scheme {recipe.scheme!r} is not implemented here; use 'w4a16-rtn'")
     if calib_data is not None:
         log.info("quantize: scheme w4a16-rtn needs no calibration data; ignoring calib_data")
-    selected = recipe.select(model, check_fused=False)
-    all_names = [n for n, _ in model.named_modules()]
-    err = paired_modules_error([n for n, _ in selected], all_names)
-    if err:
-        raise ValueError(err)
     # Every module is checked before the first is replaced: one that cannot be quantized (a shape the group size does
     # not divide, NaN weights) leaves the model as it was, not half quantized with a retry mixing settings. The
     # modules are then quantized and swapped one at a time (building them all first would hold both copies).
-    check_quantizable(selected, lambda m: ForgeAWQLinear(m.in_features, m.out_features, bias=m.bias is not None,
-                                                          group_size=recipe.group_size, symmetric=recipe.symmetric,
-                                                          device="meta"),
-                      lambda m: ForgeAWQExperts.empty_for(m, recipe.group_size, recipe.symmetric, device="meta"),
-                      recipe.quantize_experts)
+    selected = _select_and_check(model, recipe)
     counts = {"linear": 0, "moe": 0}
     for name, module in selected:
         try:
@@ -84,6 +82,28 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     setattr(model, RECIPE_ATTR, recipe)
     log.info("quantize: %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
     return model
+
+
+def _select_and_check(model: nn.Module, recipe: Recipe) -> list:
+    """The recipe's modules in `model`, each checked for its scheme (check_quantizable) before any is replaced."""
+    if recipe.scheme == "nvfp4":
+        from torchforge.quantize_nvfp4 import select_and_check_nvfp4
+
+        return select_and_check_nvfp4(model, recipe)
+    if recipe.scheme == "w4a16-gptq":
+        from torchforge.gptq.calibrate import select_and_check_gptq
+
+        return select_and_check_gptq(model, recipe)
+    selected = recipe.select(model, check_fused=False)
+    err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
+    if err:
+        raise ValueError(err)
+    check_quantizable(selected, lambda m: ForgeAWQLinear(m.in_features, m.out_features, bias=m.bias is not None,
+                                                          group_size=recipe.group_size, symmetric=recipe.symmetric,
+                                                          device="meta"),
+                      lambda m: ForgeAWQExperts.empty_for(m, recipe.group_size, recipe.symmetric, device="meta"),
+                      recipe.quantize_experts)
+    return selected
 
 
 def check_quantizable(selected, linear_shell, experts_shell, quantize_experts: bool) -> None:

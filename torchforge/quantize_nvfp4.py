@@ -114,19 +114,25 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
 
 
 @torch.no_grad()
-def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
-    """Swaps modules in place; returns counts {"linear": n, "moe": n}."""
+def select_and_check_nvfp4(model: nn.Module, recipe: Recipe) -> list:
+    """The recipe's modules, each checked (shapes, finite weights) before any is replaced."""
+    from torchforge.quantize import check_quantizable
+
     selected = recipe.select(model, check_fused=False)
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)
-    # Every module is checked before the first is replaced (as in torchforge.quantize): one that cannot be quantized
-    # leaves the model as it was. Then they are calibrated, quantized and swapped one at a time.
-    from torchforge.quantize import check_quantizable
-
     check_quantizable(selected, lambda m: NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None,
                                                        device="meta"),
                       lambda m: NVFP4Experts.empty_for(m, device="meta"), recipe.quantize_experts)
+    return selected
+
+
+def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
+    """Swaps modules in place; returns counts {"linear": n, "moe": n}."""
+    # Every module is checked before the first is replaced (as in torchforge.quantize): one that cannot be quantized
+    # leaves the model as it was. Then they are calibrated, quantized and swapped one at a time.
+    selected = select_and_check_nvfp4(model, recipe)
     amax = calibrate(model, selected, calib_data) if calib_data is not None else {}
     # One weight_scale_2 and one input amax per group of Linear layers vLLM fuses (ModelOpt does the same).
     group_w: dict[str, float] = defaultdict(float)

@@ -279,12 +279,14 @@ def _forward_all(model: nn.Module, batches, device) -> None:
 
 
 @torch.no_grad()
-def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig] = None) -> Dict[str, int]:
-    """GPTQ-quantizes the recipe's modules of ``model`` in place; returns ``{"linear": n, "moe": m}``."""
-    cfg = GPTQConfig.coerce(cfg)
+def require_calib_data(calib_data) -> None:
     if calib_data is None:
         raise ValueError("quantize: scheme 'w4a16-gptq' needs calib_data (input_ids tensors or dicts of model "
                          "inputs); use 'w4a16-rtn' to quantize without calibration")
+
+
+def select_and_check_gptq(model: nn.Module, recipe) -> list:
+    """The recipe's modules for GPTQ, each checked (shapes, group size, finite weights) before any is replaced."""
     selected = recipe.select(model, check_fused=False)
     if not recipe.quantize_experts:
         selected = [(n, m) for n, m in selected if not is_fused_experts(m)]
@@ -294,6 +296,14 @@ def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig
         raise ValueError(err)
     for name, mod in selected:
         _check_module(name, mod, recipe)
+    return selected
+
+
+def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig] = None) -> Dict[str, int]:
+    """GPTQ-quantizes the recipe's modules of ``model`` in place; returns ``{"linear": n, "moe": m}``."""
+    cfg = GPTQConfig.coerce(cfg)
+    require_calib_data(calib_data)
+    selected = select_and_check_gptq(model, recipe)
     batches = _batches(calib_data, cfg.batch_size)
     device = _model_device(model)
     counts = {"linear": 0, "moe": 0}
