@@ -104,3 +104,39 @@ def test_quantize_command_refuses_what_it_would_ignore_or_crash_on(tmp_path, cap
         main(["inspect", TINY_MOE_DIR, "--max-rows", "-1"])
     assert "-1 is negative" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_quantize_command_refuses_damaged_or_overlapping_folders(tmp_path, capsys):
+    """OUT = SRC would replace the source's shards; a tensor missing from the source would be exported as
+    transformers' random initialisation; a cut shard is named (transformers' own error names no file)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from torchforge.testing.tiny_moe import TINY_MOE_DIR
+
+    src = tmp_path / "src"
+    shutil.copytree(TINY_MOE_DIR, src)
+    files = sorted(os.listdir(src))
+
+    def err(source, out, *argv):
+        assert main(["quantize", str(source), str(out), "--device", "cpu", *argv]) == 2
+        return capsys.readouterr().err
+
+    assert f"OUT {src} is SRC" in err(src, src)
+    assert f"OUT {src}/. is SRC" in err(src, f"{src}/.", "--stream")
+    assert sorted(os.listdir(src)) == files
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name, shard = next((n, f) for n, f in index["weight_map"].items() if n.endswith("o_proj.weight"))
+    state = load_file(src / shard)
+    save_file({k: v for k, v in state.items() if k != name}, src / shard, metadata={"format": "pt"})
+    assert f"maps '{name}' to {shard}, but that shard does not contain it" in err(src, tmp_path / "out")
+    del index["weight_map"][name]  # a consistent folder without the tensor: transformers would make one up
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert f"lacks 1 tensor(s) the model needs ({name}); nothing was written" in err(src, tmp_path / "out")
+    data = (src / shard).read_bytes()
+    (src / shard).write_bytes(data[: len(data) // 2])
+    assert f"{shard}" in err(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -61,6 +61,9 @@ def _quantize(args) -> int:
 
     if not os.path.isfile(os.path.join(args.src, "config.json")):
         raise FileNotFoundError(f"{args.src} has no config.json: pass an HF checkpoint folder")
+    if os.path.exists(args.out) and os.path.samefile(args.out, args.src):
+        raise ValueError(f"OUT {args.out} is SRC: the export would replace the source checkpoint's files; pass "
+                         "another folder")
     recipe = torchforge.Recipe.coerce(args.recipe)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this machine has no CUDA device; pass --device cpu")
@@ -87,7 +90,16 @@ def _quantize(args) -> int:
             raise ValueError(f"--calib-ids {args.calib_ids}: expected a saved integer input_ids tensor [N, S]")
     elif recipe.scheme == "w4a16-gptq":
         print("torchforge quantize: no --calib-ids; GPTQ falls back to RTN for every module", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(args.src, dtype=getattr(torch, recipe.dtype)).to(args.device).eval()
+    from torchforge.io import check_checkpoint_files
+
+    check_checkpoint_files(args.src)  # a damaged shard named before transformers reads it (its errors name no file)
+    model, info = AutoModelForCausalLM.from_pretrained(args.src, dtype=getattr(torch, recipe.dtype),
+                                                       output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers initialises them at random and goes on: an export of those would look complete
+        raise ValueError(f"{args.src}: the checkpoint lacks {len(missing)} tensor(s) the model needs "
+                         f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); nothing was written")
+    model = model.to(args.device).eval()
     torchforge.quantize(model, recipe, calib_data=calib)
     fmt = args.format or recipe.export_format
     out = torchforge.save_quantized(model, args.out, format=fmt, source_dir=args.src)

@@ -52,6 +52,13 @@ def test_streamed_fp8_source_and_refusals(tmp_path):
     assert not any("scale_inv" in n for n in names)  # FP8 dequantized before quantizing
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+    # a float32 recipe: the unquantized FP8 weights (kv_b_proj) are their exact fp32 dequantization, not bf16-rounded
+    out32 = quantize_checkpoint(str(src), str(tmp_path / "q32"), {"scheme": "w4a16-rtn", "group_size": 64,
+                                                                  "dtype": "float32"}, device="cpu")
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    exact = dict(iter_checkpoint(src, dequantize_fp8=True, dtype=torch.float32))[name]
+    assert exact.dtype == torch.float32 and not torch.equal(exact, exact.bfloat16().float())
+    assert torch.equal(_tensors(out32)[name], exact)
     with pytest.raises(ValueError, match="round-to-nearest W4A16 only"):
         quantize_checkpoint(str(src), str(tmp_path / "g"), "w4a16-gptq")
     with pytest.raises(FileExistsError, match="already holds a checkpoint"):

@@ -101,7 +101,10 @@ def quantize_checkpoint(src: str, out: str, recipe: Recipe | str | dict = "w4a16
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     writer = ShardWriter(out, max_shard_bytes, metadata={"torchforge": "vllm-awq"})
     try:
-        for ck_name, t in iter_checkpoint(src, dequantize_fp8=True):
+        # FP8 weights are dequantized straight to bf16 only for a bf16 recipe: another dtype reads them in fp32 and
+        # casts once, as from_pretrained(dtype=...) holds them (bf16 first would round them twice)
+        read_dtype = None if dtype == torch.bfloat16 else torch.float32
+        for ck_name, t in iter_checkpoint(src, dequantize_fp8=True, dtype=read_dtype):
             name = from_checkpoint_name(ck_name, mt)
             if not expected.take(name):
                 continue  # not a tensor of the model (e.g. DeepSeek-V3's multi-token-prediction layer 61)

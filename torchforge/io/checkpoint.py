@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "CheckpointError",
+    "check_checkpoint_files",
     "iter_checkpoint",
     "load_state_dict",
     "checkpoint_tensor_names",
@@ -331,6 +332,23 @@ def checkpoint_tensor_names(model_dir: str | os.PathLike) -> dict[str, str]:
         infos, _ = read_safetensors_header(path)
         return {k: name for k in infos}
     return {k: name for k, v in _torch_load(path).items() if isinstance(v, torch.Tensor)}
+
+
+def check_checkpoint_files(model_dir: str | os.PathLike) -> None:
+    """Raises CheckpointError naming the file where a checkpoint folder is incomplete or damaged: a missing shard, an
+    unreadable index, a safetensors file whose header or data is cut short, an index naming a tensor its shard lacks.
+    Headers only (no tensor data is read); `.bin` files are not opened (unpickling them is a full read)."""
+    layout = _resolve(model_dir)
+    if layout.kind != "safetensors":
+        return
+    names_by_file = None
+    if layout.weight_map is not None:
+        names_by_file = {}
+        for name, fname in layout.weight_map.items():
+            names_by_file.setdefault(fname, []).append(name)
+    for fname in layout.files:
+        infos, _ = read_safetensors_header(os.path.join(layout.root, fname))
+        _check_index_names(layout, names_by_file, fname, infos, None)
 
 
 def load_state_dict(model_dir: str | os.PathLike, prefixes=None, **kw) -> dict[str, torch.Tensor]:
