@@ -29,6 +29,20 @@ def test_round_trip_logits_equal(arch, tmp_path):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reload_takes_the_saved_dtype(dtype, tmp_path):
+    """The unquantized tensors come back in the dtype the checkpoint was written in (config.json), not bf16."""
+    model = _quantized("llama", dtype=dtype, recipe={**RECIPE, "dtype": str(dtype).removeprefix("torch.")})
+    torchforge.save_quantized(model, str(tmp_path))
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    assert reloaded.model.embed_tokens.weight.dtype == dtype
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    assert torchforge.load_quantized(str(tmp_path), dtype=torch.bfloat16).model.embed_tokens.weight.dtype == \
+        torch.bfloat16
+
+
 def test_deepseek_v3_config_pinned(tmp_path):
     model = _quantized("deepseek_v3")
     torchforge.save_quantized(model, str(tmp_path))

@@ -82,12 +82,22 @@ def _rebuild_rotary(model: nn.Module, device) -> None:
                 model.set_submodule(name, type(mod)(mod.config))
 
 
-def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def _saved_dtype(path: str) -> torch.dtype:
+    """The floating dtype config.json names (save_quantized writes the recipe's), bfloat16 where it names none."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.bfloat16
+
+
+def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Loads a folder written by `torchforge.save_quantized` (any of its formats: vllm-awq, vllm-gptq,
-    compressed-tensors W4A16 or NVFP4, modelopt-nvfp4) as an HF model with torchforge modules."""
+    compressed-tensors W4A16 or NVFP4, modelopt-nvfp4) as an HF model with torchforge modules. `dtype`: of the
+    unquantized tensors; default: the checkpoint's (config.json `dtype`), as transformers' `dtype="auto"`."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"load_quantized: {path} has no config.json (not a checkpoint folder, or an unfinished save)")
-    model, qcfg = _build_skeleton(path, dtype)
+    model, qcfg = _build_skeleton(path, dtype or _saved_dtype(path))
     from torchforge.export.nvfp4 import is_nvfp4_config, load_nvfp4  # NVFP4 (issue 6): ModelOpt / compressed-tensors
 
     if is_nvfp4_config(qcfg):
