@@ -255,3 +255,23 @@ def test_recipe_prune_on_a_pruned_model_needs_the_same_map(tmp_path):
     with pytest.raises(ValueError, match=r"already pruned \(model\.layers\.1\.mlp is a PrunedMoE, 1 of 1 MoE blocks\) "
                                          "with another expert map or mode"):
         torchforge.quantize(other, {**RECIPE, "prune": {**prune, "keep_k": 3}})
+
+
+def test_a_tied_head_is_refused_in_both_paths(tmp_path):
+    """lm_head tied to embed_tokens cannot be quantized apart: the in-memory export wrote lm_head.qweight that vLLM
+    drops when it re-ties, and the streamed one left lm_head out without a word."""
+    from torchforge.export.stream_quantize import quantize_checkpoint
+    from torchforge.recipe import RecipeError
+
+    recipe = {**RECIPE, "ignore": ["re:.*embed_tokens$"]}  # lm_head no longer ignored
+    model = models.build("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(RecipeError, match="lm_head shares its weight with the input embeddings"):
+        torchforge.quantize(model, recipe)
+    assert type(model.lm_head) is torch.nn.Linear and type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    with pytest.raises(RecipeError, match="add 'lm_head' to the recipe's ignore list"):
+        quantize_checkpoint(str(tmp_path / "src"), str(tmp_path / "out"), recipe, device="cpu")
+    assert not (tmp_path / "out").exists()
+    torchforge.quantize(model, RECIPE)  # the default ignore list keeps lm_head
+    assert isinstance(model.model.layers[0].mlp.up_proj, ForgeAWQLinear) and type(model.lm_head) is torch.nn.Linear

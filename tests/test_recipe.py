@@ -274,3 +274,33 @@ def test_prune_section_rejects_settings_it_would_ignore_or_fail_on_later():
     for extra in ({"keep_k": 2}, {"keep_ratio": 0.5}):
         with pytest.raises(RecipeError, match="keep_k / keep_ratio apply when the map is built from 'hit_map'"):
             Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"expert_map": "m.pt", **extra}})
+
+
+def test_patterns_that_match_nothing_are_reported(caplog):
+    import logging
+
+    from tests import models
+
+    model = models.build("mixtral")
+    with caplog.at_level(logging.WARNING, logger="torchforge.recipe"):
+        Recipe.from_dict({"scheme": "w4a16-rtn", "ignore": ["lm_head", r"re:.*block_sparse_moe\.experts$"]}).select(model)
+        Recipe.from_dict({"scheme": "w4a16-rtn", "targets": ["linear"]}).select(model)
+        Recipe.from_dict({"scheme": "w4a16-rtn"}).select(model)  # the defaults: no warning (they cover every arch)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs
+    assert r"ignore pattern 're:.*block_sparse_moe\\.experts$' matches no module of MixtralForCausalLM" in msgs[0]
+    assert "'model.layers.0.mlp.experts'" in msgs[0]  # the in-memory name to write instead
+    assert "targets ['linear'] select no module of MixtralForCausalLM" in msgs[1]
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".yaml", "scheme: w4a16-rtn\ngroup_size: 64\ngroup_size: 32\n"),
+    (".json", '{"scheme": "w4a16-rtn", "group_size": 64, "group_size": 32}'),
+    (".yaml", "scheme: w4a16-rtn\nprune:\n  hit_map: h.pt\n  keep_k: 2\n  keep_k: 3\n"),
+])
+def test_a_key_given_twice_in_a_file_is_an_error(tmp_path, suffix, text):
+    path = tmp_path / f"r{suffix}"
+    path.write_text(text)
+    key = "keep_k" if "keep_k" in text else "group_size"
+    with pytest.raises(RecipeError, match=f"the key '{key}' is given twice"):
+        Recipe.from_file(path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import tempfile
@@ -25,6 +26,35 @@ import torch
 from torch import nn
 
 from torchforge import matching
+
+log = logging.getLogger(__name__)
+
+
+def _unique_keys(pairs):
+    """json object hook: a key given twice is an error (json and yaml would keep the last one silently)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k!r} is given twice")
+        out[k] = v
+    return out
+
+
+def _load_yaml_unique(text: str):
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 __all__ = [
     "DEFAULT_IGNORE",
@@ -398,12 +428,10 @@ class Recipe:
             raise RecipeError(f"cannot read recipe file {str(path)!r}: {e}") from None
         try:
             if kind == "json":
-                data = json.loads(text)
+                data = json.loads(text, object_pairs_hook=_unique_keys)
             else:
-                import yaml
-
-                data = yaml.safe_load(text)
-        except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
+                data = _load_yaml_unique(text)
+        except Exception as e:  # json.JSONDecodeError, yaml.YAMLError, a key given twice
             raise RecipeError(f"recipe file {str(path)!r} is not valid {kind.upper()}: {e}") from None
         try:
             return cls.from_dict(data)
@@ -467,6 +495,14 @@ class Recipe:
         only partly quantized -- see :func:`torchforge.matching.paired_modules_error`.
         """
         selected = matching.select_modules(model, self.targets, self.ignore, predicate=self._expert_predicate)
+        self._warn_unmatched(model, selected)
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        tied = [n for n, m in selected if embed is not None and getattr(m, "weight", None) is embed.weight]
+        if tied:
+            # a tied head shares the embedding table: quantizing it would either be dropped (vLLM and HF re-tie at
+            # load, from embed_tokens) or silently left out (the streamed path, whose source has no lm_head tensor)
+            raise RecipeError(f"{tied[0]} shares its weight with the input embeddings (tie_word_embeddings=True): "
+                              f"it cannot be quantized apart from them; add '{tied[0]}' to the recipe's ignore list")
         if check_fused:
             error = matching.paired_modules_error(
                 [n for n, _ in selected], [n for n, _ in model.named_modules()]
@@ -474,6 +510,20 @@ class Recipe:
             if error is not None:
                 raise RecipeError(error)
         return selected
+
+    def _warn_unmatched(self, model: nn.Module, selected) -> None:
+        """A target list that selects nothing, or an ignore pattern of the user's (the defaults are written for every
+        architecture) that matches no module, is most likely a typo or a name from another vocabulary: say so."""
+        names = [(n, m) for n, m in model.named_modules() if n]
+        if not selected and not any(type(m).__module__.startswith("torchforge.") for _, m in names):
+            log.warning("recipe: targets %s select no module of %s (patterns match module names such as %r, or "
+                        "class names such as 'Linear')", list(self.targets), type(model).__name__,
+                        names[-1][0] if names else "")
+        for p in self.ignore:
+            if p not in DEFAULT_IGNORE and not any(matching.match_pattern(n, m, p) for n, m in names):
+                log.warning("recipe: ignore pattern %r matches no module of %s; patterns match the in-memory module "
+                            "names (e.g. %r), not checkpoint names", p, type(model).__name__,
+                            next((n for n, _ in names if n.endswith("experts")), names[-1][0] if names else ""))
 
     def _expert_predicate(self, name: str, module: nn.Module) -> bool:
         return self.quantize_experts or not matching.is_routed_expert(name, module)
