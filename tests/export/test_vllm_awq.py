@@ -200,3 +200,24 @@ def test_mixtral_config_lists_use_checkpoint_names(tmp_path, scheme, fmt):
     flat = [n.replace("\\.", ".") for lst in lists for n in lst]  # vllm-gptq's dynamic keys are escaped regexes
     assert any("model.layers.0.block_sparse_moe.experts" in n for n in flat), flat
     assert not any(".mlp." in n for n in flat), flat
+
+
+def test_a_resave_in_another_format_leaves_no_side_file_of_the_first(tmp_path):
+    """A drop-pruned export's expert_map.pt made load_quantized re-prune the next (unpruned) export written there, and
+    an NVFP4 export's hf_quant_config.json (which vLLM reads first) stayed beside a vllm-awq one."""
+    from torchforge.nn.pruned_moe import PrunedMoE
+    from torchforge.prune import build_expert_map
+
+    out = str(tmp_path)
+    nv = torchforge.quantize(models.build("qwen3_moe", dtype=torch.bfloat16), "nvfp4")
+    torchforge.prune_experts(nv, build_expert_map(torch.rand(2, 8), keep_k=4), mode="drop")
+    torchforge.save_quantized(nv, out, format="modelopt-nvfp4")
+    assert {"hf_quant_config.json", "expert_map.pt"} <= set(os.listdir(out))
+    model = _quantized("qwen3_moe")
+    torchforge.save_quantized(model, out)
+    assert not {"hf_quant_config.json", "expert_map.pt"} & set(os.listdir(out))
+    reloaded = torchforge.load_quantized(out)
+    assert not any(isinstance(m, PrunedMoE) for m in reloaded.modules())
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)

@@ -57,12 +57,18 @@ def copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
     return copied
 
 
+# Side files of an earlier export that this one may not write again: a ModelOpt hf_quant_config.json (vLLM reads it
+# before config.json's quantization_config) and a drop-pruned model's expert_map.pt (load_quantized would re-prune).
+STALE_SIDE_FILES = ("hf_quant_config.json", "expert_map.pt", TORCHFORGE_META)
+
+
 def begin_folder(out_dir: str) -> None:
     """Before an export writes anything into `out_dir`: create it, and take away a config.json an earlier save left
     (and its generation_config.json, which finish_folder only writes where none exists). A folder with a config.json
-    counts as complete, so a re-save that dies after its new shards must not leave the old one beside them."""
+    counts as complete, so a re-save that dies after its new shards must not leave the old one beside them. The
+    earlier save's side files go too (STALE_SIDE_FILES); this export writes its own."""
     os.makedirs(out_dir, exist_ok=True)
-    for name in ("config.json", "generation_config.json"):
+    for name in ("config.json", "generation_config.json", *STALE_SIDE_FILES):
         path = os.path.join(out_dir, name)
         if os.path.exists(path):
             os.remove(path)
