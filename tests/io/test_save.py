@@ -243,3 +243,21 @@ def test_atomic_torch_save_and_bytes_leave_nothing_on_a_failed_write(tmp_path, m
         atomic_torch_save({"b": torch.zeros(1)}, tmp_path / "x.pt")
     assert sorted(os.listdir(tmp_path)) == ["x.png", "x.pt"]  # no temporaries, the old x.pt kept
     assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)["a"], torch.ones(3))
+
+
+def test_shard_writer_names_what_is_in_the_way(tmp_path):
+    import pytest
+    import torch
+
+    from torchforge.io.shard_writer import ShardWriter
+
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")  # an export that died before its config.json
+    with pytest.raises(FileExistsError, match="holds .safetensors files but no config.json \\(an unfinished export"):
+        ShardWriter(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        ShardWriter(tmp_path)
+    w = ShardWriter(tmp_path / "empty")
+    w.add("a", torch.ones(2))
+    w.close()
+    assert (tmp_path / "empty" / "model.safetensors").exists()

@@ -25,8 +25,12 @@ class ShardWriter:
             raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         os.makedirs(self.out_dir, exist_ok=True)
-        if any(f.endswith(".safetensors") or f == "config.json" for f in os.listdir(self.out_dir)):
+        present = os.listdir(self.out_dir)
+        if "config.json" in present:
             raise FileExistsError(f"{self.out_dir} already holds a checkpoint; write into an empty folder")
+        if any(f.endswith(".safetensors") for f in present):  # an export that died after its shards, before config.json
+            raise FileExistsError(f"{self.out_dir} holds .safetensors files but no config.json (an unfinished "
+                                  "export, or not a checkpoint): remove them or write into an empty folder")
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
         self._buffer: dict[str, torch.Tensor] = {}
