@@ -113,7 +113,6 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
     return amax
 
 
-@torch.no_grad()
 def select_and_check_nvfp4(model: nn.Module, recipe: Recipe) -> list:
     """The recipe's modules, each checked (shapes, finite weights) before any is replaced."""
     from torchforge.quantize import check_quantizable
@@ -128,6 +127,7 @@ def select_and_check_nvfp4(model: nn.Module, recipe: Recipe) -> list:
     return selected
 
 
+@torch.no_grad()
 def quantize_nvfp4(model: nn.Module, recipe: Recipe, calib_data=None) -> dict:
     """Swaps modules in place; returns counts {"linear": n, "moe": n}."""
     # Every module is checked before the first is replaced (as in torchforge.quantize): one that cannot be quantized

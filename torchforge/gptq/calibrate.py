@@ -278,7 +278,6 @@ def _forward_all(model: nn.Module, batches, device) -> None:
         model(**_to(b, device), use_cache=False)
 
 
-@torch.no_grad()
 def require_calib_data(calib_data) -> None:
     if calib_data is None:
         raise ValueError("quantize: scheme 'w4a16-gptq' needs calib_data (input_ids tensors or dicts of model "
@@ -299,6 +298,7 @@ def select_and_check_gptq(model: nn.Module, recipe) -> list:
     return selected
 
 
+@torch.no_grad()
 def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig] = None) -> Dict[str, int]:
     """GPTQ-quantizes the recipe's modules of ``model`` in place; returns ``{"linear": n, "moe": m}``."""
     cfg = GPTQConfig.coerce(cfg)
