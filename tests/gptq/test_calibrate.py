@@ -153,3 +153,74 @@ def test_cuda_calibration_runs_the_fast_solver(arch):
     torchforge.quantize(model, RECIPE, calib_data=ids, gptq={"mse": True})
     assert all(m.qweight.is_cuda for m in model.modules() if isinstance(m, ForgeGPTQLinear))
     assert _logit_err(model, ref, ids) < 0.85 * _logit_err(rtn, ref, ids)
+
+
+def _two_sequences():
+    a, b = torch.randint(0, 96, (1, 9)), torch.randint(0, 96, (1, 5))
+    padded = {"input_ids": torch.cat([a, torch.cat([b, torch.zeros(1, 4, dtype=torch.long)], 1)]),
+              "attention_mask": torch.cat([torch.ones(1, 9), torch.cat([torch.ones(1, 5), torch.zeros(1, 4)], 1)]).long()}
+    return a, b, padded
+
+
+def test_padding_is_left_out_of_the_statistics():
+    """Two sequences calibrated one per batch, unpadded, and together right-padded with an attention_mask: the
+    Hessians see the same tokens (the padding rows used to enter the dense and the experts' statistics)."""
+    from torchforge.gptq.calibrate import _batches, _Collector, _forward_all, _kept_tokens
+
+    model = models.build("deepseek_v3").eval()
+    a, b, padded = _two_sequences()
+    selected = torchforge.Recipe.coerce(RECIPE).select(model, check_fused=False)
+    cfg = GPTQConfig()
+
+    def collect(batches):
+        with _Collector(selected, cfg) as col, torch.no_grad():
+            _forward_all(model, batches, torch.device("cpu"), col)
+        return col
+
+    one_each, together = collect([{"input_ids": a}, {"input_ids": b}]), collect(_batches(padded, 8))
+    assert _kept_tokens(_batches(padded, 8)[0]).sum() == 14
+    for name, acc in one_each.linears.items():
+        h1, n1 = acc.finalize()
+        h2, n2 = together.linears[name].finalize()
+        assert n1 == n2 == 14, name
+        torch.testing.assert_close(h2, h1, rtol=1e-5, atol=1e-6)
+    for name, st in one_each.experts.items():
+        assert [x.n_seen for x in st.gate_up] == [x.n_seen for x in together.experts[name].gate_up]
+        assert sum(x.n_seen for x in st.gate_up) == 14 * model.config.num_experts_per_tok
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_padded_calibration_quantizes_as_unpadded(sequential):
+    """Through quantize, layer by layer and all at once: the same codes up to the Hessians' float summation order."""
+    a, b, padded = _two_sequences()
+    gptq = {"sequential": sequential}
+    one_each = torchforge.quantize(models.build("deepseek_v3"), RECIPE, calib_data=[a, b], gptq=gptq)
+    together = torchforge.quantize(models.build("deepseek_v3"), RECIPE, calib_data=padded, gptq=gptq)
+    q1 = {k: v for k, v in one_each.state_dict().items() if k.endswith("qweight")}
+    q2 = together.state_dict()
+    differ = sum((q1[k] != q2[k]).sum().item() for k in q1) / sum(v.numel() for v in q1.values())
+    assert differ < 1e-3, differ  # with the padding counted: most words differ
+
+
+@pytest.mark.parametrize("data, message", [
+    (torch.zeros(0, 8, dtype=torch.long), "holds no tokens"),
+    (torch.zeros(2, 8, 4, dtype=torch.long), "must be integer input_ids \\[N, S\\]"),
+    (torch.rand(2, 8), "must be integer input_ids"),
+])
+def test_calibration_data_errors(data, message):
+    from torchforge.gptq.calibrate import _batches
+
+    with pytest.raises(ValueError, match=message):
+        _batches(data, 4)
+
+
+def test_a_tokenizer_output_is_split_in_batches():
+    from transformers import BatchEncoding
+
+    from torchforge.gptq.calibrate import _batches
+
+    enc = BatchEncoding({"input_ids": torch.arange(30).reshape(10, 3), "attention_mask": torch.ones(10, 3)})
+    out = _batches(enc, 4)
+    assert [tuple(b["input_ids"].shape) for b in out] == [(4, 3), (4, 3), (2, 3)]
+    assert torch.equal(torch.cat([b["input_ids"] for b in out]), enc["input_ids"])
+    assert all(b["attention_mask"].shape == b["input_ids"].shape for b in out)

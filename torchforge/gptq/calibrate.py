@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -97,19 +98,42 @@ class _StopForward(Exception):
 
 
 # ----------------------------------------------------------------------------------- calibration data
+def _input_ids(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dim() == 1:
+        t = t.reshape(1, -1)
+    if t.dim() != 2 or t.is_floating_point():
+        raise ValueError(f"quantize: {what} must be integer input_ids [N, S] (or [S]); got {t.dim()}-D {t.dtype}")
+    if t.numel() == 0:
+        raise ValueError(f"quantize: {what} holds no tokens (shape {tuple(t.shape)})")
+    return t
+
+
+def _split(inputs: Mapping, batch_size: int) -> List[Dict[str, Any]]:
+    """A dict of model inputs in batches of `batch_size` rows: the tensors with input_ids' leading size are split."""
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        return [dict(inputs)]
+    ids = _input_ids(ids, "calib_data['input_ids']")
+    n = ids.shape[0]
+    rows = {k: (v.reshape(1, -1) if k == "input_ids" and v.dim() == 1 else v) for k, v in inputs.items()}
+    return [{k: v[i:i + batch_size] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n else v
+             for k, v in rows.items()} for i in range(0, n, batch_size)]
+
+
 def _batches(calib_data, batch_size: int) -> List[Dict[str, Any]]:
-    """calib_data -> list of model kwargs. Accepts an ``input_ids`` tensor ``[N, S]`` (split in batches),
-    a dict of model inputs, or an iterable of tensors / dicts."""
+    """calib_data -> list of model kwargs. Accepts an ``input_ids`` tensor ``[N, S]`` or a dict of model inputs
+    (a tokenizer's output: with ``attention_mask``, padding is left out of the statistics), both split in batches
+    of ``batch_size`` rows, or an iterable of tensors / dicts, one batch each."""
     if isinstance(calib_data, torch.Tensor):
-        t = calib_data if calib_data.dim() == 2 else calib_data.reshape(1, -1)
+        t = _input_ids(calib_data, "calib_data")
         return [{"input_ids": t[i:i + batch_size]} for i in range(0, t.shape[0], batch_size)]
-    if isinstance(calib_data, dict):
-        return [dict(calib_data)]
+    if isinstance(calib_data, Mapping):
+        return _split(calib_data, batch_size)
     out = []
     for item in calib_data:
         if isinstance(item, torch.Tensor):
-            out.append({"input_ids": item if item.dim() == 2 else item.reshape(1, -1)})
-        elif isinstance(item, dict):
+            out.append({"input_ids": _input_ids(item, "a calib_data item")})
+        elif isinstance(item, Mapping):
             out.append(dict(item))
         else:
             raise TypeError(f"quantize: calib_data items must be input_ids tensors or dicts of model inputs, got "
@@ -117,6 +141,22 @@ def _batches(calib_data, batch_size: int) -> List[Dict[str, Any]]:
     if not out:
         raise ValueError("quantize: calib_data is empty")
     return out
+
+
+def _kept_tokens(batch: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """[B * S] bool, False at padding: from a 2-D attention_mask (None: every token counts)."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask.reshape(-1) != 0
+    return None
+
+
+def _without_padding(x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The rows of x ([..., D], one per token) that are not padding; all of them where keep does not fit."""
+    flat = x.reshape(-1, x.shape[-1])
+    if keep is None or keep.numel() != flat.shape[0]:
+        return flat
+    return flat[keep.to(flat.device)]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -137,6 +177,7 @@ class _ExpertStats:
         kw = dict(block_size=cfg.hessian_block_size, max_tokens=cfg.max_tokens)
         self.gate_up = [HessianAccumulator(h, **kw) for _ in range(e)]
         self.down = [HessianAccumulator(two_i // 2, **kw) for _ in range(e)]
+        self.keep: Optional[torch.Tensor] = None  # the current batch's non-padding tokens (_Collector.set_keep)
 
     @torch.no_grad()
     def hook(self, mod, args, kwargs) -> None:
@@ -147,6 +188,8 @@ class _ExpertStats:
         idx = idx.reshape(flat.shape[0], -1)
         num = mod.gate_up_proj.shape[0]
         routed = (idx >= 0) & (idx < num)  # HF marks dropped slots with id == num_experts
+        if self.keep is not None and self.keep.numel() == flat.shape[0]:  # padding tokens route too: leave them out
+            routed &= self.keep.to(routed.device)[:, None]
         if len(vals) > 2:  # a pick with weight 0 reaches no output: PrunedMoE(drop) sends pruned picks to id 0 so
             routed &= vals[2].reshape(idx.shape) != 0  # (they would enter expert 0's Hessians)
         for e in torch.unique(idx[routed]).tolist():
@@ -167,6 +210,7 @@ class _Collector:
         self.experts: Dict[str, _ExpertStats] = {}
         self.modules = dict(modules)
         self._handles = []
+        self.keep: Optional[torch.Tensor] = None
         for name, mod in modules:
             if is_fused_experts(mod):
                 self.experts[name] = _ExpertStats(mod, cfg)
@@ -174,10 +218,16 @@ class _Collector:
                 self.linears[name] = HessianAccumulator(mod.in_features, block_size=cfg.hessian_block_size,
                                                         max_tokens=cfg.max_tokens)
 
+    def set_keep(self, keep: Optional[torch.Tensor]) -> None:
+        """The next forward's non-padding tokens (_kept_tokens of its batch)."""
+        self.keep = keep
+        for st in self.experts.values():
+            st.keep = keep
+
     def __enter__(self):
         for name, acc in self.linears.items():
             def hook(mod, args, acc=acc):  # returns None: a pre-hook's return value would replace the inputs
-                acc.add(args[0].detach())
+                acc.add(_without_padding(args[0].detach(), self.keep))
             self._handles.append(self.modules[name].register_forward_pre_hook(hook))
         for name, st in self.experts.items():
             self._handles.append(self.modules[name].register_forward_pre_hook(st.hook, with_kwargs=True))
@@ -273,8 +323,9 @@ def _find_layers(model: nn.Module) -> Tuple[Optional[str], Optional[nn.ModuleLis
     return best
 
 
-def _forward_all(model: nn.Module, batches, device) -> None:
+def _forward_all(model: nn.Module, batches, device, col: "_Collector") -> None:
     for b in batches:
+        col.set_keep(_kept_tokens(b))
         model(**_to(b, device), use_cache=False)
 
 
@@ -315,7 +366,7 @@ def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig
     try:
         if layers is None:
             with _Collector(selected, cfg) as col:
-                _forward_all(model, batches, device)
+                _forward_all(model, batches, device, col)
             _quantize_collected(model, col, recipe, cfg, counts)
         else:
             _sequential(model, layers_name, layers, selected, batches, device, recipe, cfg, counts)
@@ -340,13 +391,15 @@ def _sequential(model, layers_name, layers, selected, batches, device, recipe, c
                 pass
     finally:
         handle.remove()
+    keeps = [_kept_tokens(b) for b in batches]  # one caught input per batch, in order
     prefixes = [f"{layers_name}.{i}." for i in range(len(layers))]
     rest = [(n, m) for n, m in selected if not any(n.startswith(p) for p in prefixes)]
     for i, layer in enumerate(layers):
         mods = [(n, m) for n, m in selected if n.startswith(prefixes[i])]
         if mods:
             with _Collector(mods, cfg) as col:
-                for args, kwargs in inputs:
+                for (args, kwargs), keep in zip(inputs, keeps):
+                    col.set_keep(keep)
                     layer(*args, **kwargs)
             _quantize_collected(model, col, recipe, cfg, counts)
         if i + 1 < len(layers):
@@ -358,5 +411,5 @@ def _sequential(model, layers_name, layers, selected, batches, device, recipe, c
             inputs = nxt
     if rest:
         with _Collector(rest, cfg) as col:
-            _forward_all(model, batches, device)
+            _forward_all(model, batches, device, col)
         _quantize_collected(model, col, recipe, cfg, counts)
