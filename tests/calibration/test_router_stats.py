@@ -51,3 +51,14 @@ def test_unknown_architecture_needs_router_attr():
     model = models.build("llama")
     with pytest.raises(ValueError, match="router_attr"):
         collect_router_stats(model, [torch.randint(0, 96, (1, 4))])
+
+
+def test_batches_must_be_input_ids_and_no_full_logits_are_built():
+    model = models.build("deepseek_v3")
+    shapes = []
+    model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+    collect_router_stats(model, [torch.randint(0, 96, (2, 8))])
+    assert shapes == [(2, 1, 96)]  # logits of one position, not [2, 8, vocab]
+    for bad in (torch.randint(0, 96, (8,)), torch.rand(2, 8), {"input_ids": torch.zeros(1, 4, dtype=torch.long)}):
+        with pytest.raises(TypeError, match="batches must yield integer input_ids tensors \\[B, S\\]"):
+            collect_router_stats(model, [bad])

@@ -111,7 +111,11 @@ def collect_router_stats(model: nn.Module, batches, *, router_attr: str | None =
         for ids in batches:
             if max_tokens is not None and stats.tokens >= max_tokens:
                 break
-            model(input_ids=ids.to(next(model.parameters()).device))
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+                raise TypeError(f"collect_router_stats: batches must yield integer input_ids tensors [B, S], got "
+                                f"{type(ids).__name__}{f' {ids.dim()}-D {ids.dtype}' if isinstance(ids, torch.Tensor) else ''}")
+            # only the routers' inputs matter: no KV cache, and logits for one position instead of [B, S, vocab]
+            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False, logits_to_keep=1)
             stats.tokens += ids.numel()
     finally:
         for h in handles:
