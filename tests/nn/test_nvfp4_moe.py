@@ -191,7 +191,7 @@ def test_calibration_and_w4a4_emulation():
     # uncalibrated models refuse W4A4
     torchforge.quantize(ref, "nvfp4")
     emulate_w4a4(ref)
-    with pytest.raises(RuntimeError, match="W4A4 emulation needs calibrated input scales"):
+    with pytest.raises(RuntimeError, match="W4A4 emulation needs (a )?calibrated input"):  # a linear or the experts
         ref(ids)
 
 
@@ -205,3 +205,30 @@ def test_recipe_validation():
     assert torchforge.Recipe.from_preset("nvfp4-ct").export_format == "compressed-tensors"
     assert isinstance(NVFP4MoE.from_hf(models.moe_blocks(models.build("qwen3_moe"))[0][1],
                                        NVFP4Experts(8, 64, 32, device="meta")), ForgeMoE)
+
+
+def test_to_dtype_moves_but_never_casts_the_format_buffers():
+    """model.to(bf16) cast the fp8 block scales and fp32 global scales too: the kernels refused them afterwards."""
+    model = torchforge.quantize(models.build("deepseek_v3", dtype=torch.float32), "nvfp4")
+    ids = torch.randint(0, 96, (2, 7))
+    fixed = {n: b.clone() for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_scale_2",
+                                                                             "input_scale"))}
+    assert {b.dtype for b in fixed.values()} == {torch.float8_e4m3fn, torch.float32}
+    model.to(torch.bfloat16)
+    for name, b in model.named_buffers():
+        if name in fixed:
+            assert b.dtype == fixed[name].dtype and torch.equal(b.float(), fixed[name].float()), name
+    lin = next(m for m in model.modules() if isinstance(m, NVFP4Linear))
+    assert lin.bias is None or lin.bias.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(ids).logits.dtype == torch.bfloat16  # runs
+
+
+def test_w4a4_without_calibration_is_an_error_not_zeros():
+    m = NVFP4Linear.from_linear(nn.Linear(64, 32, bias=False))
+    m.w4a4 = True
+    with pytest.raises(RuntimeError, match="NVFP4Linear: W4A4 emulation needs a calibrated input_scale"):
+        m(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="nvfp4_linear: input_scale must be positive and finite"):
+        torchforge.ops.nvfp4_linear(torch.randn(2, 64), m.weight, m.weight_scale, m.weight_scale_2,
+                                    torch.zeros(()), None)

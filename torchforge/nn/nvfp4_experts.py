@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.nn.fixed_dtype_buffers import FixedDtypeBuffers
 from torchforge.nn.nvfp4_linear import E2M1_E4M3_MAX
 
 
@@ -17,7 +18,7 @@ def _act(name_or_fn):
     return ACT2FN[name_or_fn]
 
 
-class NVFP4Experts(nn.Module):
+class NVFP4Experts(FixedDtypeBuffers):
     """Routed experts stacked along dim 0, every projection in NVFP4 (plain buffers, meta-constructible):
 
       gate_up_weight          uint8  [E, 2I, H/2]   gate rows [0, I), up rows [I, 2I) (HF's fused layout)
@@ -40,6 +41,9 @@ class NVFP4Experts(nn.Module):
     SiLU(gate) * up, the down GEMM and the routing-weighted sum in fp32. ``w4a4 = True`` quantizes the
     activations of both GEMMs as Blackwell would (per token, block 16, under the calibrated input scales).
     """
+
+    FIXED_DTYPE_BUFFERS = tuple(f"{p}_{b}" for p in ("gate_up", "down")
+                                for b in ("weight_scale", "weight_scale_2", "input_scale"))  # fp8 / fp32 by the format
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, act_fn="silu", device=None):
         super().__init__()

@@ -5,11 +5,12 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.nn.fixed_dtype_buffers import FixedDtypeBuffers
 
 E2M1_E4M3_MAX = 6.0 * 448.0  # ModelOpt: scale = amax / (E2M1_MAX * E4M3_MAX)
 
 
-class NVFP4Linear(nn.Module):
+class NVFP4Linear(FixedDtypeBuffers):
     """y = x @ W.T + b with W in NVFP4 (plain buffers named exactly as ModelOpt's checkpoint tensors):
 
       weight          uint8          [N, K/2]   two E2M1 codes per byte, even input channel in the low nibble
@@ -22,6 +23,8 @@ class NVFP4Linear(nn.Module):
     first, as a Blackwell GPU would (accuracy studies; needs a calibrated input_scale).
     Built in two phases (construct on any device, including meta, then `pack_weight`) or with `from_linear`.
     """
+
+    FIXED_DTYPE_BUFFERS = ("weight_scale", "weight_scale_2", "input_scale")  # fp8 / fp32 by the format
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -72,6 +75,9 @@ class NVFP4Linear(nn.Module):
         return ops.nvfp4_dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w4a4 and not torch.compiler.is_compiling() and not self.calibrated:
+            raise RuntimeError("NVFP4Linear: W4A4 emulation needs a calibrated input_scale; quantize with calib_data "
+                               "(torchforge.quantize(model, 'nvfp4', calib_data=...)) or load a W4A4 checkpoint")
         input_scale = self.input_scale if self.w4a4 else None
         return ops.nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2, input_scale, self.bias)
 

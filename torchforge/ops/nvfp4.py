@@ -344,6 +344,7 @@ def _nvfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Ten
         if bias is not None:
             out = (out.float() + bias.float()).to(x.dtype)
         return out.reshape(*x.shape[:-1], n)
+    _check_positive("nvfp4_linear", input_scale, "input_scale")  # 0 (uncalibrated) quantizes x to 0 / NaN blocks
     return nvfp4_linear_ref(x, packed, scales, weight_scale_2.reshape(()),
                             None if input_scale is None else input_scale.reshape(()), bias)
 
