@@ -145,3 +145,23 @@ def test_mma_module_cast_to_bf16_stays_on_the_cuda_kernel(monkeypatch):
     expected = x.double() @ layer.dequantized_weight().double().T + layer.bias.double()
     assert ((out.double() - expected).norm() / expected.norm()) < 4e-3
     assert ((out.float() - fp16_scales.float()).norm() / fp16_scales.float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantized_weight_is_rounded_once(dtype):
+    """In a narrow dtype it is the fp32 weight rounded once, the weight the layer multiplies with (the scales were
+    rounded to that dtype first: two roundings, thousands of entries off in bf16)."""
+    from tests import models
+    import torchforge
+    from torchforge.nn import ForgeGPTQLinear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64, bias=False)
+    for mod in (ForgeAWQLinear.from_linear(lin, group_size=32), ForgeGPTQLinear.from_linear(lin, group_size=32)):
+        assert torch.equal(mod.dequantized_weight(dtype), mod.dequantized_weight().to(dtype))
+        x = torch.eye(256, dtype=dtype)
+        assert torch.equal(mod(x).T, mod.dequantized_weight(dtype))  # probing the layer with the identity
+    moe = torchforge.quantize(models.build("qwen3_moe"), {"scheme": "w4a16-rtn", "group_size": 32})
+    experts = next(m for m in moe.modules() if hasattr(m, "dequantized_weights"))
+    for a, b in zip(experts.dequantized_weights(dtype), experts.dequantized_weights()):
+        assert torch.equal(a, b.to(dtype))

@@ -101,11 +101,11 @@ class ForgeAWQExperts(nn.Module):
         return cls(E, H, two_i // 2, group_size=group_size, symmetric=symmetric, act_fn=experts.act_fn, device=device)
 
     def dequantized_weights(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E, 2I, H], down [E, H, I]) in HF's layout, computed in `dtype`."""
+        """(gate_up [E, 2I, H], down [E, H, I]) in HF's layout, in `dtype` (exact in fp32, rounded once)."""
         G = self.group_size
         gate_up_q, down_q = self.awq_qweights()
-        return (ops.awq_dequantize(gate_up_q, self.gate_up_scales.to(dtype), self.gate_up_qzeros, G),
-                ops.awq_dequantize(down_q, self.down_scales.to(dtype), self.down_qzeros, G))
+        return (ops.awq_dequantize(gate_up_q, self.gate_up_scales.float(), self.gate_up_qzeros, G).to(dtype),
+                ops.awq_dequantize(down_q, self.down_scales.float(), self.down_qzeros, G).to(dtype))
 
     def awq_qweights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up_qweight, down_qweight) in vLLM's AWQ layout, whatever layout the module runs with."""

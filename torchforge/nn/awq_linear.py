@@ -78,8 +78,9 @@ class ForgeAWQLinear(nn.Module):
         return mma_layout_to_awq(self.qweight) if self.weight_layout == "mma" else self.qweight
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [OC, IC] this layer computes with, in `dtype`."""
-        return ops.awq_dequantize(self.awq_qweight(), self.scales.to(dtype), self.qzeros, self.group_size)
+        """The weight [OC, IC] this layer computes with, in `dtype`: (q - z) * s exact in fp32, rounded once (scales
+        rounded to `dtype` first would round twice)."""
+        return ops.awq_dequantize(self.awq_qweight(), self.scales.float(), self.qzeros, self.group_size).to(dtype)
 
     @torch.no_grad()
     def use_mma_layout(self) -> bool:

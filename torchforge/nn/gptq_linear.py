@@ -108,9 +108,9 @@ class ForgeGPTQLinear(nn.Module):
         return self.qweight, self.qzeros
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [OC, IC] this layer computes with, in `dtype`."""
+        """The weight [OC, IC] this layer computes with, in `dtype` (exact in fp32, rounded once)."""
         qweight, qzeros = self.gptq_tensors()
-        return gptq_ops.gptq_dequantize(qweight, self.scales.to(dtype), qzeros, self.g_idx)
+        return gptq_ops.gptq_dequantize(qweight, self.scales.float(), qzeros, self.g_idx).to(dtype)
 
     def has_act_order(self) -> bool:
         """True when g_idx is not ``k // group_size`` (checkpoints of other tools)."""
