@@ -241,3 +241,21 @@ def test_cuda_fast_solver_matches_reference(cfg):
     rb = solve(w[0], hb[0], **cfg)
     assert abs(out_err(xs[0], w[0], fb.dequantize()[0].cpu()) - out_err(xs[0], w[0], rb.dequantize())) <= 0.01 * \
         out_err(xs[0], w[0], rb.dequantize())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_weight_too_large_for_fp16_scales_is_named(symmetric):
+    """A finite weight whose fp16 group scale overflows was reported as 'weight contains NaN/Inf values'."""
+    from torchforge.nn import ForgeGPTQLinear
+
+    w = torch.randn(32, 64)
+    w[3, 5] = 1e6
+    for call in (lambda: solve(w, torch.eye(64), group_size=32, symmetric=symmetric),
+                 lambda: solve_batched(w[None], torch.eye(64)[None], group_size=32, symmetric=symmetric)):
+        with pytest.raises(ValueError, match="1 group scales would exceed the torch.float16 maximum 65504"):
+            call()
+    lin = torch.nn.Linear(64, 32)
+    lin.weight.data.copy_(w)
+    with pytest.raises(ValueError, match="too large for torch.float16 GPTQ scales"):
+        ForgeGPTQLinear.from_linear(lin, group_size=32, symmetric=symmetric)
+    solve(w, torch.eye(64), group_size=32, symmetric=symmetric, scale_dtype=torch.float32)  # fp32 scales hold it

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from torchforge.gptq.hessian import HessianAccumulator
-from torchforge.gptq.solver import GPTQResult, solve_batched
+from torchforge.gptq.solver import GPTQResult, check_scale_range, solve_batched
 from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.gptq_linear import ForgeGPTQLinear
@@ -272,6 +272,10 @@ def _check_module(name: str, mod: nn.Module, recipe) -> None:
                 raise ValueError(f"{type(mod).__name__} with transposed weights or biases is not supported")
         elif isinstance(mod, nn.Linear):
             ForgeGPTQLinear(mod.in_features, mod.out_features, group_size=g, device="meta")
+        weights = (mod.gate_up_proj, mod.down_proj) if is_fused_experts(mod) else (mod.weight,)
+        for w in weights:
+            if w.device.type != "meta":
+                check_scale_range("quantize", w.detach(), recipe.bits, g, recipe.symmetric)
     except ValueError as err:
         raise ValueError(f"quantize: cannot quantize {name}: {err}") from err
 

@@ -220,6 +220,24 @@ def _result(codes, qmeta, group_size, bits, symmetric, scale_dtype) -> GPTQResul
 
 # ------------------------------------------------------------------------------ reference solver
 @torch.no_grad()
+def check_scale_range(op: str, weight: Tensor, bits: int, group_size: int, symmetric: bool,
+                      scale_dtype: torch.dtype = torch.float16) -> None:
+    """Group scales start from the weight's group ranges and are stored in `scale_dtype`: past its maximum they
+    become inf and the error feedback turns the rest of the row into NaN (which then read as NaN input)."""
+    x = weight.reshape(*weight.shape[:-1], weight.shape[-1] // group_size, group_size)
+    maxq = 2 ** bits - 1
+    if symmetric:
+        s = 2.0 * x.abs().amax(dim=-1).float() / maxq
+    else:
+        s = (x.amax(dim=-1).float().clamp(min=0) - x.amin(dim=-1).float().clamp(max=0)) / maxq
+    limit = torch.finfo(scale_dtype).max
+    over = s > limit
+    if bool(over.any()):
+        raise ValueError(f"{op}: {int(over.sum())} group scales would exceed the {scale_dtype} maximum {limit:.6g} "
+                         f"(largest {float(s.max()):.6g}): the weight is too large for {scale_dtype} GPTQ scales; "
+                         "rescale the layer or keep it unquantized with the recipe's ignore")
+
+
 def solve(weight: Tensor, hessian: Tensor, *, bits: int = 4, group_size: int = 128, symmetric: bool = True,
           block_size: int = 128, damp: float = 0.01, mse: bool = False, static_groups: bool = False,
           mse_norm: float = 2.4, mse_grid: Optional[Tensor] = None,
@@ -235,6 +253,7 @@ def solve(weight: Tensor, hessian: Tensor, *, bits: int = 4, group_size: int = 1
     """
     op = "solve"
     block = _check_common(op, weight, hessian, bits, group_size, block_size, damp, scale_dtype, batched=False)
+    check_scale_range(op, weight, bits, group_size, symmetric, scale_dtype)
     oc, ic = weight.shape
     w = weight.to(torch.float32).clone()
     if block:
@@ -338,6 +357,7 @@ def solve_batched(weight: Tensor, hessian: Tensor, *, bits: int = 4, group_size:
     """
     op = "solve_batched"
     block = _check_common(op, weight, hessian, bits, group_size, block_size, damp, scale_dtype, batched=True)
+    check_scale_range(op, weight, bits, group_size, symmetric, scale_dtype)
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"{op}: backend={backend!r}; expected 'auto', 'triton' or 'torch'")
     if backend == "auto":
