@@ -69,3 +69,8 @@ from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts  # noqa: E402
 __all__ += ["awq_mma_linear", "awq_mma_moe_gate_up_silu", "awq_mma_moe_down_combine", "awq_mma_moe_experts",
             "awq_to_mma_layout",
             "mma_layout_to_awq"]
+
+# Input gradients of the quantized linear ops (torchforge.ops.linear_autograd).
+from torchforge.ops.linear_autograd import register as _register_linear_autograd  # noqa: E402
+
+_register_linear_autograd()
