@@ -243,6 +243,12 @@ def test_errors_name_the_fix(ckpts, tmp_path):
         LayerwiseStreamer(ckpts["qwen3_moe"], router_attr="mlp.router", prob="softmax")
     with pytest.raises(ValueError, match="mode must be one of"):
         LayerwiseStreamer(ckpts["qwen3_moe"], device="cpu").collect_router_stats(_batches(), mode="sparse")
+    # offload_dir is checked when the streamer is made, not at the first spill after some layers ran
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match="offload_dir .*a_file.* cannot be used for spilled hidden states"):
+        LayerwiseStreamer(ckpts["qwen3_moe"], tmp_path / "a_file", device="cpu", host_budget_bytes=0)
+    with pytest.warns(UserWarning, match="offload_dir without host_budget_bytes is never used"):
+        LayerwiseStreamer(ckpts["qwen3_moe"], tmp_path / "spill", device="cpu")
 
 
 def test_router_attr_override(ckpts):

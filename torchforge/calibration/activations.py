@@ -19,6 +19,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def check_offload_dir(path) -> None:
+    """Creates `path` if needed; raises OSError naming it where it cannot hold spill files."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"offload_dir {os.fspath(path)!r} cannot be used for spilled hidden states ({e}); pass a "
+                      "writable folder") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OSError(f"offload_dir {os.fspath(path)!r} is not writable; pass a writable folder")
+
+
 class ActivationStore:
     """Batch index -> hidden states [B, S, H]: `put` replaces, `get` reads back, `close` deletes the spill files."""
 
@@ -43,7 +54,7 @@ class ActivationStore:
                 self._dir_path, self._made_dir = tempfile.mkdtemp(prefix="torchforge-hs-"), True
             else:
                 self._made_dir = not os.path.isdir(self.offload_dir)
-                os.makedirs(self.offload_dir, exist_ok=True)
+                check_offload_dir(self.offload_dir)
                 self._dir_path = self.offload_dir
         return self._dir_path
 

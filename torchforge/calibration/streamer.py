@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -40,7 +41,7 @@ from torch import nn
 
 from torchforge.export.folder import restore_fp32
 from torchforge.calibration import layer_loader
-from torchforge.calibration.activations import ActivationStore
+from torchforge.calibration.activations import ActivationStore, check_offload_dir
 from torchforge.calibration.router_stats import ROUTERS, RouterStats, add_sums, new_stats, router_sums
 from torchforge.io import CheckpointError, checkpoint_tensor_names
 
@@ -97,6 +98,12 @@ class LayerwiseStreamer:
         self.model_path = os.fspath(model_path)
         self.offload_dir = offload_dir
         self.host_budget_bytes = host_budget_bytes
+        if offload_dir is not None:  # checked now, not at the first spill after the embedding and some layers ran
+            check_offload_dir(offload_dir)
+            if host_budget_bytes is None:
+                warnings.warn("LayerwiseStreamer: offload_dir without host_budget_bytes is never used (every batch's "
+                              "hidden states stay in host memory); pass host_budget_bytes to spill past it",
+                              stacklevel=2)
         if moe_chunk_tokens is not None and moe_chunk_tokens < 1:
             raise ValueError(f"LayerwiseStreamer: moe_chunk_tokens must be >= 1 or None, got {moe_chunk_tokens}")
         self.moe_chunk_tokens = moe_chunk_tokens
@@ -416,6 +423,7 @@ class LayerwiseStreamer:
                             position_embeddings=rotary(h, pos) if attn else None, use_cache=False)
                 out = out[0] if isinstance(out, tuple) else out
                 store.put(b, out.to("cpu"), layer=tag)
+                del h, out  # else held while the next batch is read: host peak over the budget on device="cpu"
         finally:
             if handle is not None:
                 handle.remove()
