@@ -34,7 +34,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, iter_memory_named, memory_names,
+from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, compressed_tensors_ignore, iter_memory_named,
+                                      memory_names,
                                       module_names_for_config, vllm_names)
 from torchforge.io import CheckpointError, save_sharded
 from torchforge.matching import is_fused_experts
@@ -146,7 +147,7 @@ def compressed_tensors_config(model: nn.Module) -> dict:
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None, "format": "pack-quantized"}},
-            "ignore": module_names_for_config(_skip_list(model), model), "kv_cache_scheme": None,
+            "ignore": compressed_tensors_ignore(_skip_list(model), model), "kv_cache_scheme": None,
             "global_compression_ratio": None}
 
 

@@ -67,6 +67,27 @@ def module_names_for_config(names, model) -> list[str]:
     return [to_checkpoint_name(n, mt) for n in names]
 
 
+def compressed_tensors_ignore(names, model) -> list[str]:
+    """compressed-tensors' `ignore` list for the unquantized modules `names` (in-memory naming). vLLM asks it about a
+    fused-MoE layer by its per-expert projections (`<layer>.0.gate_proj`, ...: compressed_tensors_moe.py) and matches
+    exact names or `re:` patterns only (compressed_tensors/utils.py, check_equal_or_regex_match), so unquantized
+    fused experts get one pattern per projection beside the module's own name (which transformers matches)."""
+    from torchforge.matching import is_fused_experts
+
+    mt = _model_type(model)
+    out = []
+    for name in names:
+        out.append(to_checkpoint_name(name, mt))
+        if is_fused_experts(model.get_submodule(name)):
+            # vLLM's names (gate_proj, up_proj, down_proj) and the checkpoint's (Mixtral: w1, w3, w2)
+            leaves = ["gate_proj", "up_proj", "down_proj"]
+            for proj in tuple(leaves):
+                prefix, _, leaf = to_checkpoint_name(f"{name}.0.{proj}.weight", mt).removesuffix(".weight").rpartition(".0.")
+                leaves += [leaf] if leaf not in leaves else []
+            out.append(f"re:^{re.escape(prefix)}\\.\\d+\\.({'|'.join(leaves)})$")
+    return out
+
+
 def from_checkpoint_name(name: str, model_type: str | None) -> str:
     """Inverse of `to_checkpoint_name`."""
     return _apply(_LOAD_RENAMES.get(model_type or "", ()), name)
