@@ -28,6 +28,7 @@ converts them at load, which rounds them again: quantize with ``scale_dtype=torc
 """
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 
@@ -46,6 +47,8 @@ from torchforge.nn.moe import ForgeMoE
 from torchforge.ops.awq import awq_pack, awq_unpack
 from torchforge.ops.gptq import gptq_pack, gptq_pack_zeros, gptq_unpack, gptq_unpack_zeros, trivial_g_idx
 
+log = logging.getLogger(__name__)
+
 __all__ = ["W4_FORMATS", "handles", "save_w4", "is_w4_config", "load_w4", "compressed_tensors_config",
            "vllm_gptq_config"]
 
@@ -56,6 +59,27 @@ _PROJ = ("gate_proj", "up_proj", "down_proj")
 
 def _w4_modules(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, _W4_MODULES)]
+
+
+# vLLM's Marlin kernels (marlin_utils.py MARLIN_SUPPORTED_GROUP_SIZES; gptq_marlin.py TYPE_MAP: symmetric only for
+# GPTQ) are what runs bf16 checkpoints; outside them vLLM falls back to its plain awq / gptq kernels, float16 only.
+MARLIN_GROUP_SIZES = (32, 64, 128)
+
+
+def check_vllm_kernels(mods, format: str) -> None:
+    """Refuses a W4A16 export that vLLM would load wrongly, warns where it would need `--dtype float16`."""
+    g = _group_size(mods)
+    sym = _symmetric(mods)
+    if format == "vllm-gptq" and not sym and any(isinstance(m, ForgeAWQExperts) for _, m in mods):
+        # gptq.py's GPTQConfig hands MoE layers to MoeWNA16 with sym hard-coded True: the qzeros are dropped and the
+        # experts decode as (q - 8) * s, silently wrong
+        raise ValueError("save_quantized: vLLM's GPTQ path for MoE experts assumes symmetric codes and drops zero "
+                         "points, so this asymmetric model would load wrongly; export it as 'compressed-tensors' or "
+                         "'vllm-awq', or quantize symmetrically")
+    if g not in MARLIN_GROUP_SIZES or (format == "vllm-gptq" and not sym):
+        why = f"group_size {g}" if g not in MARLIN_GROUP_SIZES else "asymmetric GPTQ"
+        log.warning("save_quantized: %s is outside vLLM's Marlin kernels (group sizes %s, symmetric GPTQ); vLLM "
+                    "runs this checkpoint only with --dtype float16", why, MARLIN_GROUP_SIZES)
 
 
 def handles(model: nn.Module, format: str) -> bool:
@@ -217,6 +241,7 @@ def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, sour
     mods = _w4_modules(model)
     if not mods:
         raise ValueError("save_quantized: the model has no torchforge W4A16 modules; call torchforge.quantize first")
+    check_vllm_kernels(mods, format)
     recipe = getattr(model, RECIPE_ATTR, None)
     if dtype is None:
         dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16

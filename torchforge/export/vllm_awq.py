@@ -125,7 +125,10 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     if dtype is None:
         dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16
     qcfg = vllm_awq_quantization_config(model)
+    from torchforge.export.gptq_export import _w4_modules, check_vllm_kernels
     from torchforge.prune.export import check_pruned_export, prune_for_save
+
+    check_vllm_kernels(_w4_modules(model), format)
 
     check_pruned_export(model)
     begin_folder(out_dir)  # no config.json until the new tensors are in
