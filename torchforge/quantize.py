@@ -6,6 +6,7 @@ import logging
 import torch
 from torch import nn
 
+from torchforge.hf_save_guard import refuse_hf_save
 from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
@@ -52,6 +53,7 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
 
         counts = quantize_nvfp4(model, recipe, calib_data)
         setattr(model, RECIPE_ATTR, recipe)
+        refuse_hf_save(model)
         log.info("quantize: %(linear)d NVFP4 linear layers and %(moe)d NVFP4 MoE blocks", counts)
         return model
     if recipe.scheme == "w4a16-gptq":  # GPTQ (issue 3): ForgeGPTQLinear / ForgeMoE swaps, see torchforge.gptq.calibrate
@@ -59,6 +61,7 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
 
         counts = quantize_gptq(model, recipe, calib_data, gptq)
         setattr(model, RECIPE_ATTR, recipe)
+        refuse_hf_save(model)
         log.info("quantize: GPTQ %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
         return model
     if recipe.scheme != "w4a16-rtn":
@@ -80,6 +83,7 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
             model.set_submodule(target, new)
             counts[kind] += 1
     setattr(model, RECIPE_ATTR, recipe)
+    refuse_hf_save(model)
     log.info("quantize: %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
     return model
 

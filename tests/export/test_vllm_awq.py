@@ -221,3 +221,28 @@ def test_a_resave_in_another_format_leaves_no_side_file_of_the_first(tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_save_pretrained_is_refused_and_generation_config_comes_back(tmp_path):
+    """transformers' save_pretrained wrote the packed tensors beside a config without quantization_config: the folder
+    reloaded with random weights in the quantized layers. And load_quantized dropped generation_config.json (EOS ids:
+    generate no longer stopped)."""
+    import copy
+    import io
+
+    model = _quantized("llama")
+    with pytest.raises(RuntimeError, match="use torchforge.save_quantized"):
+        model.save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(RuntimeError, match="use torchforge.save_quantized"):
+        model.push_to_hub("nowhere")
+    assert not (tmp_path / "hf").exists()
+    buf = io.BytesIO()
+    torch.save(model, buf)  # the guard pickles (a module-level function)
+    copy.deepcopy(model)
+    model.generation_config.eos_token_id = [5, 7]
+    model.generation_config.pad_token_id = 3
+    torchforge.save_quantized(model, str(tmp_path / "q"))
+    reloaded = torchforge.load_quantized(str(tmp_path / "q"))
+    assert reloaded.generation_config.eos_token_id == [5, 7] and reloaded.generation_config.pad_token_id == 3
+    with pytest.raises(RuntimeError, match="use torchforge.save_quantized"):
+        reloaded.save_pretrained(str(tmp_path / "hf"))

@@ -14,6 +14,7 @@ from torchforge.io import CheckpointError
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
+from torchforge.hf_save_guard import refuse_hf_save
 from torchforge.nn.moe import ForgeMoE
 
 
@@ -26,6 +27,10 @@ def _build_skeleton(path: str, dtype: torch.dtype):
         del config.quantization_config  # keep transformers' own quantizers out: torchforge owns these layers
     with torch.device("meta"):
         model = restore_fp32(AutoModelForCausalLM.from_config(config, dtype=dtype))
+    if os.path.isfile(os.path.join(path, "generation_config.json")):  # EOS ids, pad token, sampling defaults
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
     return model, qcfg if isinstance(qcfg, dict) else (qcfg.to_dict() if qcfg is not None else {})
 
 
@@ -147,4 +152,5 @@ def finish_load(model: nn.Module, state: dict, device, ignore_missing=None) -> n
                               f"unexpected {unexpected[:8]}")
     _rebuild_rotary(model, device)
     model.eval()
+    refuse_hf_save(model)  # a save_pretrained of it would reload with random weights
     return model
