@@ -246,3 +246,17 @@ def test_save_pretrained_is_refused_and_generation_config_comes_back(tmp_path):
     assert reloaded.generation_config.eos_token_id == [5, 7] and reloaded.generation_config.pad_token_id == 3
     with pytest.raises(RuntimeError, match="use torchforge.save_quantized"):
         reloaded.save_pretrained(str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("fmt", ["vllm-awq", "vllm-gptq"])
+def test_scales_are_written_fp16_after_a_bf16_cast(fmt, tmp_path):
+    """model.to(bf16) holds the scales in bf16 (the bf16 kernels read them so); the AWQ / GPTQ formats store fp16."""
+    model = _quantized("qwen3_moe", recipe={**RECIPE, "scheme": "w4a16-rtn"})
+    model.to(torch.bfloat16)
+    assert model.model.layers[0].self_attn.q_proj.scales.dtype == torch.bfloat16
+    torchforge.save_quantized(model, str(tmp_path), format=fmt)
+    scales = {k: v for k, v in iter_checkpoint(str(tmp_path)) if k.endswith(".scales")}
+    assert scales and {v.dtype for v in scales.values()} == {torch.float16}
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    a, b = reloaded.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.q_proj
+    assert torch.equal(a.dequantized_weight(), b.dequantized_weight())  # the same values, held in fp16 now

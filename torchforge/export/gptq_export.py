@@ -120,10 +120,10 @@ def _tensors(fmt: str, codes, scales, zeros, symmetric: bool) -> dict[str, torch
     """Checkpoint tensors (local names) of one matrix in ``fmt``."""
     ic, oc = codes.shape
     if fmt == "vllm-awq":
-        return {"qweight": awq_pack(codes), "qzeros": awq_pack(zeros), "scales": scales}
+        return {"qweight": awq_pack(codes), "qzeros": awq_pack(zeros), "scales": scales.to(torch.float16)}
     if fmt == "vllm-gptq":
         g = ic // scales.shape[0]
-        return {"qweight": gptq_pack(codes), "qzeros": gptq_pack_zeros(zeros), "scales": scales,
+        return {"qweight": gptq_pack(codes), "qzeros": gptq_pack_zeros(zeros), "scales": scales.to(torch.float16),
                 "g_idx": trivial_g_idx(ic, g, device=codes.device)}
     out = {"weight_packed": gptq_pack(codes).T.contiguous(), "weight_scale": scales.T.contiguous(),
            "weight_shape": torch.tensor([oc, ic], dtype=torch.int64)}
@@ -219,7 +219,8 @@ def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, t
             try:
                 if fmt == "vllm-gptq" and isinstance(mod, ForgeGPTQLinear):  # as stored, g_idx included
                     qweight, qzeros = mod.gptq_tensors()
-                    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": mod.scales, "g_idx": mod.g_idx}
+                    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": mod.scales.to(torch.float16),
+                               "g_idx": mod.g_idx}
                 else:
                     c, s, z = _unpacked_linear(mod)
                     tensors = _tensors(fmt, c, s, z, mod.symmetric)

@@ -56,7 +56,9 @@ def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
         if t.is_floating_point() and not key.endswith(".scales"):
             t = t.float() if any(k in key for k in fp32_keys) else t.to(dtype)
         out[key] = t
-    return {k: v.contiguous() for k, v in out.items()}
+    # AWQ's scales are fp16 whatever the model's dtype; after model.to(bf16) they are held in bf16 (for the bf16
+    # kernels), which converts back to fp16 exactly
+    return {k: (v.to(torch.float16) if k.endswith(".scales") else v).contiguous() for k, v in out.items()}
 
 
 def _unquantized_linear_prefixes(model: nn.Module) -> list[str]:
