@@ -139,4 +139,15 @@ def test_quantize_command_refuses_damaged_or_overlapping_folders(tmp_path, capsy
     data = (src / shard).read_bytes()
     (src / shard).write_bytes(data[: len(data) // 2])
     assert f"{shard}" in err(src, tmp_path / "out")
+    # a routed expert missing: transformers' own size-mismatch error, reported as an error (was a traceback)
+    src2 = tmp_path / "src2"
+    shutil.copytree(TINY_MOE_DIR, src2)
+    index = json.loads((src2 / "model.safetensors.index.json").read_text())
+    name, shard = next((n, f) for n, f in index["weight_map"].items() if ".experts.3.down_proj" in n)
+    state = load_file(src2 / shard)
+    save_file({k: v for k, v in state.items() if k != name}, src2 / shard, metadata={"format": "pt"})
+    del index["weight_map"][name]
+    (src2 / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = err(src2, tmp_path / "out")
+    assert "lacks 1 tensor(s)" in message or "transformers cannot load this checkpoint" in message
     assert not (tmp_path / "out").exists()

@@ -93,8 +93,13 @@ def _quantize(args) -> int:
     from torchforge.io import check_checkpoint_files
 
     check_checkpoint_files(args.src)  # a damaged shard named before transformers reads it (its errors name no file)
-    model, info = AutoModelForCausalLM.from_pretrained(args.src, dtype=getattr(torch, recipe.dtype),
-                                                       output_loading_info=True)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(args.src, dtype=getattr(torch, recipe.dtype),
+                                                           output_loading_info=True)
+    except RuntimeError as e:  # e.g. fused experts assembled from a shard set missing one expert: a size mismatch
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{args.src}: transformers cannot load this checkpoint ({first}); nothing was written "
+                         "(torchforge quantize --stream names a missing tensor)") from e
     missing = sorted(info.get("missing_keys") or ())
     if missing:  # transformers initialises them at random and goes on: an export of those would look complete
         raise ValueError(f"{args.src}: the checkpoint lacks {len(missing)} tensor(s) the model needs "
