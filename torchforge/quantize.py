@@ -52,16 +52,14 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
         from torchforge.quantize_nvfp4 import quantize_nvfp4
 
         counts = quantize_nvfp4(model, recipe, calib_data)
-        setattr(model, RECIPE_ATTR, recipe)
-        refuse_hf_save(model)
+        _mark_quantized(model, recipe)
         log.info("quantize: %(linear)d NVFP4 linear layers and %(moe)d NVFP4 MoE blocks", counts)
         return model
     if recipe.scheme == "w4a16-gptq":  # GPTQ (issue 3): ForgeGPTQLinear / ForgeMoE swaps, see torchforge.gptq.calibrate
         from torchforge.gptq.calibrate import quantize_gptq
 
         counts = quantize_gptq(model, recipe, calib_data, gptq)
-        setattr(model, RECIPE_ATTR, recipe)
-        refuse_hf_save(model)
+        _mark_quantized(model, recipe)
         log.info("quantize: GPTQ %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
         return model
     if recipe.scheme != "w4a16-rtn":
@@ -82,10 +80,15 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
             target, new, kind = r
             model.set_submodule(target, new)
             counts[kind] += 1
-    setattr(model, RECIPE_ATTR, recipe)
-    refuse_hf_save(model)
+    _mark_quantized(model, recipe)
     log.info("quantize: %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
     return model
+
+
+def _mark_quantized(model: nn.Module, recipe: Recipe) -> None:
+    """The recipe for the exporters; transformers' save_pretrained refused (see torchforge.hf_save_guard)."""
+    setattr(model, RECIPE_ATTR, recipe)
+    refuse_hf_save(model)
 
 
 def _select_and_check(model: nn.Module, recipe: Recipe) -> list:

@@ -67,24 +67,29 @@ def module_names_for_config(names, model) -> list[str]:
     return [to_checkpoint_name(n, mt) for n in names]
 
 
+def per_expert_ignore_pattern(name: str, model) -> str:
+    """A compressed-tensors `re:` entry for the per-expert projections of the fused experts module `name`: vLLM asks
+    about a fused-MoE layer by them (`<layer>.0.gate_proj`, ...: compressed_tensors_moe.py) and matches exact names
+    or `re:` patterns only (compressed_tensors/utils.py, check_equal_or_regex_match). Covers vLLM's names (gate_proj,
+    up_proj, down_proj) and the checkpoint's (Mixtral: w1, w3, w2)."""
+    mt = _model_type(model)
+    leaves = ["gate_proj", "up_proj", "down_proj"]
+    for proj in tuple(leaves):
+        prefix, _, leaf = to_checkpoint_name(f"{name}.0.{proj}.weight", mt).removesuffix(".weight").rpartition(".0.")
+        leaves += [leaf] if leaf not in leaves else []
+    return f"re:^{re.escape(prefix)}\\.\\d+\\.({'|'.join(leaves)})$"
+
+
 def compressed_tensors_ignore(names, model) -> list[str]:
-    """compressed-tensors' `ignore` list for the unquantized modules `names` (in-memory naming). vLLM asks it about a
-    fused-MoE layer by its per-expert projections (`<layer>.0.gate_proj`, ...: compressed_tensors_moe.py) and matches
-    exact names or `re:` patterns only (compressed_tensors/utils.py, check_equal_or_regex_match), so unquantized
-    fused experts get one pattern per projection beside the module's own name (which transformers matches)."""
+    """compressed-tensors' `ignore` list for the unquantized modules `names` (in-memory naming): their checkpoint
+    names (which transformers matches), and for fused experts also `per_expert_ignore_pattern` (which vLLM does)."""
     from torchforge.matching import is_fused_experts
 
-    mt = _model_type(model)
     out = []
     for name in names:
-        out.append(to_checkpoint_name(name, mt))
+        out.append(to_checkpoint_name(name, _model_type(model)))
         if is_fused_experts(model.get_submodule(name)):
-            # vLLM's names (gate_proj, up_proj, down_proj) and the checkpoint's (Mixtral: w1, w3, w2)
-            leaves = ["gate_proj", "up_proj", "down_proj"]
-            for proj in tuple(leaves):
-                prefix, _, leaf = to_checkpoint_name(f"{name}.0.{proj}.weight", mt).removesuffix(".weight").rpartition(".0.")
-                leaves += [leaf] if leaf not in leaves else []
-            out.append(f"re:^{re.escape(prefix)}\\.\\d+\\.({'|'.join(leaves)})$")
+            out.append(per_expert_ignore_pattern(name, model))
     return out
 
 

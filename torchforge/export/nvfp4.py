@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from torchforge.export.folder import hf_experts_tensors, keep_fp32
-from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, compressed_tensors_ignore, iter_memory_named,
+from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, iter_memory_named, per_expert_ignore_pattern,
                                       memory_names,
                                       module_names_for_config, vllm_names)
 from torchforge.io import CheckpointError, atomic_write_json, save_sharded
@@ -157,12 +157,6 @@ def exclude_modules(model: nn.Module) -> list[str]:
     return sorted(set(module_names_for_config(out, model)))
 
 
-def _expert_patterns(model: nn.Module) -> list[str]:
-    """compressed-tensors' `re:` patterns for unquantized fused experts (see naming.compressed_tensors_ignore)."""
-    fused = [n for n, m in model.named_modules() if is_fused_experts(m)]
-    return [p for p in compressed_tensors_ignore(fused, model) if p.startswith("re:")]
-
-
 def _weights_args() -> dict:
     return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
             "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
@@ -176,7 +170,8 @@ def compressed_tensors_config(model: nn.Module) -> dict:
         group["input_activations"] = {**_weights_args(), "dynamic": "local", "observer": "static_minmax"}
     return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
             "format": CT_FORMAT, "quantization_status": "compressed", "global_compression_ratio": None,
-            "ignore": sorted(set(exclude_modules(model)) | set(_expert_patterns(model)))}
+            "ignore": sorted(set(exclude_modules(model)) | {per_expert_ignore_pattern(n, model)
+                                                             for n, m in model.named_modules() if is_fused_experts(m)})}
 
 
 def modelopt_configs(model: nn.Module) -> tuple[dict, dict]:

@@ -341,11 +341,7 @@ def check_checkpoint_files(model_dir: str | os.PathLike) -> None:
     layout = _resolve(model_dir)
     if layout.kind != "safetensors":
         return
-    names_by_file = None
-    if layout.weight_map is not None:
-        names_by_file = {}
-        for name, fname in layout.weight_map.items():
-            names_by_file.setdefault(fname, []).append(name)
+    _, names_by_file = _files_to_read(layout, None)
     for fname in layout.files:
         infos, _ = read_safetensors_header(os.path.join(layout.root, fname))
         _check_index_names(layout, names_by_file, fname, infos, None)
