@@ -71,7 +71,10 @@ def mma_cuda_prefetch(blocks: int, sms: int, warps: int, item_chunks: int, split
       slices: within noise; 16.9 with one);
     - 6144x1536 (96 blocks): 3.6-3.7 against 4.0-4.4 at M = 1 and 8, 4.7-4.8 against 5.3-5.7 at M = 16.
     Where it lost: with more blocks than SMs (18432x7168 30.7 against 27.8 at M = 1; 7168x7168 at 32 rows 23.3
-    against 20.6), and within noise or up to 0.4 us slower with 4 K slices (1536x4096, 2048x7168)."""
+    against 20.6), and within noise or up to 0.4 us slower with 4 K slices (1536x4096, 2048x7168).
+    Also tried (nineteenth session) and dropped: each warp's words, scales and zeros through its own ring of 2-8
+    shared-memory stages filled by bulk copies. It was 0.5-5 us slower than this dispatch on every shape and M = 1-16
+    with the weights rotated out of L2 (7168x7168 at M = 1: 13.6 against 12.5 us)."""
     return item_chunks == 2 and warps == 8 and splits == 1 and blocks <= sms
 
 
