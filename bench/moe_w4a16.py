@@ -202,6 +202,10 @@ def main() -> int:
         torch.cuda.empty_cache()
     # The same experts on the mma layout (ForgeAWQExperts.use_mma_layout: the grouped tensor-core kernel of
     # csrc/awq_mma.cu), timed after the AWQ-layout rows in the same run.
+    # Where the rows per expert reach WGMMA_MOE_MIN_ROWS_PER_EXPERT the grouped wgmma kernel runs (csrc/awq_wgmma.cu);
+    # the last columns time the grouped mma.sync kernel there too (MOE_WGMMA = False), in the same run.
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+
     assert q.use_mma_layout()
     for row, M in zip(rows, map(int, args.m.split(","))):
         torch.manual_seed(M)
@@ -211,9 +215,16 @@ def main() -> int:
             deq_ref = hf_deq(x, ids, w)
             g_hf = bench_graph_ms(lambda: hf(x, ids, w))
             g_m = bench_graph_ms(lambda: q(x, ids, w))
+            wgmma = mma_cuda.wgmma_moe_ok(x, ids.numel(), E, q.gate_up_scales, q.gate_up_qzeros, q.group_size)
+            g_s = float("nan")
+            if wgmma:
+                mma_cuda.MOE_WGMMA = False
+                g_s = bench_graph_ms(lambda: q(x, ids, w))
+                mma_cuda.MOE_WGMMA = None
         rel = ((out.float() - deq_ref.float()).norm() / deq_ref.float().norm()).item()
         floor_ms = ids.unique().numel() * per_expert_int4 / bw / 1e6
-        row += [g_hf, g_m, g_hf / g_m, floor_ms / g_m, f"{rel:.1e}"]
+        row += [g_hf, g_m, g_hf / g_m, floor_ms / g_m, f"{rel:.1e}", "wgmma" if wgmma else "mma.sync", g_s,
+                g_hf / g_s]
         torch.cuda.empty_cache()
     if args.mma_block_rows or args.mma_warps or args.mma_splits:
         import torchforge.ops.awq_mma_cuda as mma_cuda
@@ -243,7 +254,7 @@ def main() -> int:
     print(markdown_table(["M tokens", "experts hit", "path", "HF bf16 ms", "W4A16 ms", "speedup", "HF bf16 graph ms",
                           "W4A16 graph ms", "graph speedup", "int4 floor ms", "% of floor", "rel err vs dequant",
                           "HF bf16 graph ms (2)", "mma layout graph ms", "mma speedup", "mma % of floor",
-                          "mma rel err"], rows))
+                          "mma rel err", "mma kernel", "mma.sync-only graph ms", "mma.sync-only speedup"], rows))
     return 0
 
 

@@ -41,6 +41,11 @@
 //   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
 // * K slices as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for every tile or
 //   only for those of a last, nearly empty round of blocks (dp_tiles, see launch), whose blocks come first in the grid.
+// * Grouped form for MoE prefill (GROUPED, op awq_wgmma_moe_cuda): the routed rows sorted by expert into blocks of BM
+//   (moe_align), the x image gathered from them, each tile on its block's expert's weights, fp32 sums scattered back to
+//   the routed rows. With many rows per expert this decodes each weight once per 64 rows instead of once per 8 or 16
+//   (awq_mma_moe.cu): one DeepSeek-V3 layer at 4096 tokens took 10.9 ms against 22.7 (bf16 grouped_mm: 16.4;
+//   BENCHMARKS.md, nineteenth session).
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
@@ -164,12 +169,30 @@ constexpr int kMinBlocks = 1;
 // on the same blocks; 0.199 against 0.236 ms at M = 256 on 18432x7168). With two consumer warpgroups the producer
 // is a warpgroup that drops to 24 registers (setmaxnreg) so that they get 240; with a producer warp, ptxas held
 // (64, 2) at 168 registers, with spills and serialized wgmmas, and (128, 2) could not have it at all.
-template <typename T, typename S, int BM, int TW, bool WS>
+// The grouped (MoE) form's extra arguments (GROUPED): routed rows sorted by expert into blocks of BM
+// (torchforge.ops.moe_align with block_m = BM): block b holds sorted rows b * BM .. b * BM + BM - 1, whose entries
+// sorted_rows[i] are routed rows (num_rows or more where padding), of expert block_expert[b]. The x image is gathered
+// from those rows (routed row r reads x[r / x_row_div]). Expert E is the shared one where shared_qw is set; other ids
+// out of [0, E) (moe_align's bucket for out-of-range ids) give NaN rows, as the grouped mma.sync kernel does. Each
+// tile writes its fp32 sums to partial[r, n] of its real rows: one K slice, the layout of awq_mma_moe_cuda's output.
+template <typename S>
+struct Grouped {
+  const int32_t* sorted_rows;
+  const int32_t* block_expert;
+  const uint4* shared_qw;
+  const S* shared_sc;
+  const uint32_t* shared_qz;
+  int num_rows;
+  int E;
+};
+
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false>
 __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                      float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                     int chunks_per_group, int splits, int group_m, int sliced_tiles, int whole_tiles) {
+                     int chunks_per_group, int splits, int group_m, int sliced_tiles, int whole_tiles,
+                     Grouped<S> gp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using St = Stage<BM>;
   constexpr int kStages = St::kStages;
@@ -213,6 +236,28 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   const int cbg = col / kSets, tq = col % kSets * kGroups<TW> + tid / 128;  // this warpgroup's tile set
   const int m0 = mb * BM;
   const int chunks = K / 64;
+  // This tile's expert (GROUPED): its weights, or the shared expert's
+  const uint4* qwb = qw;
+  const S* scb = sc;
+  const uint32_t* qzb = qz;
+  if constexpr (GROUPED) {
+    const int e = gp.block_expert[mb];
+    if (e == gp.E && gp.shared_qw != nullptr) {
+      qwb = gp.shared_qw, scb = gp.shared_sc, qzb = gp.shared_qz;
+    } else if (e < 0 || e >= gp.E) {  // out-of-range ids (moe_align's last bucket) or empty blocks past the end
+      const int n0 = kBlockCols * cbg;
+      for (int i = tid; i < BM * kBlockCols; i += blockDim.x) {
+        const int r = gp.sorted_rows[m0 + i / kBlockCols], n = n0 + i % kBlockCols;
+        if (r < gp.num_rows && n < N)
+          partial[static_cast<size_t>(r) * N + n] = __int_as_float(0x7fc00000);
+      }
+      return;
+    } else {
+      qwb = qw + static_cast<size_t>(e) * (N / 64) * (K / 64) * 128;
+      scb = sc + static_cast<size_t>(e) * (K / 64 / chunks_per_group) * N;
+      qzb = qz + static_cast<size_t>(e) * (K / 64 / chunks_per_group) * (N / 8);
+    }
+  }
   const int per_split = (chunks + slices - 1) / slices;
   const int c_begin = min(chunks, slice * per_split);
   const int c_end = min(chunks, c_begin + per_split);
@@ -239,10 +284,10 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     ptx::mbar_expect_tx(bar, stage_bytes);
     ptx::bulk_copy(base, x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
     for (int i = 0; i < valid_cbs; ++i)
-      ptx::bulk_copy(base + St::kX + i * 2048, qw + (static_cast<size_t>(4 * cbg + i) * chunks + c) * 128, 2048, bar);
+      ptx::bulk_copy(base + St::kX + i * 2048, qwb + (static_cast<size_t>(4 * cbg + i) * chunks + c) * 128, 2048, bar);
     const int group = group_of(c);
-    ptx::bulk_copy(base + St::kX + St::kW, sc + static_cast<size_t>(group) * N + n0, s_bytes, bar);
-    ptx::bulk_copy(base + St::kX + St::kW + St::kS, qz + static_cast<size_t>(group) * (N / 8) + n0 / 8, z_bytes, bar);
+    ptx::bulk_copy(base + St::kX + St::kW, scb + static_cast<size_t>(group) * N + n0, s_bytes, bar);
+    ptx::bulk_copy(base + St::kX + St::kW + St::kS, qzb + static_cast<size_t>(group) * (N / 8) + n0 / 8, z_bytes, bar);
   };
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
@@ -426,9 +471,16 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       }
     if (tid == 0) tickets[slot] = 0u;  // for the next call; every slice of this tile has taken its ticket
   }
-  for_each([&](float v, int m, int n) {
-    out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
-  });
+  if constexpr (GROUPED) {
+    for_each([&](float v, int m, int n) {
+      const int r = __ldg(gp.sorted_rows + m);
+      if (r < gp.num_rows) partial[static_cast<size_t>(r) * N + n] = v;
+    });
+  } else {
+    for_each([&](float v, int m, int n) {
+      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
+    });
+  }
 #else
   __trap();  // built without sm_90a (TORCHFORGE_CUDA_ARCH): fail loudly rather than return an unwritten output
 #endif
@@ -437,18 +489,26 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
 // x [M, K] -> x image: tiles of BM rows x one 64-k chunk, each contiguous (BM x 128 bytes, rows past M zero), tile
 // (row block mb, chunk c) at mb * (K / 64) + c. One thread per 16-byte piece j of a tile row, gathering the 4 pairs of
 // k it holds (positions 8 j' .. 8 j' + 7 with j' = j ^ (row % 8) = 2 s + e: k = 16 t + 4 s + 2 e + h, t < 4, h < 2).
+// Grouped (sorted_rows set): image row m is routed row sorted_rows[m], which reads x[sorted_rows[m] / x_row_div];
+// padding (num_rows or more) stays zero.
 template <typename T, int BM>
-__global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int M, int K) {
+__global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int M, int K,
+                               const int32_t* __restrict__ sorted_rows, int num_rows, int x_row_div) {
   const int64_t piece = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int chunks = K / 64;
   if (piece >= static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8) return;
   const int64_t tile = piece / (BM * 8);
   const int row = static_cast<int>(piece % (BM * 8)) / 8, j = static_cast<int>(piece % 8);
   const int m = static_cast<int>(tile / chunks) * BM + row, c = static_cast<int>(tile % chunks);
+  int src_row = m < M ? m : -1;
+  if (sorted_rows != nullptr && src_row >= 0) {
+    const int r = __ldg(sorted_rows + m);
+    src_row = r >= 0 && r < num_rows ? r / x_row_div : -1;
+  }
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
-  if (m < M) {
+  if (src_row >= 0) {
     const int jp = j ^ (row % 8);
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(x + static_cast<size_t>(m) * K + c * 64);
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(x + static_cast<size_t>(src_row) * K + c * 64);
     v.x = __ldg(src + jp);  // the pair of k at 16 t + 4 s + 2 e is word 8 t + 2 s + e = 8 t + j'
     v.y = __ldg(src + 8 + jp);
     v.z = __ldg(src + 16 + jp);
@@ -457,11 +517,11 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
   reinterpret_cast<uint4*>(img)[piece] = v;
 }
 
-template <typename T, typename S, int BM, int TW, bool WS>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
-                   int group_m, int dp_tiles, cudaStream_t stream) {
-  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS>;
+                   int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1) {
+  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED>;
   constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
   int dev = 0;
@@ -472,8 +532,8 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
     if (dev < 64) attr_set |= 1ull << dev;
   }
   const int64_t pieces = static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8;
-  x_image_kernel<T, BM><<<static_cast<unsigned>((pieces + 255) / 256), 256, 0, stream>>>(static_cast<const T*>(x),
-                                                                                    static_cast<T*>(x_image), M, K);
+  x_image_kernel<T, BM><<<static_cast<unsigned>((pieces + 255) / 256), 256, 0, stream>>>(
+      static_cast<const T*>(x), static_cast<T*>(x_image), M, K, gp.sorted_rows, gp.num_rows, x_row_div);
   const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<TW>));
   const int tiles = ncols * ((M + BM - 1) / BM);
   // With splits > 1, tiles [dp_tiles, tiles) run in `splits` K slices each and tiles [0, dp_tiles) whole, in one
@@ -487,7 +547,7 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   kernel<<<sliced * splits + whole, kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
       static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
       reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M,
-      N, K, group_size / 64, splits, group_m, sliced, whole);
+      N, K, group_size / 64, splits, group_m, sliced, whole, gp);
   return cudaGetLastError();
 }
 
@@ -553,6 +613,43 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
     if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});
     if (block_m == 64 && tile_set == 2) return run(integral_constant<int, 64>{}, integral_constant<int, 2>{});
     if (block_m == 256 && tile_set == 1) return run(integral_constant<int, 256>{}, integral_constant<int, 1>{});
+    if (block_m == 128 && tile_set == 2) return run(integral_constant<int, 128>{}, integral_constant<int, 2>{});
+    return cudaErrorInvalidValue;
+  });
+}
+
+// Grouped (MoE) form: x [X, K]; expert weights qweight [E, N / 64, K * 8], scales [E, K/G, N], qzeros [E, K/G, N/8];
+// sorted_rows [B * block_m] and block_expert [B] from moe_align with block_m (see Grouped); optional shared expert
+// (id E) tensors of one routed expert's shapes. Writes the fp32 sums of every real routed row to partial [num_rows, N]
+// (one K slice). x_image holds B * block_m * K elements. Whole tiles only (no K slices): the row blocks of many
+// experts fill the GPU. The caller (ops.cpp) has checked shapes, dtypes, alignment and the device.
+cudaError_t awq_wgmma_moe_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
+                                 const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
+                                 const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
+                                 const int32_t* block_expert, float* partial, int64_t num_rows, int64_t x_row_div,
+                                 int64_t blocks, int64_t N, int64_t K, int64_t E, int64_t group_size, int64_t block_m,
+                                 int64_t tile_set, bool producer_warp, cudaStream_t stream) {
+  using namespace awq_wgmma_detail;
+  const int m = static_cast<int>(blocks * block_m), n = static_cast<int>(N), k = static_cast<int>(K);
+  const int gs = static_cast<int>(group_size);
+  return awq_mma_detail::dispatch_dtypes(dtype, scale_dtype, [&](auto tv, auto sv) {
+    using T = decltype(tv);
+    using S = decltype(sv);
+    const Grouped<S> gp{sorted_rows, block_expert, reinterpret_cast<const uint4*>(shared_qweight),
+                        static_cast<const S*>(shared_scales), reinterpret_cast<const uint32_t*>(shared_qzeros),
+                        static_cast<int>(num_rows), static_cast<int>(E)};
+    auto run = [&](auto bm, auto tw) {
+      constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
+      // group_m 8: the row blocks of one expert, adjacent in the sort, run together on the same columns
+      if (producer_warp && producer_pool_ok<T, S, BM, TW>())
+        return launch<T, S, BM, TW, true, true>(x, x_image, qweight, scales, qzeros, nullptr, nullptr, partial,
+                                                nullptr, m, n, k, gs, 1, 8, 0, stream, gp,
+                                                static_cast<int>(x_row_div));
+      return launch<T, S, BM, TW, false, true>(x, x_image, qweight, scales, qzeros, nullptr, nullptr, partial, nullptr,
+                                               m, n, k, gs, 1, 8, 0, stream, gp, static_cast<int>(x_row_div));
+    };
+    using std::integral_constant;
+    if (block_m == 64 && tile_set == 2) return run(integral_constant<int, 64>{}, integral_constant<int, 2>{});
     if (block_m == 128 && tile_set == 2) return run(integral_constant<int, 128>{}, integral_constant<int, 2>{});
     return cudaErrorInvalidValue;
   });

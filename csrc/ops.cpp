@@ -55,6 +55,12 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
                              int64_t dp_tiles, cudaStream_t stream);
+cudaError_t awq_wgmma_moe_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
+                                 const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
+                                 const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
+                                 const int32_t* block_expert, float* partial, int64_t num_rows, int64_t x_row_div,
+                                 int64_t blocks, int64_t N, int64_t K, int64_t E, int64_t group_size, int64_t block_m,
+                                 int64_t tile_set, bool producer_warp, cudaStream_t stream);
 
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
@@ -444,6 +450,88 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
   return out;
 }
 
+// Grouped (MoE) form of awq_wgmma_cuda for prefill (many routed rows per expert): the tensors of awq_mma_moe_cuda,
+// with the rows sorted by moe_align into blocks of block_m (64 or 128, tile_set 2) instead of 8 or 16. Returns the
+// fp32 sums partial [1, num_rows, N] (one K slice: awq_mma_moe_cuda's output with splits = 1); rows of blocks whose
+// expert is out of range (moe_align's last bucket) come out NaN. Each weight is decoded once per block_m routed rows
+// (the mma.sync kernel: once per 8 or 16). sm_90 devices only.
+at::Tensor awq_wgmma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                              const at::Tensor& qzeros, const at::Tensor& sorted_rows, const at::Tensor& block_expert,
+                              int64_t num_rows, int64_t x_row_div, int64_t group_size, int64_t block_m,
+                              int64_t tile_set, const c10::optional<at::Tensor>& shared_qweight,
+                              const c10::optional<at::Tensor>& shared_scales,
+                              const c10::optional<at::Tensor>& shared_qzeros, bool producer_warp) {
+  const std::string op = "awq_wgmma_moe_cuda: ";
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda() && sorted_rows.is_cuda() &&
+                  block_expert.is_cuda(),
+              op + "all tensors must be CUDA tensors");
+  check_mma_dtypes(op, x, scales);
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt &&
+                  sorted_rows.scalar_type() == at::kInt && block_expert.scalar_type() == at::kInt,
+              op + "qweight, qzeros, sorted_rows and block_expert must be int32");
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3 && qzeros.dim() == 3 && sorted_rows.dim() == 1 &&
+                  block_expert.dim() == 1,
+              op + "expected x [X, K], qweight / scales / qzeros [E, ...], sorted_rows [B * block_m], block_expert [B]");
+  TORCH_CHECK((block_m == 64 || block_m == 128) && tile_set == 2,
+              op + "(block_m, tile_set) must be (64, 2) or (128, 2), got (" + i2s(block_m) + ", " + i2s(tile_set) + ")");
+  TORCH_CHECK(group_size > 0 && group_size % 64 == 0, op + "group_size must be a multiple of 64, got " + i2s(group_size));
+  const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64, B = block_expert.size(0);
+  TORCH_CHECK(K % group_size == 0 && qweight.size(2) == K * 8,
+              op + "qweight must be [E, N / 64, K * 8] with K = " + i2s(K) + " a multiple of group_size, got " +
+                  shape_str(qweight.sizes()));
+  TORCH_CHECK(scales.size(0) == E && scales.size(1) == K / group_size && scales.size(2) == N && qzeros.size(0) == E &&
+                  qzeros.size(1) == K / group_size && qzeros.size(2) == N / 8,
+              op + "scales must be [E, K/G, N] = [" + i2s(E) + ", " + i2s(K / group_size) + ", " + i2s(N) +
+                  "] and qzeros [E, K/G, N/8], got " + shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
+  TORCH_CHECK(sorted_rows.numel() == B * block_m,
+              op + "sorted_rows must hold B * block_m = " + i2s(B) + " * " + i2s(block_m) + " rows (moe_align with "
+                   "block_m), got " + i2s(sorted_rows.numel()));
+  TORCH_CHECK(x_row_div >= 1 && num_rows >= 0 && x.size(0) * x_row_div >= num_rows,
+              op + "x has " + i2s(x.size(0)) + " rows; routed rows r < " + i2s(num_rows) + " read x[r / " +
+                  i2s(x_row_div) + "]");
+  TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && num_rows < (int64_t{1} << 30) &&
+                  B * block_m < (int64_t{1} << 30) && E < (int64_t{1} << 20) && x.numel() < (int64_t{1} << 34) &&
+                  (K / 64) * (group_size / 64) < (int64_t{1} << 32),
+              op + "K, num_rows and the sorted rows must be < 2^30, N < 2^22, E < 2^20, x smaller than 2^34 elements "
+                   "and (K / 64) (group_size / 64) < 2^32");
+  for (const at::Tensor* t : {&x, &qweight, &scales, &qzeros, &sorted_rows, &block_expert})
+    TORCH_CHECK(t->device() == x.device() && t->is_contiguous(), op + "all tensors must be contiguous, on x's device");
+  TORCH_CHECK(aligned16(x) && aligned16(qweight) && aligned16(scales) && aligned16(qzeros),
+              op + "x, qweight, scales and qzeros must be 16-byte aligned");
+  const bool shared = shared_qweight.has_value();
+  TORCH_CHECK(shared == shared_scales.has_value() && shared == shared_qzeros.has_value(),
+              op + "pass all three of shared_qweight, shared_scales and shared_qzeros, or none");
+  if (shared) {
+    const at::Tensor &sq = *shared_qweight, &ss = *shared_scales, &sz = *shared_qzeros;
+    TORCH_CHECK(sq.sizes() == qweight.sizes().slice(1) && ss.sizes() == scales.sizes().slice(1) &&
+                    sz.sizes() == qzeros.sizes().slice(1) && sq.scalar_type() == at::kInt &&
+                    ss.scalar_type() == scales.scalar_type() && sz.scalar_type() == at::kInt,
+                op + "the shared expert's tensors must have one routed expert's shapes and dtypes");
+    for (const at::Tensor* t : {&sq, &ss, &sz})
+      TORCH_CHECK(t->device() == x.device() && t->is_contiguous() && aligned16(*t),
+                  op + "the shared expert's tensors must be contiguous, 16-byte aligned, on x's device");
+  }
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
+  TORCH_CHECK(major == 9 && minor == 0,
+              op + "needs an sm_90 (Hopper) GPU, got sm_" + i2s(major * 10 + minor) + ": use awq_mma_moe_cuda");
+  at::Tensor partial = at::empty({1, num_rows, N}, x.options().dtype(at::kFloat));
+  if (num_rows == 0 || N == 0 || B == 0) return partial;
+  TORCH_CHECK(awq_wgmma_tiles(B * block_m, N, block_m, tile_set) < (int64_t{1} << 31), op + "too many blocks");
+  at::Tensor x_image = at::empty({B * block_m, K}, x.options());
+  const cudaError_t err = awq_wgmma_moe_launch(
+      dtype_code(x), dtype_code(scales), x.data_ptr(), x_image.data_ptr(), qweight.data_ptr<int32_t>(),
+      scales.data_ptr(), qzeros.data_ptr<int32_t>(), shared ? shared_qweight->data_ptr<int32_t>() : nullptr,
+      shared ? shared_scales->data_ptr() : nullptr, shared ? shared_qzeros->data_ptr<int32_t>() : nullptr,
+      sorted_rows.data_ptr<int32_t>(), block_expert.data_ptr<int32_t>(), partial.data_ptr<float>(), num_rows,
+      x_row_div, B, N, K, E, group_size, block_m, tile_set, producer_warp, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return partial;
+}
+
 }  // namespace torchforge
 
 TORCH_LIBRARY_FRAGMENT(torchforge, m) {
@@ -464,6 +552,11 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int dp_tiles=0, "
       "Tensor? tickets=None) -> Tensor");
+  m.def(
+      "awq_wgmma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
+      "Tensor block_expert, int num_rows, int x_row_div, int group_size, int block_m, int tile_set, "
+      "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, "
+      "bool producer_warp=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {
@@ -472,6 +565,7 @@ TORCH_LIBRARY_IMPL(torchforge, CUDA, m) {
   m.impl("awq_mma_cuda", &torchforge::awq_mma_cuda);
   m.impl("awq_mma_moe_cuda", &torchforge::awq_mma_moe_cuda);
   m.impl("awq_wgmma_cuda", &torchforge::awq_wgmma_cuda);
+  m.impl("awq_wgmma_moe_cuda", &torchforge::awq_wgmma_moe_cuda);
 }
 
 // An empty Python module, so that `import torchforge._C` loads the shared library (and with it

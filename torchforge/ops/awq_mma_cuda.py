@@ -19,7 +19,8 @@ __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_pref
            "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
            "mma_moe_cuda_ok", "mma_moe_sorts", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M",
            "wgmma_cuda_config", "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake",
-           "moe_sorted_block_rows", "MOE_SORTED_BLOCK_ROWS", "MOE_WARPS"]
+           "moe_sorted_block_rows", "MOE_SORTED_BLOCK_ROWS", "MOE_WARPS", "WGMMA_MOE_MIN_ROWS_PER_EXPERT",
+           "WGMMA_MOE_BLOCK_M", "MOE_WGMMA", "wgmma_moe_ok", "moe_align_block_rows"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
 # rows, because on the DeepSeek-V3 shapes (BENCHMARKS.md, sixth session) the kernel beat the AWQ layout's Triton
@@ -285,6 +286,42 @@ def moe_sorted_block_rows(rows: int, num_experts: int) -> int:
     return 8 if rows <= 8 * num_experts else 16
 
 
+# Prefill with many routed rows per expert: the grouped wgmma kernel (csrc/awq_wgmma.cu, GROUPED), which decodes each
+# weight once per WGMMA_MOE_BLOCK_M sorted rows instead of once per 8 or 16. The grouped mma.sync kernel fell behind
+# HF's bf16 grouped_mm from about 64 routed rows per expert (BENCHMARKS.md, nineteenth session: 0.92x at 64, 0.72x at
+# 128 with 256 experts); the wgmma kernel ran 1.5-1.8x faster than it at 64-512 rows per expert (1.50-1.71x bf16).
+# WGMMA_MOE_MIN_ROWS_PER_EXPERT: the average routed rows per expert from which it runs (sm_90 only). 32 lies between
+# the measured points (16 rows: mma.sync 2.4x bf16; 64: wgmma 1.65x against mma.sync's 0.93x); not swept between.
+# MOE_WGMMA, when set, forces it on (True) or off (False) wherever it can run (benchmarks, tests).
+WGMMA_MOE_MIN_ROWS_PER_EXPERT = 32
+WGMMA_MOE_BLOCK_M = 64
+MOE_WGMMA: Optional[bool] = None
+
+
+def wgmma_moe_ok(x: Tensor, rows: int, num_experts: int, scales: Tensor, qzeros: Tensor, group_size: int,
+                 shared: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> bool:
+    """Whether the grouped wgmma kernel takes a sorted grouped call of `rows` routed rows over `num_experts` experts
+    (the shared one included), on top of mma_moe_cuda_ok's conditions."""
+    from torchforge.ops._ext import has_cuda_ext
+
+    if MOE_WGMMA is False or not (x.is_cuda and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_wgmma_moe_cuda")):
+        return False
+    rows, num_experts, k = int(rows), int(num_experts), int(x.shape[-1])  # the rule needs plain ints (SymInts specialize)
+    busy = MOE_WGMMA is True or rows >= WGMMA_MOE_MIN_ROWS_PER_EXPERT * num_experts
+    return (busy and mma_moe_sorts(rows, num_experts) and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and (k // 64) * (group_size // 64) < 2 ** 32 and _aligned16(scales, qzeros)
+            and (shared is None or _aligned16(*shared)))
+
+
+def moe_align_block_rows(x: Tensor, rows: int, num_experts: int, scales: Tensor, qzeros: Tensor, group_size: int,
+                         shared: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> int:
+    """Rows per moe_align block of a sorted grouped call: WGMMA_MOE_BLOCK_M where the wgmma kernel takes it, else
+    moe_sorted_block_rows."""
+    if wgmma_moe_ok(x, rows, num_experts, scales, qzeros, group_size, shared):
+        return WGMMA_MOE_BLOCK_M
+    return moe_sorted_block_rows(rows, num_experts)
+
+
 def mma_moe_sorts(rows: int, num_experts: int) -> bool:
     """Whether the grouped kernel sorts `rows` routed rows over `num_experts` experts (the shared one included) into
     blocks of moe_sorted_block_rows (moe_align); at most one row per expert (decode), each row is a block."""
@@ -296,11 +333,12 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
                             alignment: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
     """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
     `[E, N / 64, K * 8]`. While there are no more routed rows than experts (decode) each row is a block of its own;
-    beyond, rows are sorted by expert on the device into blocks of moe_sorted_block_rows (moe_align). No host sync
-    either way.
+    beyond, rows are sorted by expert on the device into blocks of moe_align_block_rows (moe_align): 8 or 16 for the
+    grouped mma.sync kernel, or WGMMA_MOE_BLOCK_M where the grouped wgmma kernel takes the call (many rows per expert,
+    sm_90; its result has one K slice). No host sync either way.
     `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones.
     `alignment`: moe_align's (sorted_rows, block_expert) for these ids, `num_experts` (the shared one included) and
-    moe_sorted_block_rows, computed once by the caller for both of a layer's grouped calls (awq_mma_moe_experts).
+    moe_align_block_rows, computed once by the caller for both of a layer's grouped calls (awq_mma_moe_experts).
     Used only where the rows are sorted. Not checked here: an alignment of other ids reads wrong rows."""
     from torchforge.ops.moe_align import moe_align
 
@@ -313,14 +351,19 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     elif alignment is not None:
         sorted_rows, block_expert = alignment
     else:
-        sorted_rows, block_expert = moe_align(expert_ids, num_experts, moe_sorted_block_rows(rows, num_experts))
+        sorted_rows, block_expert = moe_align(
+            expert_ids, num_experts, moe_align_block_rows(x, rows, num_experts, scales, qzeros, group_size, shared))
+    x2 = x.contiguous() if not _aligned16(x) or not x.is_contiguous() else x
+    if sorted_rows.numel() and sorted_rows.numel() == block_expert.numel() * WGMMA_MOE_BLOCK_M:  # blocks of 64: wgmma
+        return torch.ops.torchforge.awq_wgmma_moe_cuda(
+            x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(), sorted_rows, block_expert, rows,
+            x_row_div, group_size, WGMMA_MOE_BLOCK_M, 2, *(shared or (None, None, None)), True)
     # K slices by the dense kernel's rule, on the (upper bound of the) number of row blocks
     item_chunks = 2 if group_size % 128 == 0 else 1
     tiles = block_expert.numel() * (n // 64)
     splits = 1 if tiles >= 96 else max(1, min(4, k // (64 * item_chunks)))
     if MOE_SPLITS is not None:
         splits = max(1, min(MOE_SPLITS, k // (64 * item_chunks)))
-    x2 = x.contiguous() if not _aligned16(x) or not x.is_contiguous() else x
     warps = MOE_WARPS or 4
     return torch.ops.torchforge.awq_mma_moe_cuda(x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(),
                                                  sorted_rows, block_expert, rows, x_row_div, group_size, splits,
@@ -361,6 +404,21 @@ def register_fake() -> None:
                   lambda: f"awq_wgmma_cuda: (block_m, tile_set) must be one of {_WGMMA_SHAPES}, got "
                           f"({block_m}, {tile_set})")
             return x.new_empty((x.shape[0], qweight.shape[0] * 64))
+
+    if hasattr(torch.ops.torchforge, "awq_wgmma_moe_cuda"):
+        @torch.library.register_fake("torchforge::awq_wgmma_moe_cuda")
+        def _(x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, block_m,
+              tile_set, shared_qweight=None, shared_scales=None, shared_qzeros=None, producer_warp=True):
+            check((block_m, tile_set) in ((64, 2), (128, 2)),
+                  lambda: f"awq_wgmma_moe_cuda: (block_m, tile_set) must be (64, 2) or (128, 2), got "
+                          f"({block_m}, {tile_set})")
+            check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
+                  lambda: f"awq_wgmma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "
+                          f"{tuple(qweight.shape)}")
+            check(sorted_rows.numel() == block_expert.numel() * block_m,
+                  lambda: f"awq_wgmma_moe_cuda: sorted_rows must hold B * block_m = {block_expert.numel()} * "
+                          f"{block_m} rows, got {sorted_rows.numel()}")
+            return x.new_empty((1, num_rows, qweight.shape[1] * 64), dtype=torch.float32)
 
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
         @torch.library.register_fake("torchforge::awq_mma_moe_cuda")

@@ -18,7 +18,7 @@ from torch import Tensor
 from torchforge.ops._check import check_value
 from torchforge.ops.awq_mma import (_awq_view, _check_shared, _define_kernel_op, _down_combine, _gate_up_silu,
                                     _moe_args)
-from torchforge.ops.awq_mma_cuda import mma_moe_cuda_ok, mma_moe_sorts, moe_sorted_block_rows
+from torchforge.ops.awq_mma_cuda import moe_align_block_rows, mma_moe_cuda_ok, mma_moe_sorts, moe_sorted_block_rows
 
 __all__ = ["awq_mma_moe_experts"]
 
@@ -70,7 +70,12 @@ def _awq_mma_moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     if mma_moe_sorts(rows, num_experts) and mma_moe_cuda_ok(x, gate_up_qweight, gate_up_scales, group_size, shared_gu):
         from torchforge.ops.moe_align import moe_align
 
-        alignment = moe_align(expert_ids, num_experts, moe_sorted_block_rows(rows, num_experts))
+        # one sort for both halves; blocks of WGMMA_MOE_BLOCK_M where the down projection's wgmma kernel takes them
+        # too (its scales' alignment decides; the gate_up call then runs it as well)
+        block = moe_align_block_rows(x, rows, num_experts, gate_up_scales, gate_up_qzeros, group_size, shared_gu)
+        if block != moe_align_block_rows(x, rows, num_experts, down_scales, down_qzeros, group_size, shared_dn):
+            block = moe_sorted_block_rows(rows, num_experts)
+        alignment = moe_align(expert_ids, num_experts, block)
     h = _gate_up_silu(x, expert_ids, gate_up_qweight, gate_up_scales, gate_up_qzeros, group_size, top_k, shared_gu,
                       alignment)
     return _down_combine(h, expert_ids, weights, down_qweight, down_scales, down_qzeros, group_size, shared_dn,

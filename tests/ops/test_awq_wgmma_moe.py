@@ -1,0 +1,117 @@
+"""The grouped wgmma kernel for MoE prefill (csrc/awq_wgmma.cu, GROUPED; op awq_wgmma_moe_cuda): routed rows sorted
+into blocks of 64 against the fp64 oracle and the grouped mma.sync kernel, out-of-range ids, the shared expert, bf16
+scales, opcheck, torch.compile and CUDA graphs. Hopper only."""
+import pytest
+import torch
+
+from tests.ops.test_awq_mma_moe import H, I, _experts, _oracle, _run
+from torchforge.ops._ext import has_cuda_ext
+from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+
+hopper = pytest.mark.skipif(not (has_cuda_ext() and torch.cuda.get_device_capability() == (9, 0)),
+                            reason="needs the compiled extension and an sm_90 GPU")
+pytestmark = [pytest.mark.cuda, hopper]
+
+
+def _ids(T, k, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    # uneven load: expert 0 takes about a third of the rows, so some experts fill several blocks of 64 and some few
+    ids = torch.where(torch.rand(T * k, generator=g) < 0.3, 0, torch.randint(0, E, (T * k,), generator=g))
+    return ids.cuda(), torch.rand(T, k, generator=g).cuda()
+
+
+@pytest.mark.parametrize("T,k,E,G", [(200, 2, 4, 128), (96, 8, 16, 64), (33, 4, 3, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_matches_oracle_and_the_mma_kernel(T, k, E, G, dtype, monkeypatch):
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+
+    gu, down = _experts(E, G, "cuda", seed=T + k)
+    ids, w = _ids(T, k, E, seed=T)
+    x = torch.randn(T, H, device="cuda").to(dtype)
+    mgu = awq_to_mma_layout(gu[0])
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
+    assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], G) == 64
+    part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, mgu, gu[1], gu[2], G, k)
+    assert part.shape == (1, T * k, 2 * I) and part.dtype == torch.float32
+    assert torch.isfinite(part).all()  # every routed row written once
+    h, out = _run(x, ids, w, gu, down, G, k)
+    h_ref, out_ref = _oracle(x, ids, w, gu, down, k, G)
+    assert ((h.double() - h_ref).norm() / h_ref.norm()) < 1e-2
+    assert ((out.double() - out_ref).norm() / out_ref.norm()) < 1e-2
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", False)
+    ref = mma_cuda.launch_awq_mma_moe_cuda(x, ids, mgu, gu[1], gu[2], G, k).sum(0)
+    # the wgmma kernel rounds each dequantized weight to x's dtype, the mma.sync one folds the scales in fp32
+    assert ((part[0] - ref).norm() / ref.norm()) < 4e-3
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_out_of_range_ids_give_nan_rows_and_the_shared_expert(shared, monkeypatch):
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
+    gu, _ = _experts(5, 128, "cuda")
+    mma = awq_to_mma_layout(gu[0])
+    rows = 300
+    ids = torch.arange(rows, device="cuda") % 4
+    bad = [1, 3, 150]
+    ids[bad] = torch.tensor([5 if shared else 7, -1, 9], device="cuda")
+    extra = None
+    if shared:
+        ids[0] = ids[2] = ids[299] = 4
+        extra = (mma[4].contiguous(), gu[1][4].contiguous(), gu[2][4].contiguous())
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    args = (mma[:4].contiguous(), gu[1][:4].contiguous(), gu[2][:4].contiguous(), 128, 1, extra)
+    part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, *args)
+    assert part.isnan().all(-1)[0].tolist() == [r in bad for r in range(rows)]
+    good = [r for r in range(rows) if r not in bad]
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", False)
+    ref = mma_cuda.launch_awq_mma_moe_cuda(x, ids, *args).sum(0)
+    assert ((part[0, good] - ref[good]).norm() / ref[good].norm()) < 4e-3
+
+
+def test_bf16_scales_and_opcheck(monkeypatch):
+    from tests.ops.awq_oracle import dequant_independent
+    from torchforge.ops.moe_align import moe_align
+
+    E, k, G, T = 4, 4, 128, 80
+    gu, _ = _experts(E, G, "cuda", seed=5)
+    s16 = gu[1].to(torch.bfloat16)
+    ids, _ = _ids(T, k, E, seed=5)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    mma = awq_to_mma_layout(gu[0])
+    sorted_rows, block_expert = moe_align(ids, E, 64)
+    op = torch.ops.torchforge.awq_wgmma_moe_cuda
+    part = op(x, mma, s16, gu[2], sorted_rows, block_expert, T * k, k, G, 64, 2)[0].double()
+    wq = [dequant_independent(gu[0][e], s16[e], gu[2][e], G).double() for e in range(E)]
+    ref = torch.stack([x[r // k].double() @ wq[e].T for r, e in enumerate(ids.tolist())])
+    assert ((part - ref).norm() / ref.norm()) < 4e-3
+    torch.library.opcheck(op, (x, mma, gu[1], gu[2], sorted_rows, block_expert, T * k, k, G, 64, 2))
+    with pytest.raises(RuntimeError, match="sorted_rows must hold B \\* block_m"):
+        op(x, mma, gu[1], gu[2], sorted_rows[:-8], block_expert, T * k, k, G, 64, 2)
+    with pytest.raises(RuntimeError, match="\\(block_m, tile_set\\) must be \\(64, 2\\) or \\(128, 2\\)"):
+        op(x, mma, gu[1], gu[2], sorted_rows, block_expert, T * k, k, G, 64, 4)
+
+
+def test_experts_op_compiles_and_graphs(monkeypatch):
+    """awq_mma_moe_experts (one sort for both halves) on blocks of 64, under torch.compile(fullgraph=True) and CUDA-graph
+    replay, equal to eager."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+    from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
+
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
+    E, k, G, T = 8, 4, 128, 160
+    gu, down = _experts(E, G, "cuda", seed=2)
+    ids, w = _ids(T, k, E, seed=2)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    mgu, mdn = (awq_to_mma_layout(gu[0]), gu[1], gu[2]), (awq_to_mma_layout(down[0]), down[1], down[2])
+    f = lambda x, ids, w: awq_mma_moe_experts(x, ids, w, mgu, mdn, G, k)  # noqa: E731
+    eager = f(x, ids, w)
+    _, out_ref = _oracle(x, ids, w, gu, down, k, G)
+    assert ((eager.double() - out_ref).norm() / out_ref.norm()) < 1e-2
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x, ids, w), eager, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = f(x, ids, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(captured, f(x, ids, w), rtol=0, atol=0)
