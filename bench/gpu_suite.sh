@@ -85,5 +85,9 @@ case " $SUITE " in *" sanitize "*)
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_wgmma_cuda.py -m "not slow" \
       -k "${SANITIZE_WGMMA_K:-bit_exact and (dtype0 or dtype2) or 1024-320 or independent or opcheck or producer_warp}"
+    # its grouped form (MoE prefill): an uneven load, and out-of-range ids with the shared expert
+    [[ $sets == *" wgmma "* ]] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_wgmma_moe_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/ops/test_awq_wgmma_moe.py -m "not slow" -k "${SANITIZE_WGMMA_MOE_K:-dtype1-33-4-3-128 or shared_expert and True}"
   done ;;
 esac
