@@ -68,6 +68,18 @@ def qwen3(**kw):
     return Qwen3ForCausalLM(cfg)
 
 
+def phimoe(**kw):
+    """A MoE whose block names its router `router` (an nn.Linear subclass): ForgeMoE cannot wrap it, so it is not in
+    ALL_BUILDERS; the tests check that quantize refuses its experts up front and never quantizes the router."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    cfg = PhimoeConfig(**{**COMMON, **dict(
+        intermediate_size=32, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=1, head_dim=32, initializer_range=0.05), **kw})
+    torch.manual_seed(0)
+    return PhimoeForCausalLM(cfg).eval()
+
+
 MOE_BUILDERS = {"deepseek_v3": deepseek_v3, "deepseek_v2": deepseek_v2, "qwen3_moe": qwen3_moe, "mixtral": mixtral}
 DENSE_BUILDERS = {"llama": llama, "qwen3": qwen3}
 ALL_BUILDERS = {**MOE_BUILDERS, **DENSE_BUILDERS}

@@ -96,9 +96,45 @@ def test_failed_quantize_leaves_the_model_unchanged(scheme):
     model = models.build("qwen3_moe")
     with torch.no_grad():
         model.model.layers[1].mlp.experts.down_proj[1, 2, 3] = float("nan")
-    with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.1\.mlp\.experts: .*NaN.*unchanged"):
+    op = "awq_quantize" if scheme == "w4a16-rtn" else "nvfp4_quantize"  # the scheme's quantizer, not always AWQ's
+    with pytest.raises(ValueError, match=rf"cannot quantize model\.layers\.1\.mlp\.experts: {op}: .*NaN.*unchanged"):
         torchforge.quantize(model, {"scheme": scheme, "group_size": 32} if scheme == "w4a16-rtn" else "nvfp4")
     assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-rtn", "nvfp4", "w4a16-gptq"])
+def test_moe_block_with_a_router_not_named_gate_is_refused_before_any_swap(scheme):
+    # PhiMoE (like GraniteMoE, Jamba, Llama4) names its router `router`: ForgeMoE cannot wrap the block. Found at the
+    # swap, the attention layers before it were already quantized.
+    model = models.phimoe()
+    before = {n: type(m) for n, m in model.named_modules()}
+    recipe = {"scheme": scheme, "group_size": 16, **({"export_format": "modelopt-nvfp4"} if scheme == "nvfp4" else {})}
+    calib = torch.randint(0, 96, (2, 8)) if scheme == "w4a16-gptq" else None
+    with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\.mlp\.experts: PhimoeSparseMoeBlock .*"
+                                         r"`router`.*'re:\.\*mlp\\\\\.experts\$'.*quantize_experts=False.*unchanged"):
+        torchforge.quantize(model, recipe, calib_data=calib)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-rtn", "nvfp4", "w4a16-gptq"])
+def test_a_router_named_router_is_never_quantized(scheme):
+    # PhiMoE's `mlp.router` is an nn.Linear subclass: "Linear" targets it; the default ignores keep it (a quantized
+    # router returns a tensor where the block unpacks (logits, weights, ids)).
+    model = models.phimoe()
+    ids = torch.randint(0, 96, (1, 8))
+    recipe = {"scheme": scheme, "group_size": 16, "quantize_experts": False,
+              **({"export_format": "modelopt-nvfp4"} if scheme == "nvfp4" else {})}
+    torchforge.quantize(model, recipe, calib_data=ids if scheme == "w4a16-gptq" else None)
+    assert type(model.model.layers[0].mlp.router).__name__ == "PhimoeTopKRouter"
+    assert type(model.model.layers[0].self_attn.q_proj).__module__.startswith("torchforge")
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_from_hf_refuses_a_block_without_gate_with_a_value_error():
+    block = models.phimoe().model.layers[0].mlp
+    with pytest.raises(ValueError, match=r"PhimoeSparseMoeBlock .* no `gate` router module \(its router is `router`\)"):
+        ForgeMoE.from_hf(block)
 
 
 class _PerExpertMLP(torch.nn.Module):

@@ -235,6 +235,7 @@ class TestPinnedPreset(expecttest.TestCase):
   "lm_head",
   "re:.*embed_tokens$",
   "re:.*mlp\\\\.gate$",
+  "re:.*\\\\.router$",
   "re:.*shared_expert_gate$",
   "re:.*self_attn\\\\.kv_b_proj$"
  ],
@@ -293,6 +294,22 @@ def test_patterns_that_match_nothing_are_reported(caplog):
     assert "targets ['linear'] select no module of MixtralForCausalLM" in msgs[1]
 
 
+def test_targets_that_select_only_non_linear_modules_are_reported(caplog):
+    # ["MixtralDecoderLayer"] selects the layers themselves, not the Linear layers inside them: nothing is quantized
+    import logging
+
+    from tests import models
+
+    model = models.build("mixtral")
+    with caplog.at_level(logging.WARNING, logger="torchforge.recipe"):
+        Recipe.from_dict({"scheme": "w4a16-rtn", "targets": ["MixtralDecoderLayer"]}).select(model)
+        Recipe.from_dict({"scheme": "w4a16-rtn", "targets": ["MixtralDecoderLayer", "Linear"]}).select(model)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1, msgs
+    assert ("targets ['MixtralDecoderLayer'] select 2 module(s) of MixtralForCausalLM (e.g. 'model.layers.0') but no "
+            "Linear layer or fused experts, so nothing is quantized") in msgs[0]
+
+
 @pytest.mark.parametrize("suffix, text", [
     (".yaml", "scheme: w4a16-rtn\ngroup_size: 64\ngroup_size: 32\n"),
     (".json", '{"scheme": "w4a16-rtn", "group_size": 64, "group_size": 32}'),
@@ -304,3 +321,16 @@ def test_a_key_given_twice_in_a_file_is_an_error(tmp_path, suffix, text):
     key = "keep_k" if "keep_k" in text else "group_size"
     with pytest.raises(RecipeError, match=f"the key '{key}' is given twice"):
         Recipe.from_file(path)
+
+
+def test_nvfp4_dict_gets_the_scheme_defaults(tmp_path):
+    # {"scheme": "nvfp4"} was refused with AWQ's dataclass defaults (group_size 128, export_format vllm-awq)
+    r = Recipe.from_dict({"scheme": "nvfp4"})
+    assert (r.group_size, r.export_format) == (16, "modelopt-nvfp4") and r == Recipe.from_preset("nvfp4")
+    assert Recipe.coerce({"scheme": "nvfp4", "export_format": "compressed-tensors"}) == Recipe.from_preset("nvfp4-ct")
+    path = tmp_path / "r.yaml"
+    path.write_text("scheme: nvfp4\n")
+    assert Recipe.from_file(path) == Recipe.from_preset("nvfp4")
+    assert Recipe.from_dict({"scheme": "w4a16-rtn"}).group_size == 128  # other schemes keep the dataclass defaults
+    with pytest.raises(RecipeError, match="group_size: invalid value 32 .*16 for scheme 'nvfp4'"):
+        Recipe.from_dict({"scheme": "nvfp4", "group_size": 32})

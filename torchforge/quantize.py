@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from torchforge.hf_save_guard import refuse_hf_save
 from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
-from torchforge.nn.moe import ForgeMoE
+from torchforge.nn.moe import ForgeMoE, unsupported_block_error
 from torchforge.ops.awq_reference import check_finite_weight
 from torchforge.recipe import Recipe
 
@@ -105,18 +106,38 @@ def _select_and_check(model: nn.Module, recipe: Recipe) -> list:
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)
+    check_moe_blocks(model, selected, recipe.quantize_experts)
     check_quantizable(selected, lambda m: ForgeAWQLinear(m.in_features, m.out_features, bias=m.bias is not None,
                                                           group_size=recipe.group_size, symmetric=recipe.symmetric,
                                                           device="meta"),
                       lambda m: ForgeAWQExperts.empty_for(m, recipe.group_size, recipe.symmetric, device="meta"),
-                      recipe.quantize_experts)
+                      recipe.quantize_experts, op="awq_quantize")
     return selected
 
 
-def check_quantizable(selected, linear_shell, experts_shell, quantize_experts: bool) -> None:
+def check_moe_blocks(model: nn.Module, selected, quantize_experts: bool) -> None:
+    """Raises, naming the module, when a selected fused-experts module sits in a MoE block that ForgeMoE cannot wrap
+    (a router not named `gate`: GraniteMoE, PhiMoE, Jamba, Llama4): found at the swap, the model would be left half
+    quantized."""
+    if not quantize_experts:
+        return
+    for name, module in selected:
+        if not is_fused_experts(module):
+            continue
+        block_name = _parent_name(name)
+        err = unsupported_block_error(model.get_submodule(block_name), module)
+        if err:
+            pattern = "re:.*" + re.escape(".".join(name.split(".")[-2:])) + "$"  # e.g. re:.*mlp\.experts$
+            raise ValueError(f"quantize: cannot quantize {name}: {err}; keep these experts unquantized (add "
+                             f"{pattern!r} to the recipe's ignore list, or set quantize_experts=False); "
+                             "the model is unchanged")
+
+
+def check_quantizable(selected, linear_shell, experts_shell, quantize_experts: bool,
+                      op: str = "awq_quantize") -> None:
     """Raises, naming the module, what quantizing `selected` would raise before anything is swapped: each module's
     empty replacement built on the meta device (`linear_shell(linear)`, `experts_shell(fused experts)`: shapes,
-    group size) and its weights' finiteness (not for meta weights)."""
+    group size) and its weights' finiteness (not for meta weights; `op`, the scheme's quantizer, names it)."""
     for name, module in selected:
         try:
             if is_fused_experts(module):
@@ -131,7 +152,7 @@ def check_quantizable(selected, linear_shell, experts_shell, quantize_experts: b
                 continue
             for w in weights:
                 if w.device.type != "meta":
-                    check_finite_weight(w.detach())
+                    check_finite_weight(w.detach(), op)
         except ValueError as e:
             raise ValueError(f"quantize: cannot quantize {name}: {e}; the model is unchanged") from e
 

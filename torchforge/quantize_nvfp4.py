@@ -115,15 +115,17 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
 
 def select_and_check_nvfp4(model: nn.Module, recipe: Recipe) -> list:
     """The recipe's modules, each checked (shapes, finite weights) before any is replaced."""
-    from torchforge.quantize import check_quantizable
+    from torchforge.quantize import check_moe_blocks, check_quantizable
 
     selected = recipe.select(model, check_fused=False)
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)
+    check_moe_blocks(model, selected, recipe.quantize_experts)
     check_quantizable(selected, lambda m: NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None,
                                                        device="meta"),
-                      lambda m: NVFP4Experts.empty_for(m, device="meta"), recipe.quantize_experts)
+                      lambda m: NVFP4Experts.empty_for(m, device="meta"), recipe.quantize_experts,
+                      op="nvfp4_quantize")
     return selected
 
 

@@ -96,6 +96,9 @@ DEFAULT_IGNORE: tuple[str, ...] = (
     # transformers 5 they are *TopkRouter modules (not nn.Linear, so "Linear" skips them
     # anyway), but older and remote-code models use a plain nn.Linear named mlp.gate.
     r"re:.*mlp\.gate$",
+    # ... and PhiMoE / Llama4 / Jamba / GraniteMoE name theirs `router`, some an nn.Linear subclass ("Linear"
+    # would select it, and their forward unpacks the router's outputs, so a quantized one breaks it).
+    r"re:.*\.router$",
     # Qwen2-MoE's shared_expert_gate is a 1-row sigmoid gate (hidden -> 1): nothing to gain.
     r"re:.*shared_expert_gate$",
     # MLA's kv_b_proj: vLLM dequantizes it at load (it is split into W_UK / W_UV and
@@ -121,11 +124,16 @@ PRESETS["nvfp4"] = {"scheme": "nvfp4", "bits": 4, "group_size": 16, "symmetric":
                     "export_format": "modelopt-nvfp4"}
 PRESETS["nvfp4-ct"] = {**PRESETS["nvfp4"], "export_format": "compressed-tensors"}
 
+# Field defaults that depend on the scheme, filled in by Recipe.from_dict (dicts, recipe files) where the key is not
+# given: the dataclass defaults are AWQ's (group 128, vllm-awq), which {"scheme": "nvfp4"} alone would fail on.
+SCHEME_DEFAULTS: dict[str, dict[str, Any]] = {"nvfp4": {"group_size": 16, "export_format": "modelopt-nvfp4"}}
+
 
 def _check_nvfp4(recipe: "Recipe") -> None:
     nvfp4 = recipe.scheme == "nvfp4"
     if nvfp4 and recipe.group_size != 16:
-        raise _fail("group_size", recipe.group_size, "16 for scheme 'nvfp4' (NVFP4's block size)")
+        raise _fail("group_size", recipe.group_size, "16 for scheme 'nvfp4' (NVFP4's block size; Recipe.from_dict "
+                    "and recipe files default to it, the 'nvfp4' preset sets it)")
     if nvfp4 and not recipe.symmetric:
         raise _fail("symmetric", recipe.symmetric, "True for scheme 'nvfp4' (no zero points)")
     if nvfp4 and recipe.export_format not in NVFP4_EXPORT_FORMATS:
@@ -357,7 +365,8 @@ class Recipe:
             )
         if "scheme" not in d:
             raise RecipeError(f"recipe is missing the required key 'scheme' (one of {', '.join(SCHEMES)})")
-        return cls(**d)
+        scheme = d["scheme"]
+        return cls(**{**(SCHEME_DEFAULTS.get(scheme, {}) if isinstance(scheme, str) else {}), **d})
 
     # ---------------------------------------------------------------- presets
 
@@ -515,10 +524,18 @@ class Recipe:
         """A target list that selects nothing, or an ignore pattern of the user's (the defaults are written for every
         architecture) that matches no module, is most likely a typo or a name from another vocabulary: say so."""
         names = [(n, m) for n, m in model.named_modules() if n]
-        if not selected and not any(type(m).__module__.startswith("torchforge.") for _, m in names):
+        quantized = any(type(m).__module__.startswith("torchforge.") for _, m in names)
+        if not selected and not quantized:
             log.warning("recipe: targets %s select no module of %s (patterns match module names such as %r, or "
                         "class names such as 'Linear')", list(self.targets), type(model).__name__,
                         names[-1][0] if names else "")
+        elif selected and not quantized and not any(matching.match_class(m, "Linear") or matching.is_fused_experts(m)
+                                                    for _, m in selected):
+            # e.g. targets ["LlamaDecoderLayer"]: a pattern selects the module itself, not the layers inside it
+            log.warning("recipe: targets %s select %d module(s) of %s (e.g. %r) but no Linear layer or fused experts, "
+                        "so nothing is quantized; a pattern does not reach into a module's children: target "
+                        "'Linear' (with ignore) or the layers' own names", list(self.targets), len(selected),
+                        type(model).__name__, selected[0][0])
         for p in self.ignore:
             if p not in DEFAULT_IGNORE and not any(matching.match_pattern(n, m, p) for n, m in names):
                 log.warning("recipe: ignore pattern %r matches no module of %s; patterns match the in-memory module "

@@ -142,6 +142,23 @@ def test_bad_inputs():
         torchforge.quantize(model, RECIPE, calib_data=_ids())
 
 
+@pytest.mark.parametrize("where", ["linear", "experts"])
+def test_a_nan_weight_is_refused_before_any_swap(where):
+    # NaN compares False, so the scale-range check let it through: the layers before it were GPTQ-swapped and the
+    # solver's error named no module
+    model = models.build("qwen3_moe")
+    with torch.no_grad():
+        if where == "linear":
+            model.model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
+        else:
+            model.model.layers[1].mlp.experts.down_proj[1, 2, 3] = float("nan")
+    before = {n: type(m) for n, m in model.named_modules()}
+    name = "self_attn\\.o_proj" if where == "linear" else "mlp\\.experts"
+    with pytest.raises(ValueError, match=rf"cannot quantize model\.layers\.1\.{name}: gptq: weight contains 1 NaN"):
+        torchforge.quantize(model, RECIPE, calib_data=_ids())
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
 def test_cuda_calibration_runs_the_fast_solver(arch):

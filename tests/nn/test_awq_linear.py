@@ -122,6 +122,25 @@ def test_mma_layout_runs_the_same_and_exports_awq():
     assert meta.mma_tickets.device.type == "cpu" and int(meta.mma_tickets.count_nonzero()) == 0
 
 
+def test_mma_module_switched_on_meta_then_loaded_with_assign_computes_correctly():
+    # load_state_dict(assign=True) moves no buffer: the tickets stayed on meta and sent the op to its fake, which
+    # returned uninitialised memory
+    torch.manual_seed(0)
+    ref = ForgeAWQLinear.from_linear(torch.nn.Linear(128, 128).bfloat16(), group_size=64)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    m = ForgeAWQLinear(128, 128, bias=True, group_size=64, device="meta")
+    assert m.use_mma_layout()
+    m.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()}, assign=True)
+    assert m.mma_tickets.device.type == "cpu" and int(m.mma_tickets.count_nonzero()) == 0
+    torch.testing.assert_close(m(x), ref(x), rtol=0, atol=0)
+    # and the op itself never takes tickets from another device than x
+    from torchforge.ops.awq_mma import awq_mma_linear
+
+    meta_tickets = torch.zeros(16, dtype=torch.int32, device="meta")
+    out = awq_mma_linear(x, m.qweight, m.scales, m.qzeros, 64, m.bias, meta_tickets)
+    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not ops._ext.has_cuda_ext(), reason="needs the compiled extension (csrc/) and a GPU")
 def test_mma_module_cast_to_bf16_stays_on_the_cuda_kernel(monkeypatch):

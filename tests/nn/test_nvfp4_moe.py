@@ -232,3 +232,20 @@ def test_w4a4_without_calibration_is_an_error_not_zeros():
     with pytest.raises(ValueError, match="nvfp4_linear: input_scale must be positive and finite"):
         torchforge.ops.nvfp4_linear(torch.randn(2, 64), m.weight, m.weight_scale, m.weight_scale_2,
                                     torch.zeros(()), None)
+
+
+@torch.no_grad()
+def test_packing_a_meta_built_module_leaves_no_buffer_on_meta():
+    # the two-phase build (construct on meta, then pack): input_scale stayed on meta unless an amax was given, so
+    # `.calibrated` raised and the state dict could not be loaded into a real module
+    lin = nn.Linear(64, 32, bias=True)
+    m = NVFP4Linear(64, 32, bias=True, device="meta", dtype=torch.float32).pack_weight(lin.weight, lin.bias)
+    assert {n: b.device.type for n, b in m.named_buffers()} == dict.fromkeys(m.state_dict(), "cpu")
+    assert not m.calibrated
+    real = NVFP4Linear(64, 32, bias=True, dtype=torch.float32)
+    real.load_state_dict(m.state_dict())
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(real(x), NVFP4Linear.from_linear(lin)(x), rtol=0, atol=0)
+    experts = models.moe_blocks(models.build("qwen3_moe"))[0][1].experts
+    e = NVFP4Experts.empty_for(experts, device="meta").pack_weights(experts.gate_up_proj, experts.down_proj)
+    assert {b.device.type for b in e.buffers()} == {"cpu"} and not e.calibrated

@@ -49,6 +49,7 @@ from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.gptq_linear import ForgeGPTQLinear
 from torchforge.nn.moe import ForgeMoE
 from torchforge.ops.awq import awq_pack
+from torchforge.ops.awq_reference import check_finite_weight
 
 __all__ = ["GPTQConfig", "quantize_gptq"]
 
@@ -275,6 +276,7 @@ def _check_module(name: str, mod: nn.Module, recipe) -> None:
         weights = (mod.gate_up_proj, mod.down_proj) if is_fused_experts(mod) else (mod.weight,)
         for w in weights:
             if w.device.type != "meta":
+                check_finite_weight(w.detach(), "gptq")  # NaN compares False: the range check below lets it pass
                 check_scale_range("quantize", w.detach(), recipe.bits, g, recipe.symmetric)
     except ValueError as err:
         raise ValueError(f"quantize: cannot quantize {name}: {err}") from err
@@ -348,6 +350,9 @@ def select_and_check_gptq(model: nn.Module, recipe) -> list:
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)
+    from torchforge.quantize import check_moe_blocks
+
+    check_moe_blocks(model, selected, recipe.quantize_experts)
     for name, mod in selected:
         _check_module(name, mod, recipe)
     return selected

@@ -16,6 +16,22 @@ from torchforge.nn.moe_fused_decode import (
 _SHARED_NAMES = ("shared_experts", "shared_expert")
 
 
+def unsupported_block_error(block: nn.Module, hf_experts: nn.Module | None = None) -> str | None:
+    """Why ForgeMoE.from_hf cannot wrap `block` (whose fused experts module is `hf_experts`, when given), or None.
+    ForgeMoE calls the block's `gate` as HF transformers 5's routers ((logits, weights, ids)); blocks that name their
+    router otherwise (GraniteMoE, PhiMoE, Jamba, Llama4: `router`) route their own way and are not wrapped."""
+    if isinstance(block, ForgeMoE):
+        return None
+    what = f"{type(block).__name__} is not an HF transformers 5 sparse-MoE block that ForgeMoE can wrap"
+    if not isinstance(getattr(block, "gate", None), nn.Module):
+        other = next((a for a in ("router", "gating") if isinstance(getattr(block, a, None), nn.Module)), None)
+        return f"{what}: it has no `gate` router module" + (f" (its router is `{other}`)" if other else "")
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module) or (hf_experts is not None and experts is not hf_experts):
+        return f"{what}: its fused experts are not its `experts` module"
+    return None
+
+
 class ForgeMoE(nn.Module):
     """Replaces an HF sparse-MoE block, keeping its router module exactly as HF wrote it.
 
@@ -45,9 +61,9 @@ class ForgeMoE(nn.Module):
             if experts is not None:
                 block.experts = experts
             return block
-        for attr in ("gate", "experts"):
-            if not hasattr(block, attr):
-                raise TypeError(f"{type(block).__name__} has no `{attr}`: not an HF transformers 5 sparse-MoE block")
+        err = unsupported_block_error(block)
+        if err:
+            raise ValueError(err)
         shared_name = next((n for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
         return cls(block.gate, experts if experts is not None else block.experts,
                    getattr(block, shared_name) if shared_name else None, shared_name=shared_name or "shared_experts",

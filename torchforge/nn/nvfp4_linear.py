@@ -50,9 +50,9 @@ class NVFP4Linear(FixedDtypeBuffers):
             raise ValueError(f"NVFP4Linear.pack_weight: weight has shape {tuple(weight.shape)}, expected "
                              f"[out_features, in_features] = [{self.out_features}, {self.in_features}]")
         self.weight, self.weight_scale, self.weight_scale_2 = ops.nvfp4_quantize(weight, weight_scale_2)
-        if input_amax is not None:
-            self.input_scale = torch.tensor(float(input_amax) / E2M1_E4M3_MAX, dtype=torch.float32,
-                                            device=self.weight.device)
+        # without an amax: not calibrated (0), on the weight's device (a module built on meta kept a meta scale)
+        scale = float(input_amax) / E2M1_E4M3_MAX if input_amax is not None else 0.0
+        self.input_scale = torch.tensor(scale, dtype=torch.float32, device=self.weight.device)
         if bias is not None:
             if self.bias is None:
                 raise ValueError("NVFP4Linear.pack_weight: got a bias but the module was built with bias=False")

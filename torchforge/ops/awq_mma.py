@@ -78,7 +78,10 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
 
     `tickets` (optional, `torchforge.ops.awq_mma_cuda.mma_tickets(OC)`): a zeroed int32 buffer the K slices of the
     decode kernel and of the Hopper kernel meet on. The kernels leave it zero, so the op does not count as mutating
-    it; a module keeps one to save a memset kernel per call."""
+    it; a module keeps one to save a memset kernel per call. Tickets on another device than `x` are not passed: on
+    the meta device they would send the whole call to the op's fake (uninitialised memory)."""
+    if tickets is not None and tickets.device != x.device:
+        tickets = None
     return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias, tickets)
 
 

@@ -73,11 +73,12 @@ def awq_unpack_ref(qweight: Tensor) -> Tensor:
     return codes.reshape(*lead, ic, ocp * 8).to(torch.uint8)
 
 
-def check_finite_weight(weight: Tensor) -> None:
+def check_finite_weight(weight: Tensor, op: str = "awq_quantize") -> None:
+    """`op` names the quantizer in the error (torchforge.quantize checks every scheme's weights with this)."""
     bad = int((~torch.isfinite(weight)).sum()) if weight.numel() else 0
     if bad:
         raise ValueError(
-            f"awq_quantize: weight contains {bad} NaN/Inf values (of {weight.numel()}); "
+            f"{op}: weight contains {bad} NaN/Inf values (of {weight.numel()}); "
             "fix the checkpoint or the layer producing them before quantizing"
         )
 
