@@ -59,6 +59,56 @@ def test_batches_must_be_input_ids_and_no_full_logits_are_built():
     model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
     collect_router_stats(model, [torch.randint(0, 96, (2, 8))])
     assert shapes == [(2, 1, 96)]  # logits of one position, not [2, 8, vocab]
-    for bad in (torch.randint(0, 96, (8,)), torch.rand(2, 8), {"input_ids": torch.zeros(1, 4, dtype=torch.long)}):
+    for bad in (torch.randint(0, 96, (8,)), torch.rand(2, 8), {"input_ids": torch.rand(1, 4)}):
         with pytest.raises(TypeError, match="batches must yield integer input_ids tensors \\[B, S\\]"):
             collect_router_stats(model, [bad])
+    with pytest.raises(TypeError, match="a batch mapping needs 'input_ids'"):
+        collect_router_stats(model, [{"attention_mask": torch.ones(1, 4, dtype=torch.long)}])
+    with pytest.raises(ValueError, match="attention_mask has shape \\(1, 3\\), input_ids \\(1, 4\\)"):
+        collect_router_stats(model, [{"input_ids": torch.zeros(1, 4, dtype=torch.long),
+                                      "attention_mask": torch.ones(1, 3, dtype=torch.long)}])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_is_not_counted(side):
+    """Padding was counted (tokens, picks, mass: a right-padded batch changed the expert ranking) and a tokenizer's
+    batch with an attention_mask was refused: masked positions are now left out of every statistic."""
+    from transformers import BatchEncoding
+
+    model = models.build("deepseek_v3").eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(1, 96, (1, 12), generator=g), torch.randint(1, 96, (1, 4), generator=g)
+    ref = collect_router_stats(model, [a, b])  # the 16 real tokens, unpadded
+    pad = torch.zeros(1, 8, dtype=torch.long)
+    row, mask = (torch.cat([b, pad], 1), torch.cat([torch.ones_like(b), pad], 1)) if side == "right" else \
+        (torch.cat([pad, b], 1), torch.cat([pad, torch.ones_like(b)], 1))
+    batch = BatchEncoding({"input_ids": torch.cat([a, row]), "attention_mask": torch.cat([torch.ones_like(a), mask])})
+    got = collect_router_stats(model, [batch])
+    assert got.tokens == ref.tokens == 16
+    assert torch.equal(got.topk_counts, ref.topk_counts)
+    torch.testing.assert_close(got.hit_map, ref.hit_map, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.routed_weight, ref.routed_weight, rtol=1e-5, atol=1e-5)
+    assert collect_router_stats(model, [batch], max_tokens=16).tokens == 16
+
+
+def test_a_mask_without_padding_changes_nothing():
+    model = models.build("deepseek_v3").eval()
+    ids = torch.randint(0, 96, (2, 8))
+    bare = collect_router_stats(model, [ids])
+    masked = collect_router_stats(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    assert masked.tokens == bare.tokens == 16
+    for name in ("hit_map", "topk_counts", "routed_weight"):
+        assert torch.equal(getattr(masked, name), getattr(bare, name))
+
+
+@pytest.mark.parametrize("mode", ["reroute", "drop"])
+def test_a_pruned_model_is_refused(mode):
+    """PrunedMoE calls HF's full router only for its hooks: its picks include experts the block no longer has
+    (reroute) or gives weight 0 (drop), so statistics of them were not the model's routing."""
+    from torchforge.prune import build_expert_map
+
+    model = models.build("deepseek_v3")
+    torchforge.prune_experts(model, build_expert_map(torch.rand(1, 8), keep_k=4, n_group=2), mode=mode)
+    with pytest.raises(ValueError, match=f"model.layers.1.mlp is a PrunedMoE \\({mode}, 4/8 experts kept\\).*"
+                                         "unpruned model"):
+        collect_router_stats(model, [torch.randint(0, 96, (1, 4))])

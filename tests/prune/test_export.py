@@ -159,3 +159,38 @@ def test_deepseek_v3_reroute_keeping_one_expert_is_refused(tmp_path):
     with pytest.raises(ValueError, match="scores a group by its top-2 experts"):
         save_pruned(model, str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode, instead", [("reroute", "use torchforge.prune.save_pruned"),
+                                           ("drop", "quantize it .*and use torchforge.save_quantized")])
+def test_save_pretrained_of_a_pruned_model_is_refused(mode, instead, tmp_path):
+    """save_pretrained wrote config.json with the original n_routed_experts beside fewer experts per layer:
+    from_pretrained failed, or loaded random experts with ignore_mismatched_sizes."""
+    import copy
+    import io
+
+    model = torchforge.prune_experts(models.build("deepseek_v3"), _map([[6, 1, 3, 4]]), mode=mode)
+    for save in (model.save_pretrained, model.push_to_hub):
+        with pytest.raises(RuntimeError, match=f"original routed-expert count.*{instead}"):
+            save(str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+    torch.save(model, io.BytesIO())  # the guard pickles
+    copy.deepcopy(model)
+    if mode == "reroute":  # the savers named do not go through the refused method
+        save_pruned(model, str(tmp_path / "pruned"))
+        assert json.load(open(tmp_path / "pruned" / "config.json"))["n_routed_experts"] == 4
+    torchforge.quantize(model, RECIPE)
+    with pytest.raises(RuntimeError, match="use torchforge.save_quantized"):
+        model.save_pretrained(str(tmp_path / "hf"))
+    torchforge.save_quantized(model, str(tmp_path / "q"))
+    reloaded = torchforge.load_quantized(str(tmp_path / "q"))
+    with pytest.raises(RuntimeError, match="use torchforge.save_quantized"):
+        reloaded.save_pretrained(str(tmp_path / "hf"))
+
+
+def test_a_quantized_model_keeps_its_refusal_when_pruned(tmp_path):
+    model = torchforge.quantize(models.build("deepseek_v3"), RECIPE)
+    torchforge.prune_experts(model, _map([[6, 1, 3, 4]]), mode="reroute")
+    with pytest.raises(RuntimeError, match="reloads with random weights in place of the quantized layers: use "
+                                           "torchforge.save_quantized"):
+        model.save_pretrained(str(tmp_path / "hf"))

@@ -204,9 +204,10 @@ class PrunedMoE(ForgeMoE):
         if self.mode == "drop":
             return super().route(x)  # HF's router over all original experts
         if router_is_hooked(self.gate):
-            # route_kept reads the router's weights without calling it: call it for its hooks (router statistics,
+            # route_kept reads the router's weights without calling it: call it for its hooks (a user's hook,
             # transformers' router-logit capture for output_router_logits), which see HF's router over all original
-            # experts; the routing itself runs over the kept ones below
+            # experts; the routing itself runs over the kept ones below (so torchforge's router statistics refuse
+            # PrunedMoE blocks: these picks are not the block's)
             self.gate(x)
         weights, ids = route_kept(self.gate, x, self.kept)
         return ids, weights

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchforge.hf_save_guard import hf_save_refused, refuse_hf_save
 from torchforge.nn.moe import ForgeMoE
 from torchforge.nn.pruned_moe import MODES, PrunedMoE, num_experts_of
 from torchforge.prune.expert_map import validate_expert_map
@@ -91,4 +92,23 @@ def prune_experts(model: nn.Module, expert_map, mode: str = "reroute", renormali
         if name == "":
             return pruned  # the model is itself one MoE block
         model.set_submodule(name, pruned)
+    _refuse_hf_save(model, mode)
     return model
+
+
+_SAVE_INSTEAD = {
+    "reroute": "use torchforge.prune.save_pruned(model, out_dir) (a standard smaller HF checkpoint), or "
+               "torchforge.save_quantized(model, out_dir) after torchforge.quantize",
+    "drop": "a drop model needs expert_map.pt at run time: quantize it (torchforge.quantize) and use "
+            "torchforge.save_quantized(model, out_dir), or prune with mode='reroute' and use "
+            "torchforge.prune.save_pruned",
+}
+
+
+def _refuse_hf_save(model: nn.Module, mode: str) -> None:
+    """transformers' save_pretrained would write the original routed-expert count beside fewer experts per layer:
+    refused like a quantized model's (a quantized model keeps its own message: save_quantized handles both)."""
+    if hasattr(model, "save_pretrained") and not hf_save_refused(model):
+        refuse_hf_save(model, "save_pretrained / push_to_hub would write config.json with the original routed-expert "
+                              "count beside the pruned experts (from_pretrained fails, or loads random experts): "
+                              + _SAVE_INSTEAD[mode])

@@ -22,7 +22,9 @@ def _colors(v: torch.Tensor) -> torch.Tensor:
 
 def hitmap_image(hit_map: torch.Tensor, expert_map: torch.Tensor | None = None, cell: int = 8) -> torch.Tensor:
     """uint8 [L * cell, E * cell, 3]: each layer's row scaled to its own max (hit mass differs by layer);
-    kept experts (expert_map >= 0) get a white centre mark."""
+    kept experts (expert_map >= 0) get a white centre mark (the whole cell when `cell` < 3)."""
+    if isinstance(cell, bool) or not isinstance(cell, int) or cell < 1:
+        raise ValueError(f"plot-hitmap: cell must be an integer >= 1 (pixels per layer and expert), got {cell!r}")
     hit = torch.as_tensor(hit_map, dtype=torch.float32)
     if hit.dim() != 2:
         raise ValueError(f"plot-hitmap: hit_map must be [layers, experts], got shape {tuple(hit.shape)}")
@@ -35,11 +37,20 @@ def hitmap_image(hit_map: torch.Tensor, expert_map: torch.Tensor | None = None, 
         em = torch.as_tensor(expert_map)
         if tuple(em.shape) != (L, E):
             raise ValueError(f"plot-hitmap: expert_map has shape {tuple(em.shape)}, hit_map {(L, E)}")
-        lo, hi = cell // 2 - max(1, cell // 6), cell // 2 + max(1, cell // 6)
+        lo, hi = _mark_span(cell)
         for l_idx, e_idx in (em >= 0).nonzero().tolist():
             img[l_idx * cell + lo:l_idx * cell + hi, e_idx * cell + lo:e_idx * cell + hi] = torch.tensor(MARK,
                                                                                                      dtype=torch.uint8)
     return img
+
+
+def _mark_span(cell: int) -> tuple[int, int]:
+    """[lo, hi) pixels of a cell's centre mark, inside the cell: a negative lo would wrap the slice into the
+    previous cell (or leave it empty), so cells under 3 pixels are marked whole."""
+    if cell < 3:
+        return 0, cell
+    half = max(1, cell // 6)
+    return max(0, cell // 2 - half), min(cell, cell // 2 + half)
 
 
 def png_bytes(img: torch.Tensor) -> bytes:
