@@ -151,3 +151,78 @@ def test_quantize_command_refuses_damaged_or_overlapping_folders(tmp_path, capsy
     message = err(src2, tmp_path / "out")
     assert "lacks 1 tensor(s)" in message or "transformers cannot load this checkpoint" in message
     assert not (tmp_path / "out").exists()
+
+
+def _no_loading(monkeypatch):
+    """from_pretrained that fails the test: the checks below must come before the model is loaded."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_quantize_command_checks_format_against_the_recipe_before_loading(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "src"
+    models.build("llama", dtype=torch.bfloat16).save_pretrained(src)
+    _no_loading(monkeypatch)
+
+    def err(*argv):
+        assert main(["quantize", str(src), str(tmp_path / "out"), "--device", "cpu", *argv]) == 2
+        return capsys.readouterr().err
+
+    # the recipe's own message, before any loading (was "format ... cannot hold it" after quantizing the model)
+    assert "Recipe.export_format: invalid value 'vllm-awq'" in err("--recipe", "nvfp4", "--format", "vllm-awq")
+    assert "Recipe.export_format: invalid value 'modelopt-nvfp4'" in err("--format", "modelopt-nvfp4")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_input_errors_are_named_not_tracebacks(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "src"
+    models.build("llama", dtype=torch.bfloat16).save_pretrained(src)  # vocab_size 96
+    _no_loading(monkeypatch)
+
+    def err(*argv):
+        assert main(list(argv)) == 2
+        return capsys.readouterr().err
+
+    q = ["quantize", str(src), str(tmp_path / "out")]
+    assert "--device gpu is not a torch device" in err(*q, "--device", "gpu")  # was a RuntimeError traceback
+    if not torch.cuda.is_available():  # demo: was an AssertionError traceback
+        assert "--device cuda: this machine has no CUDA device" in err("demo", "--device", "cuda")
+    torch.save(torch.tensor([[1, 2, 96]]), tmp_path / "ids.pt")  # id 96 >= vocab_size: was an IndexError after loading
+    assert "token ids span [1, 96], outside the model's vocabulary [0, 96)" in err(
+        *q, "--calib-ids", str(tmp_path / "ids.pt"), "--recipe", "w4a16-gptq", "--device", "cpu")
+    (tmp_path / "afile").write_text("x")  # OUT under a file: was a NotADirectoryError after quantizing
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in err(
+        "quantize", str(src), str(tmp_path / "afile" / "out"), "--device", "cpu")
+    # plot-hitmap: a corrupt file, a dict without 'hit_map', --keep-k 0 (marked nothing), --cell 0 (invalid PNG)
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file" * 8)
+    assert "junk.pt cannot be read by torch.load" in err("plot-hitmap", str(tmp_path / "junk.pt"))
+    torch.save({"x": torch.ones(2, 4)}, tmp_path / "d.pt")
+    assert "a dict without a 'hit_map' tensor (keys: x)" in err("plot-hitmap", str(tmp_path / "d.pt"))
+    torch.save(torch.ones(2, 4), tmp_path / "hit.pt")
+    png = str(tmp_path / "h.png")
+    assert "keep_k=0 (layer 0) is below 1" in err("plot-hitmap", str(tmp_path / "hit.pt"), "--keep-k", "0",
+                                                  "--out", png)
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["plot-hitmap", str(tmp_path / "hit.pt"), "--cell", "0", "--out", png])
+    assert "0 is not positive" in capsys.readouterr().err
+    assert not (tmp_path / "h.png").exists() and not (tmp_path / "out").exists()
+
+
+def test_quantize_command_points_an_unloadable_fp8_source_to_stream(tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "src"
+    models.build("llama", dtype=torch.bfloat16).save_pretrained(src)
+
+    def fp8_without_accelerate(*a, **k):  # what transformers raises for DeepSeek's block FP8 without accelerate
+        raise ImportError("Loading an FP8 quantized model requires accelerate (`pip install accelerate`)")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fp8_without_accelerate)
+    assert main(["quantize", str(src), str(tmp_path / "out"), "--device", "cpu"]) == 2
+    assert "requires accelerate" in (e := capsys.readouterr().err) and "pass --stream" in e

@@ -1,7 +1,7 @@
 """torchforge: PyTorch-native 4-bit compression for dense and MoE LLMs.
 
     model = torchforge.quantize(model, "w4a16-rtn")
-    torchforge.save_quantized(model, "out/")          # vLLM's AWQ layout
+    torchforge.save_quantized(model, "out/")          # the recipe's export_format: here vLLM's AWQ layout
     model = torchforge.load_quantized("out/")
 """
 __version__ = "0.1.0"

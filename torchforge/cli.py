@@ -12,9 +12,38 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _check_device(device: str | None) -> None:
+    """A --device torch cannot parse, or CUDA on a machine without it: named here, not a traceback later."""
+    import torch
+
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device} is not a torch device ({e}); pass cpu or cuda (cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA device; pass --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: torchforge runs on cpu or cuda; pass one of them")
+
+
+def _check_out_dir(out: str) -> None:
+    """OUT, or a folder on its way, that is a file: refused before the model is loaded (os.makedirs would fail only
+    after the whole quantization)."""
+    import os
+
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"OUT {out}: {path} is a file, not a folder; pass a folder path")
+
+
 def _demo(args) -> int:
     from torchforge.demo import format_table, run_demo
 
+    _check_device(args.device)
     result = run_demo(out_dir=args.out, device=args.device)
     print(format_table(result))
     return 0 if result["reload matches"] else 1
@@ -37,11 +66,23 @@ def _plot_hitmap(args) -> int:
     from torchforge.prune import build_expert_map, load_expert_map
     from torchforge.prune.heatmap import save_hitmap_png
 
-    obj = torch.load(args.hit_map, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(args.hit_map, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # a truncated or foreign file: pickle, zip and unpickler errors of every kind
+        raise ValueError(f"{args.hit_map} cannot be read by torch.load ({type(e).__name__}: {e}); pass a "
+                         "torch-saved [L, E] tensor or a dict with a 'hit_map' tensor") from e
     hit = obj.get("hit_map") if isinstance(obj, dict) else obj
+    if not isinstance(hit, torch.Tensor):
+        what = (f"a dict without a 'hit_map' tensor (keys: {', '.join(map(str, list(obj)[:6]))})"
+                if isinstance(obj, dict) else f"a {type(obj).__name__}")
+        raise ValueError(f"{args.hit_map} holds {what}; pass a torch-saved [L, E] tensor or a dict with a "
+                         "'hit_map' tensor (RouterStats.save writes one)")
+    hit = hit.float()  # hit counts rank and plot as their float values
     if args.expert_map:
         emap = load_expert_map(args.expert_map)
-    elif args.keep_k or args.keep_ratio:
+    elif args.keep_k is not None or args.keep_ratio is not None:  # --keep-k 0 is an error, not "mark nothing"
         emap = build_expert_map(hit, keep_k=args.keep_k, keep_ratio=args.keep_ratio)
     else:
         emap = None
@@ -65,8 +106,13 @@ def _quantize(args) -> int:
         raise ValueError(f"OUT {args.out} is SRC: the export would replace the source checkpoint's files; pass "
                          "another folder")
     recipe = torchforge.Recipe.coerce(args.recipe)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: this machine has no CUDA device; pass --device cpu")
+    if args.format is not None:  # a format the scheme cannot take fails here, with the recipe's message, not after
+        try:  # the whole model was loaded and quantized
+            recipe = recipe.replace(export_format=args.format)
+        except ValueError as e:
+            raise ValueError(f"--format {args.format} does not fit recipe {args.recipe}: {e}") from None
+    _check_device(args.device)
+    _check_out_dir(args.out)
     if args.stream and (args.format not in (None, "vllm-awq") or args.calib_ids):
         raise ValueError("--stream writes vllm-awq by round-to-nearest, one tensor at a time: it takes no "
                          f"{'--calib-ids' if args.calib_ids else f'--format {args.format}'} (drop --stream to load the "
@@ -88,6 +134,7 @@ def _quantize(args) -> int:
                              "save the input_ids with torch.save(tensor, path)") from e
         if not isinstance(calib, torch.Tensor) or calib.dim() != 2 or calib.is_floating_point():
             raise ValueError(f"--calib-ids {args.calib_ids}: expected a saved integer input_ids tensor [N, S]")
+        _check_calib_ids(calib, args.calib_ids, args.src)
     elif recipe.scheme == "w4a16-gptq":
         print("torchforge quantize: no --calib-ids; GPTQ falls back to RTN for every module", file=sys.stderr)
     from torchforge.io import check_checkpoint_files
@@ -96,6 +143,11 @@ def _quantize(args) -> int:
     try:
         model, info = AutoModelForCausalLM.from_pretrained(args.src, dtype=getattr(torch, recipe.dtype),
                                                            output_loading_info=True)
+    except ImportError as e:  # e.g. a block-FP8 (DeepSeek-V3) source: transformers' FP8 loader wants accelerate
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{args.src}: transformers cannot load this checkpoint ({first}); for a round-to-nearest "
+                         "recipe pass --stream, which reads it tensor by tensor (block FP8 dequantized); nothing "
+                         "was written") from e
     except RuntimeError as e:  # e.g. fused experts assembled from a shard set missing one expert: a size mismatch
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{args.src}: transformers cannot load this checkpoint ({first}); nothing was written "
@@ -106,16 +158,39 @@ def _quantize(args) -> int:
                          f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); nothing was written")
     model = model.to(args.device).eval()
     torchforge.quantize(model, recipe, calib_data=calib)
-    fmt = args.format or recipe.export_format
+    fmt = recipe.export_format
     out = torchforge.save_quantized(model, args.out, format=fmt, source_dir=args.src)
     print(f"{args.src} -> {out} ({fmt}, recipe {recipe.scheme}, group {recipe.group_size})")
     return 0
+
+
+def _check_calib_ids(calib, path: str, src: str) -> None:
+    """Token ids outside [0, vocab_size): an IndexError deep in the embedding after the model was loaded."""
+    import os
+
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if calib.numel() == 0:
+        raise ValueError(f"--calib-ids {path} is empty (shape {tuple(calib.shape)}); save at least one sequence")
+    lo, hi = int(calib.min()), int(calib.max())
+    if lo < 0 or (isinstance(vocab, int) and hi >= vocab):
+        vocab_range = f"[0, {vocab}) ({src}/config.json vocab_size)" if isinstance(vocab, int) else "(ids >= 0)"
+        raise ValueError(f"--calib-ids {path}: token ids span [{lo}, {hi}], outside the model's vocabulary "
+                         f"{vocab_range}; tokenize with the model's tokenizer")
 
 
 def _non_negative(text: str) -> int:
     v = int(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"{v} is negative")
+    return v
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not positive")
     return v
 
 
@@ -150,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--expert-map", default=None, help="expert_map.pt (or its folder) whose kept experts to mark")
     h.add_argument("--keep-k", type=int, default=None, help="mark the top-k experts of each layer")
     h.add_argument("--keep-ratio", type=float, default=None)
-    h.add_argument("--cell", type=int, default=8, help="pixels per heatmap cell")
+    h.add_argument("--cell", type=_positive, default=8, help="pixels per heatmap cell")
     h.set_defaults(func=_plot_hitmap)
     return p
 

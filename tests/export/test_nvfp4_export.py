@@ -140,7 +140,7 @@ def test_gate_up_scale_mismatch_is_repaired(tmp_path, caplog):
 def test_bad_format_and_foreign_ct_checkpoint(tmp_path):
     model = _quantized("qwen3_moe")
     with pytest.raises(ValueError, match="NVFP4-quantized; format 'vllm-awq' cannot hold it"):
-        torchforge.save_quantized(model, str(tmp_path / "x"))
+        torchforge.save_quantized(model, str(tmp_path / "x"), format="vllm-awq")
     torchforge.save_quantized(model, str(tmp_path / "ct"), format="compressed-tensors")
     os.remove(tmp_path / "ct" / "torchforge.json")  # a checkpoint from elsewhere: scales from 1 / global_scale
     reloaded = torchforge.load_quantized(str(tmp_path / "ct"))
@@ -164,3 +164,16 @@ def test_dense_and_bf16_experts_round_trip(arch, fmt, kw, tmp_path):
     ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("preset,quant_method", [("nvfp4", "modelopt"), ("nvfp4-ct", "compressed-tensors")])
+def test_save_without_format_writes_the_recipes(preset, quant_method, tmp_path):
+    """save_quantized(model, out) writes the recipe's export_format (was vllm-awq, which refused NVFP4 models);
+    a reloaded model, which carries no recipe, gets NVFP4's own format."""
+    model = _quantized("llama", calibrate=False, recipe=preset)
+    torchforge.save_quantized(model, str(tmp_path / "a"))
+    with open(tmp_path / "a" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == quant_method
+    torchforge.save_quantized(torchforge.load_quantized(str(tmp_path / "a")), str(tmp_path / "b"))
+    with open(tmp_path / "b" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "modelopt"

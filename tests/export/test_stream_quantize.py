@@ -106,3 +106,18 @@ def test_streamed_source_with_extra_missing_or_bad_tensors(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_a_proj: ForgeAWQLinear: in_features=64 is "
                                          "not divisible by group_size=128"):
         quantize_checkpoint(str(src), str(tmp_path / "g128"), {"scheme": "w4a16-rtn", "group_size": 128}, device="cpu")
+
+
+def test_streamed_export_warns_outside_vllms_marlin_kernels(tmp_path, caplog):
+    """save_quantized warns that group 16 needs vLLM's --dtype float16; the streamed export of the same recipe
+    was silent."""
+    import logging
+
+    src = tmp_path / "src"
+    models.build("llama", dtype=torch.bfloat16).save_pretrained(src)
+    with caplog.at_level(logging.WARNING, logger="torchforge.export.gptq_export"):
+        quantize_checkpoint(str(src), str(tmp_path / "g32"), {"scheme": "w4a16-rtn", "group_size": 32}, device="cpu")
+        assert not caplog.records
+        quantize_checkpoint(str(src), str(tmp_path / "g16"), {"scheme": "w4a16-rtn", "group_size": 16}, device="cpu")
+    assert any("group_size 16 is outside vLLM's Marlin kernels" in r.getMessage() and "--dtype float16" in r.getMessage()
+               for r in caplog.records)

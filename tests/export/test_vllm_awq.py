@@ -260,3 +260,48 @@ def test_scales_are_written_fp16_after_a_bf16_cast(fmt, tmp_path):
     reloaded = torchforge.load_quantized(str(tmp_path))
     a, b = reloaded.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.q_proj
     assert torch.equal(a.dequantized_weight(), b.dequantized_weight())  # the same values, held in fp16 now
+
+
+def test_save_without_format_writes_the_recipes_export_format(tmp_path):
+    """save_quantized(model, out) follows the export_format of the recipe quantize recorded (was always vllm-awq)."""
+    model = _quantized("llama", recipe={**RECIPE, "export_format": "compressed-tensors"})
+    torchforge.save_quantized(model, str(tmp_path / "ct"))
+    with open(tmp_path / "ct" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "compressed-tensors"
+    torchforge.save_quantized(model, str(tmp_path / "awq"), format="vllm-awq")  # an explicit format still wins
+    with open(tmp_path / "awq" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "awq"
+    torchforge.save_quantized(torchforge.load_quantized(str(tmp_path / "ct")), str(tmp_path / "re"))  # no recipe
+    with open(tmp_path / "re" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "awq"
+
+
+@pytest.mark.parametrize("fmt", ["vllm-awq", "compressed-tensors"])
+def test_a_resave_of_another_model_leaves_none_of_its_tokenizer_files(fmt, tmp_path):
+    """Re-exporting model B into a folder that held model A's export kept A's tokenizer.json and chat template."""
+    from transformers import AutoModelForCausalLM
+
+    for name, seed in (("A", 0), ("B", 1)):
+        models.build("llama", seed=seed, dtype=torch.bfloat16).save_pretrained(tmp_path / name)
+    (tmp_path / "A" / "tokenizer.json").write_text('{"model A": true}')
+    (tmp_path / "A" / "chat_template.jinja").write_text("MODEL A {{ messages }}")
+    (tmp_path / "B" / "tokenizer_config.json").write_text('{"chat_template": "MODEL B"}')
+    out = tmp_path / "out"
+    for name in ("A", "B"):
+        model = torchforge.quantize(AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.bfloat16), RECIPE)
+        torchforge.save_quantized(model, str(out), format=fmt, source_dir=str(tmp_path / name))
+        if name == "A":
+            assert {"tokenizer.json", "chat_template.jinja"} <= set(os.listdir(out))
+    files = set(os.listdir(out))
+    assert not {"tokenizer.json", "chat_template.jinja"} & files, files
+    assert (out / "tokenizer_config.json").read_text() == '{"chat_template": "MODEL B"}'
+
+
+def test_a_save_into_its_own_source_folder_keeps_the_tokenizer(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    models.build("llama", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    model = torchforge.quantize(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16), RECIPE)
+    torchforge.save_quantized(model, str(tmp_path))
+    assert (tmp_path / "tokenizer.json").read_text() == "{}"

@@ -94,6 +94,31 @@ def test_single_file_roundtrip_and_any_single_safetensors_name(tmp_path):
     _assert_same_dict(load_state_dict(tmp_path / "weights.safetensors"), sd)
 
 
+def test_single_file_wins_over_a_stale_index_as_in_transformers(tmp_path):
+    # save_pretrained(single file) over an earlier sharded save leaves the old index and shards beside the new
+    # model.safetensors; transformers loads model.safetensors, so must we (the index's shards are another model)
+    old = _mixed_state_dict()
+    save_sharded(old, tmp_path, max_shard_bytes=4096)
+    new = {k: torch.zeros_like(v) for k, v in old.items()}
+    safetensors.torch.save_file(new, str(tmp_path / "model.safetensors"))
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    _assert_same_dict(load_state_dict(tmp_path), new)
+    # the index's shards may be gone altogether
+    for f in os.listdir(tmp_path):
+        if f.startswith("model-"):
+            os.remove(tmp_path / f)
+    _assert_same_dict(load_state_dict(tmp_path), new)
+    assert set(checkpoint_tensor_names(tmp_path)) == set(new)
+
+
+def test_single_bin_wins_over_a_stale_bin_index(tmp_path):
+    sd = {"a": torch.ones(3), "b": torch.zeros(2)}
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"a": "pytorch_model-00001-of-00002.bin"}}))
+    _assert_same_dict(load_state_dict(tmp_path), sd)
+
+
 def test_bin_single_and_sharded(tmp_path, monkeypatch):
     sd = _mixed_state_dict()
     single = tmp_path / "single"

@@ -261,3 +261,23 @@ def test_shard_writer_names_what_is_in_the_way(tmp_path):
     w.add("a", torch.ones(2))
     w.close()
     assert (tmp_path / "empty" / "model.safetensors").exists()
+
+
+def test_shard_writer_removes_the_temporaries_of_a_killed_run(tmp_path):
+    """A stream killed mid-way (abort() never ran) left hidden .shard-NNNNN.safetensors.partial files (up to a
+    shard each) that no later run removed."""
+    import torch
+
+    from torchforge.io.shard_writer import ShardWriter
+
+    stale = [".shard-00001.safetensors.partial", ".shard-00007.safetensors.partial",
+             ".model.safetensors.index.json.tmp.123.abcd1234"]
+    for name in stale:
+        (tmp_path / name).write_bytes(b"x" * 64)
+    (tmp_path / ".shard-notes.txt").write_text("not ours")  # other hidden files stay
+    w = ShardWriter(tmp_path, max_shard_bytes=8)
+    w.add("a", torch.ones(2))
+    w.add("b", torch.ones(2))
+    w.close()
+    assert sorted(os.listdir(tmp_path)) == [".shard-notes.txt", "model-00001-of-00002.safetensors",
+                                            "model-00002-of-00002.safetensors", "model.safetensors.index.json"]

@@ -194,3 +194,18 @@ def test_a_quantized_model_keeps_its_refusal_when_pruned(tmp_path):
     with pytest.raises(RuntimeError, match="reloads with random weights in place of the quantized layers: use "
                                            "torchforge.save_quantized"):
         model.save_pretrained(str(tmp_path / "hf"))
+
+
+def test_save_pruned_writes_the_generation_config(tmp_path):
+    """save_pruned wrote no generation_config.json (and begin_folder removed an existing one): sampling settings
+    and eos were lost on reload."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = models.build("deepseek_v3")
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6
+    model.generation_config.eos_token_id = 7
+    torchforge.prune_experts(model, _map([[6, 1, 3, 4]]), mode="reroute")
+    GenerationConfig(eos_token_id=3).save_pretrained(tmp_path)  # an earlier one in the folder: replaced
+    save_pruned(model, str(tmp_path))
+    gen = AutoModelForCausalLM.from_pretrained(tmp_path).generation_config
+    assert (gen.do_sample, gen.temperature, gen.eos_token_id) == (True, 0.6, 7)

@@ -62,29 +62,50 @@ def copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
 STALE_SIDE_FILES = ("hf_quant_config.json", "expert_map.pt", TORCHFORGE_META)
 
 
-def begin_folder(out_dir: str) -> None:
+def tokenizer_source(model: nn.Module, source_dir: str | None) -> str | None:
+    """The folder whose tokenizer files an export copies: `source_dir`, else the one the model was loaded from."""
+    return source_dir or getattr(model, "name_or_path", None)
+
+
+def _same_folder(a: str | None, b: str) -> bool:
+    try:
+        return bool(a) and os.path.isdir(a) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def begin_folder(out_dir: str, tokenizer_from: str | None = None) -> None:
     """Before an export writes anything into `out_dir`: create it, and take away a config.json an earlier save left
     (and its generation_config.json, which finish_folder only writes where none exists). A folder with a config.json
     counts as complete, so a re-save that dies after its new shards must not leave the old one beside them. The
-    earlier save's side files go too (STALE_SIDE_FILES); this export writes its own."""
+    earlier save's side files go too (STALE_SIDE_FILES), and its tokenizer files (TOKENIZER_FILES: another model's
+    tokenizer.json or chat template must not stay beside this one's), unless `out_dir` is `tokenizer_from`, the
+    folder this export copies them from."""
     os.makedirs(out_dir, exist_ok=True)
-    for name in ("config.json", "generation_config.json", *STALE_SIDE_FILES):
+    tokenizer = () if _same_folder(tokenizer_from, out_dir) else TOKENIZER_FILES
+    for name in ("config.json", "generation_config.json", *tokenizer, *STALE_SIDE_FILES):
         path = os.path.join(out_dir, name)
         if os.path.exists(path):
             os.remove(path)
+
+
+def write_side_files(model: nn.Module, out_dir: str, meta: dict, *, tokenizer=None, source_dir=None) -> None:
+    """torchforge.json, tokenizer files (`tokenizer`, else copied from `tokenizer_source`) and generation_config.json
+    (the source's, else the model's): what every export writes besides its tensors and config.json."""
+    atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    copy_tokenizer_files(tokenizer_source(model, source_dir), out_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):
+        atomic_write_json(os.path.join(out_dir, "generation_config.json"), gen.to_dict())
 
 
 def finish_folder(model: nn.Module, out_dir: str, quantization_config: dict, dtype: torch.dtype, meta: dict, *,
                   tokenizer=None, source_dir=None, edit_config=None) -> str:
     """After the tensors: torchforge.json, tokenizer files, generation_config.json, and config.json LAST, so a
     folder with a config.json is a complete checkpoint. `edit_config(cfg)` may change the config dict."""
-    atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    copy_tokenizer_files(source_dir or getattr(model, "name_or_path", None), out_dir)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):
-        atomic_write_json(os.path.join(out_dir, "generation_config.json"), gen.to_dict())
+    write_side_files(model, out_dir, meta, tokenizer=tokenizer, source_dir=source_dir)
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]
     cfg["quantization_config"] = quantization_config

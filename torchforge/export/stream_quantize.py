@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from torchforge.export.folder import finish_folder, keep_fp32
+from torchforge.export.gptq_export import _w4_modules, check_vllm_kernels
 from torchforge.export.load import _build_skeleton, _swap_quantized_modules
 from torchforge.export.naming import EXPERT_KEY, from_checkpoint_name, to_checkpoint_name
 from torchforge.export.vllm_awq import vllm_awq_quantization_config
@@ -96,6 +97,7 @@ def quantize_checkpoint(src: str, out: str, recipe: Recipe | str | dict = "w4a16
     _swap_quantized_modules(model, {f"{n}.qweight" for n in linears} | {f"{n}.0.gate_proj.qweight" for n in experts},
                             G, sym)
     qcfg = vllm_awq_quantization_config(model)
+    check_vllm_kernels(_w4_modules(model), "vllm-awq")  # as save_quantized: e.g. group 16 needs --dtype float16
     mt = model.config.model_type
     fp32_keys = keep_fp32(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

@@ -7,7 +7,7 @@ import os
 import torch
 from torch import nn
 
-from torchforge.export.folder import begin_folder, finish_folder, hf_experts_tensors, keep_fp32
+from torchforge.export.folder import begin_folder, finish_folder, hf_experts_tensors, keep_fp32, tokenizer_source
 from torchforge.export.naming import checkpoint_state, to_checkpoint_name, vllm_names
 from torchforge.io import save_sharded
 from torchforge.matching import is_fused_experts
@@ -94,16 +94,32 @@ def vllm_awq_quantization_config(model: nn.Module) -> dict:
             "version": "gemm", "modules_to_not_convert": [to_checkpoint_name(s, mt) for s in skip]}
 
 
-def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, tokenizer=None, source_dir=None,
+def default_format(model: nn.Module) -> str:
+    """The format `save_quantized` writes without one: the export_format of the recipe `torchforge.quantize`
+    recorded on the model; for a model without one (load_quantized) its scheme's own: modelopt-nvfp4 for NVFP4,
+    vllm-awq for W4A16."""
+    from torchforge.export.nvfp4 import has_nvfp4
+    from torchforge.quantize import RECIPE_ATTR
+
+    recipe = getattr(model, RECIPE_ATTR, None)
+    if recipe is not None:
+        return recipe.export_format
+    return "modelopt-nvfp4" if has_nvfp4(model) else "vllm-awq"
+
+
+def save_quantized(model: nn.Module, out_dir: str, format: str | None = None, *, tokenizer=None, source_dir=None,
                    max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """Writes an HF-style checkpoint folder that vLLM loads as is. Returns `out_dir`. `format`: "vllm-awq" (below),
     "vllm-gptq" or "compressed-tensors" (W4A16, torchforge.export.gptq_export; compressed-tensors' NVFP4 for NVFP4
-    models) or "modelopt-nvfp4" (torchforge.export.nvfp4); README "Formats" has each layout.
+    models) or "modelopt-nvfp4" (torchforge.export.nvfp4); README "Formats" has each layout. None (the default):
+    the recipe's `export_format` (see `default_format`).
 
     vllm-awq: config.json carries `quantization_config = {quant_method: awq, bits: 4, group_size, zero_point: true,
     version: gemm, modules_to_not_convert}`; routed experts are written one by one
     (`...mlp.experts.{e}.{gate,up,down}_proj.{qweight,qzeros,scales}`), unquantized tensors in bf16.
     """
+    if format is None:
+        format = default_format(model)
     # GPTQ (issue 3): vllm-gptq, W4A16 compressed-tensors and GPTQ modules in the AWQ layout are written by
     # torchforge.export.gptq_export.
     from torchforge.export import gptq_export
@@ -133,7 +149,7 @@ def save_quantized(model: nn.Module, out_dir: str, format: str = "vllm-awq", *, 
     check_vllm_kernels(_w4_modules(model), format)
 
     check_pruned_export(model)
-    begin_folder(out_dir)  # no config.json until the new tensors are in
+    begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
     state = export_state_dict(model, dtype)
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in _quantized_modules(model)})}

@@ -229,6 +229,10 @@ def _resolve(model_dir: str | os.PathLike) -> _Layout:
     root = model_dir
     entries = set(os.listdir(root))
 
+    # transformers' precedence (modeling_utils): model.safetensors before its index, pytorch_model.bin before its
+    # index. save_pretrained over an earlier sharded save leaves the old index and shards beside the new file.
+    if os.path.isfile(os.path.join(root, SAFE_WEIGHTS_NAME)):
+        return _Layout(root, "safetensors", [SAFE_WEIGHTS_NAME], None, None)
     st_indexes = sorted(e for e in entries if e.endswith(".safetensors.index.json"))
     if SAFE_WEIGHTS_INDEX_NAME in st_indexes or len(st_indexes) == 1:
         index_name = SAFE_WEIGHTS_INDEX_NAME if SAFE_WEIGHTS_INDEX_NAME in st_indexes else st_indexes[0]
@@ -240,8 +244,6 @@ def _resolve(model_dir: str | os.PathLike) -> _Layout:
             f"{SAFE_WEIGHTS_INDEX_NAME}; pass the path of the weights file to read instead"
         )
     st_files = sorted(e for e in entries if e.endswith(".safetensors") and os.path.isfile(os.path.join(root, e)))
-    if SAFE_WEIGHTS_NAME in st_files:
-        return _Layout(root, "safetensors", [SAFE_WEIGHTS_NAME], None, None)
     if len(st_files) == 1:
         return _Layout(root, "safetensors", st_files, None, None)
     if len(st_files) > 1:
@@ -255,12 +257,12 @@ def _resolve(model_dir: str | os.PathLike) -> _Layout:
             f"{', ...' if len(st_files) > 4 else ''}) but no {SAFE_WEIGHTS_INDEX_NAME}: {hint}"
         )
 
+    if BIN_WEIGHTS_NAME in entries:
+        return _Layout(root, "bin", [BIN_WEIGHTS_NAME], None, None)
     if BIN_WEIGHTS_INDEX_NAME in entries:
         weight_map = _read_index(root, BIN_WEIGHTS_INDEX_NAME)
         files = _check_shards_present(root, BIN_WEIGHTS_INDEX_NAME, weight_map)
         return _Layout(root, "bin", files, weight_map, BIN_WEIGHTS_INDEX_NAME)
-    if BIN_WEIGHTS_NAME in entries:
-        return _Layout(root, "bin", [BIN_WEIGHTS_NAME], None, None)
     if any(e.startswith("pytorch_model-") and e.endswith(".bin") for e in entries):
         raise CheckpointError(f"{root} holds pytorch_model-*.bin shards but no {BIN_WEIGHTS_INDEX_NAME}")
     raise CheckpointError(

@@ -17,6 +17,17 @@ from torchforge.io.checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from torchforge.io.save import _fsync_dir, _fsync_file, _nbytes, _unlink_quiet, _write_temp_text
 
 
+_TEMP_PREFIXES = (".shard-", f".{SAFE_WEIGHTS_INDEX_NAME}.tmp.")
+
+
+def _remove_stale_temps(out_dir: str, present: list[str]) -> None:
+    """A killed run (SIGKILL, OOM: abort() never ran) leaves its hidden shards (`.shard-NNNNN.safetensors.partial`,
+    up to 5 GiB each) and index temporary; the next run into the folder removes them."""
+    for name in present:
+        if (name.startswith(_TEMP_PREFIXES[0]) and name.endswith(".partial")) or name.startswith(_TEMP_PREFIXES[1]):
+            _unlink_quiet(os.path.join(out_dir, name))
+
+
 class ShardWriter:
     """`add(name, tensor)` one tensor at a time, then `close()`; `abort()` removes what was written."""
 
@@ -31,6 +42,7 @@ class ShardWriter:
         if any(f.endswith(".safetensors") for f in present):  # an export that died after its shards, before config.json
             raise FileExistsError(f"{self.out_dir} holds .safetensors files but no config.json (an unfinished "
                                   "export, or not a checkpoint): remove them or write into an empty folder")
+        _remove_stale_temps(self.out_dir, present)
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
         self._buffer: dict[str, torch.Tensor] = {}

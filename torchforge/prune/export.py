@@ -209,11 +209,12 @@ def prune_for_save(model: nn.Module, state: dict, out_dir: str, meta: dict):
 
 
 def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = None,
-                max_shard_bytes: int = 5 * 2**30) -> str:
+                max_shard_bytes: int = 5 * 2**30, tokenizer=None, source_dir=None) -> str:
     """Writes an UNQUANTIZED reroute-pruned model as a standard HF checkpoint folder (per-expert tensor names,
-    smaller config) that `transformers.AutoModelForCausalLM.from_pretrained` loads. Quantized models: use
-    `torchforge.save_quantized`. `dtype`: the floating dtype written (default: the model's)."""
-    from torchforge.export.folder import begin_folder
+    smaller config, tokenizer files and generation_config.json as save_quantized writes them) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads. Quantized models: use `torchforge.save_quantized`.
+    `dtype`: the floating dtype written (default: the model's)."""
+    from torchforge.export.folder import begin_folder, tokenizer_source, write_side_files
     from torchforge.export.vllm_awq import _quantized_modules, export_state_dict
     from torchforge.io import atomic_write_json, save_sharded
 
@@ -227,12 +228,13 @@ def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = N
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     check_pruned_export(model)
     state, meta = export_pruned(model, export_state_dict(model, dtype), out_dir)
-    begin_folder(out_dir)  # no config.json until the new tensors are in
+    begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
     save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes, metadata={"torchforge": "pruned"})
     cfg = apply_pruned_config(model.config.to_dict(), model)
     cfg["architectures"] = [type(model).__name__]
     cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-    atomic_write_json(os.path.join(out_dir, "torchforge.json"), {"format": "hf", "prune": meta})
+    # generation_config.json too: begin_folder removed an earlier one, and from_pretrained reads it (eos, sampling)
+    write_side_files(model, out_dir, {"format": "hf", "prune": meta}, tokenizer=tokenizer, source_dir=source_dir)
     atomic_write_json(os.path.join(out_dir, "config.json"), cfg)  # last: a folder with config.json is complete
     return out_dir
 
