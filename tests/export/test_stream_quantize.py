@@ -121,3 +121,13 @@ def test_streamed_export_warns_outside_vllms_marlin_kernels(tmp_path, caplog):
         quantize_checkpoint(str(src), str(tmp_path / "g16"), {"scheme": "w4a16-rtn", "group_size": 16}, device="cpu")
     assert any("group_size 16 is outside vLLM's Marlin kernels" in r.getMessage() and "--dtype float16" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_moe_block_forgemoe_cannot_wrap_is_refused_before_any_shard(tmp_path):
+    """PhiMoE names its router `router`: the streamed path refuses its experts up front, as torchforge.quantize does,
+    instead of failing at the first MoE layer with part of the shards written."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    models.phimoe().save_pretrained(src)
+    with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\.mlp\.experts.*its router is `router`"):
+        quantize_checkpoint(str(src), str(out), "w4a16-rtn")
+    assert not out.exists() or not any(out.iterdir())

@@ -25,6 +25,7 @@ from torchforge.io.checkpoint import CheckpointError
 from torchforge.io.shard_writer import ShardWriter
 from torchforge.matching import is_fused_experts, paired_modules_error
 from torchforge.ops import awq_quantize
+from torchforge.quantize import check_moe_blocks
 from torchforge.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ def _targets(model: nn.Module, recipe: Recipe) -> tuple[set[str], set[str]]:
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)
+    check_moe_blocks(model, selected, recipe.quantize_experts)  # before any shard is written, as quantize does
     linears = {n for n, m in selected if isinstance(m, nn.Linear)}
     experts = {n for n, m in selected if is_fused_experts(m)} if recipe.quantize_experts else set()
     return linears, experts
