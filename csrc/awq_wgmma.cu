@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       const int n0 = kBlockCols * cbg;
       for (int i = tid; i < BM * kBlockCols; i += blockDim.x) {
         const int r = gp.sorted_rows[m0 + i / kBlockCols], n = n0 + i % kBlockCols;
-        if (r < gp.num_rows && n < N)
+        if (r >= 0 && r < gp.num_rows && n < N)
           partial[static_cast<size_t>(r) * N + n] = __int_as_float(0x7fc00000);
       }
       return;
@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   if constexpr (GROUPED) {
     for_each([&](float v, int m, int n) {
       const int r = __ldg(gp.sorted_rows + m);
-      if (r < gp.num_rows) partial[static_cast<size_t>(r) * N + n] = v;
+      if (r >= 0 && r < gp.num_rows) partial[static_cast<size_t>(r) * N + n] = v;
     });
   } else {
     for_each([&](float v, int m, int n) {
@@ -554,13 +554,14 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
 // with a producer warpgroup starts at 168 registers (384 x 168 = 128 x 24 + 256 x 240), as ptxas builds it today.
 // A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
-template <typename T, typename S, int BM, int TW>
+template <typename T, typename S, int BM, int TW, bool GROUPED = false>
 bool producer_pool_ok() {
   if constexpr (kGroups<TW> == 1) return true;  // a producer warp: no setmaxnreg
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
-    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true>) == cudaSuccess ? attr.numRegs : 0;
+    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED>) == cudaSuccess ? attr.numRegs
+                                                                                                 : 0;
   }
   return regs * (kThreads<TW> + kProducerThreads<TW>) >=
          kProducerThreads<TW> * kProducerRegs + kThreads<TW> * kConsumerRegs;
@@ -641,7 +642,7 @@ cudaError_t awq_wgmma_moe_launch(int dtype, int scale_dtype, const void* x, void
     auto run = [&](auto bm, auto tw) {
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
       // group_m 8: the row blocks of one expert, adjacent in the sort, run together on the same columns
-      if (producer_warp && producer_pool_ok<T, S, BM, TW>())
+      if (producer_warp && producer_pool_ok<T, S, BM, TW, true>())
         return launch<T, S, BM, TW, true, true>(x, x_image, qweight, scales, qzeros, nullptr, nullptr, partial,
                                                 nullptr, m, n, k, gs, 1, 8, 0, stream, gp,
                                                 static_cast<int>(x_row_div));

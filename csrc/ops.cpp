@@ -476,8 +476,8 @@ at::Tensor awq_wgmma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, co
               op + "(block_m, tile_set) must be (64, 2) or (128, 2), got (" + i2s(block_m) + ", " + i2s(tile_set) + ")");
   TORCH_CHECK(group_size > 0 && group_size % 64 == 0, op + "group_size must be a multiple of 64, got " + i2s(group_size));
   const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64, B = block_expert.size(0);
-  TORCH_CHECK(K % group_size == 0 && qweight.size(2) == K * 8,
-              op + "qweight must be [E, N / 64, K * 8] with K = " + i2s(K) + " a multiple of group_size, got " +
+  TORCH_CHECK(K > 0 && K % group_size == 0 && qweight.size(2) == K * 8,
+              op + "qweight must be [E, N / 64, K * 8] with K = " + i2s(K) + " a positive multiple of group_size, got " +
                   shape_str(qweight.sizes()));
   TORCH_CHECK(scales.size(0) == E && scales.size(1) == K / group_size && scales.size(2) == N && qzeros.size(0) == E &&
                   qzeros.size(1) == K / group_size && qzeros.size(2) == N / 8,

@@ -115,3 +115,41 @@ def test_experts_op_compiles_and_graphs(monkeypatch):
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(captured, f(x, ids, w), rtol=0, atol=0)
+
+
+def test_long_k_wraps_the_stage_ring(monkeypatch):
+    """K = 1024 (16 chunks of 64) runs past the kernel's 8 stages, so every stage is refilled (the grouped form of the
+    wait-and-refill path); against the fp64 oracle of one expert per routed row."""
+    from tests.ops.awq_oracle import dequant_independent
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+    from torchforge.ops import awq_quantize
+
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
+    E, N, K, G, k, T = 3, 192, 1024, 128, 2, 100
+    torch.manual_seed(4)
+    qw, s, z = [t.cuda() for t in awq_quantize(torch.randn(E, N, K) * 0.2, G, symmetric=False)]
+    ids, _ = _ids(T, k, E, seed=4)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, awq_to_mma_layout(qw), s, z, G, k)[0].double()
+    w = [dequant_independent(qw[e], s[e], z[e], G).double() for e in range(E)]
+    ref = torch.stack([x[r // k].double() @ w[e].T for r, e in enumerate(ids.tolist())])
+    assert ((part - ref).norm() / ref.norm()) < 4e-3
+
+
+def test_experts_op_equals_the_two_ops_when_one_half_cannot_take_wgmma():
+    """Down scales that are not 16-byte aligned keep the down half on the mma.sync kernel: the one-op forward then sorts
+    that half for itself, and stays bit-identical to the two ops (each half on the kernel it runs alone)."""
+    from torchforge.ops.awq_mma import awq_mma_moe_down_combine, awq_mma_moe_gate_up_silu
+    from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
+
+    E, k, G, T = 4, 4, 128, 160
+    gu, down = _experts(E, G, "cuda", seed=6)
+    ds = torch.empty(down[1].numel() + 4, dtype=down[1].dtype, device="cuda")[4:].view_as(down[1]).copy_(down[1])
+    assert ds.data_ptr() % 16 != 0
+    ids, w = _ids(T, k, E, seed=6)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    mgu, mdn = awq_to_mma_layout(gu[0]), awq_to_mma_layout(down[0])
+    one = awq_mma_moe_experts(x, ids, w, (mgu, gu[1], gu[2]), (mdn, ds, down[2]), G, k)
+    h = awq_mma_moe_gate_up_silu(x, ids, mgu, gu[1], gu[2], G, k)
+    two = awq_mma_moe_down_combine(h, ids, w, mdn, ds, down[2], G)
+    assert torch.equal(one, two)

@@ -304,12 +304,14 @@ def wgmma_moe_ok(x: Tensor, rows: int, num_experts: int, scales: Tensor, qzeros:
     (the shared one included), on top of mma_moe_cuda_ok's conditions."""
     from torchforge.ops._ext import has_cuda_ext
 
-    if MOE_WGMMA is False or not (x.is_cuda and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_wgmma_moe_cuda")):
+    if MOE_WGMMA is False or not (x.is_cuda and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_wgmma_moe_cuda")
+                                  and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return False
-    rows, num_experts, k = int(rows), int(num_experts), int(x.shape[-1])  # the rule needs plain ints (SymInts specialize)
+    # comparisons only: under torch.compile `rows` may be a SymInt, which int() would pin to one token count (a
+    # recompile per prefill length); a comparison is a guard with two outcomes
     busy = MOE_WGMMA is True or rows >= WGMMA_MOE_MIN_ROWS_PER_EXPERT * num_experts
-    return (busy and mma_moe_sorts(rows, num_experts) and torch.cuda.get_device_capability(x.device) == (9, 0)
-            and (k // 64) * (group_size // 64) < 2 ** 32 and _aligned16(scales, qzeros)
+    return (busy and mma_moe_sorts(rows, num_experts)
+            and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32 and _aligned16(scales, qzeros)
             and (shared is None or _aligned16(*shared)))
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from torchforge.ops._check import check_value
 from torchforge.ops.awq_mma import (_awq_view, _check_shared, _define_kernel_op, _down_combine, _gate_up_silu,
                                     _moe_args)
-from torchforge.ops.awq_mma_cuda import moe_align_block_rows, mma_moe_cuda_ok, mma_moe_sorts, moe_sorted_block_rows
+from torchforge.ops.awq_mma_cuda import moe_align_block_rows, mma_moe_cuda_ok, mma_moe_sorts
 
 __all__ = ["awq_mma_moe_experts"]
 
@@ -66,20 +66,21 @@ def _awq_mma_moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
                                   down_qweight, down_scales, down_qzeros, group_size, top_k, shared_gu, shared_dn)
     shared_gu, shared_dn = (shared_gu, shared_dn) if has else (None, None)
     num_experts, rows = gate_up_qweight.shape[0] + int(has), expert_ids.numel()  # SymInt + bool: sympy error (2.11)
-    alignment = None
+    gu_alignment = dn_alignment = None
     if mma_moe_sorts(rows, num_experts) and mma_moe_cuda_ok(x, gate_up_qweight, gate_up_scales, group_size, shared_gu):
         from torchforge.ops.moe_align import moe_align
 
-        # one sort for both halves; blocks of WGMMA_MOE_BLOCK_M where the down projection's wgmma kernel takes them
-        # too (its scales' alignment decides; the gate_up call then runs it as well)
+        # One sort for both halves where they take the same block size (blocks of WGMMA_MOE_BLOCK_M where the wgmma
+        # kernel takes the call). Where they do not (one half's scales not 16-byte aligned), the down half sorts for
+        # itself, so that each half runs the kernel it would run alone and this op stays bit-identical to the two.
         block = moe_align_block_rows(x, rows, num_experts, gate_up_scales, gate_up_qzeros, group_size, shared_gu)
-        if block != moe_align_block_rows(x, rows, num_experts, down_scales, down_qzeros, group_size, shared_dn):
-            block = moe_sorted_block_rows(rows, num_experts)
-        alignment = moe_align(expert_ids, num_experts, block)
+        gu_alignment = moe_align(expert_ids, num_experts, block)
+        if block == moe_align_block_rows(x, rows, num_experts, down_scales, down_qzeros, group_size, shared_dn):
+            dn_alignment = gu_alignment
     h = _gate_up_silu(x, expert_ids, gate_up_qweight, gate_up_scales, gate_up_qzeros, group_size, top_k, shared_gu,
-                      alignment)
+                      gu_alignment)
     return _down_combine(h, expert_ids, weights, down_qweight, down_scales, down_qzeros, group_size, shared_dn,
-                         alignment)
+                         dn_alignment)
 
 
 @_awq_mma_moe_experts.register_fake
