@@ -297,11 +297,21 @@ def test_a_resave_of_another_model_leaves_none_of_its_tokenizer_files(fmt, tmp_p
     assert (out / "tokenizer_config.json").read_text() == '{"chat_template": "MODEL B"}'
 
 
-def test_a_save_into_its_own_source_folder_keeps_the_tokenizer(tmp_path):
+def test_a_save_into_the_folder_the_model_came_from_is_refused(tmp_path):
+    """save_quantized(model, <its source folder>) replaced the bf16 checkpoint (the CLI already refused OUT = SRC)."""
     from transformers import AutoModelForCausalLM
 
     models.build("llama", dtype=torch.bfloat16).save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_text("{}")
+    before = sorted(os.listdir(tmp_path))
     model = torchforge.quantize(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16), RECIPE)
-    torchforge.save_quantized(model, str(tmp_path))
+    with pytest.raises(ValueError, match="is the folder this model was loaded from"):
+        torchforge.save_quantized(model, str(tmp_path / "."))
+    assert sorted(os.listdir(tmp_path)) == before
+    assert b"qweight" not in (tmp_path / "model.safetensors").read_bytes()[:4096]  # the bf16 header is intact
+
+
+def test_a_save_whose_tokenizer_source_is_its_own_folder_keeps_the_tokenizer(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    model = torchforge.quantize(models.build("llama"), RECIPE)
+    torchforge.save_quantized(model, str(tmp_path), source_dir=str(tmp_path))
     assert (tmp_path / "tokenizer.json").read_text() == "{}"

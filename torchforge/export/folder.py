@@ -74,6 +74,14 @@ def _same_folder(a: str | None, b: str) -> bool:
         return False
 
 
+def refuse_source_folder(model: nn.Module, out_dir: str) -> None:
+    """Raises where `out_dir` is the folder the model was loaded from (`name_or_path`): an export there replaces that
+    checkpoint's config and shards (the CLI refuses OUT = SRC for the same reason)."""
+    if _same_folder(getattr(model, "name_or_path", None), out_dir):
+        raise ValueError(f"{out_dir} is the folder this model was loaded from: an export there would replace that "
+                         "checkpoint; write it to another folder")
+
+
 def begin_folder(out_dir: str, tokenizer_from: str | None = None) -> None:
     """Before an export writes anything into `out_dir`: create it, and take away a config.json an earlier save left
     (and its generation_config.json, which finish_folder only writes where none exists). A folder with a config.json

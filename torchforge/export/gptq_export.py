@@ -234,7 +234,7 @@ def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, t
 def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, source_dir=None,
             max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """Writes ``model`` as a ``format`` checkpoint (one of :data:`W4_FORMATS`); config.json last."""
-    from torchforge.export.folder import begin_folder, finish_folder, tokenizer_source
+    from torchforge.export.folder import begin_folder, refuse_source_folder, finish_folder, tokenizer_source
     from torchforge.quantize import RECIPE_ATTR
 
     if format not in W4_FORMATS:
@@ -252,6 +252,7 @@ def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, sour
 
     check_pruned_export(model)
     state = w4_state_dict(model, format, dtype)
+    refuse_source_folder(model, out_dir)
     begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in mods})}

@@ -196,7 +196,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
                           max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """`save_quantized` for NVFP4 models: tensors, hf_quant_config.json (ModelOpt), torchforge.json, tokenizer
     files, config.json last (a folder with config.json is complete)."""
-    from torchforge.export.folder import begin_folder, finish_folder, tokenizer_source
+    from torchforge.export.folder import begin_folder, refuse_source_folder, finish_folder, tokenizer_source
     from torchforge.quantize import RECIPE_ATTR
 
     if format not in NVFP4_FORMATS:
@@ -214,6 +214,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
     from torchforge.prune.export import check_pruned_export, prune_for_save
 
     check_pruned_export(model)
+    refuse_source_folder(model, out_dir)
     begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
 
     state, exact = nvfp4_state_dict(model, format, dtype)

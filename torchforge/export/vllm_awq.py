@@ -7,7 +7,8 @@ import os
 import torch
 from torch import nn
 
-from torchforge.export.folder import begin_folder, finish_folder, hf_experts_tensors, keep_fp32, tokenizer_source
+from torchforge.export.folder import (begin_folder, finish_folder, hf_experts_tensors, keep_fp32,
+                                      refuse_source_folder, tokenizer_source)
 from torchforge.export.naming import checkpoint_state, to_checkpoint_name, vllm_names
 from torchforge.io import save_sharded
 from torchforge.matching import is_fused_experts
@@ -149,6 +150,7 @@ def save_quantized(model: nn.Module, out_dir: str, format: str | None = None, *,
     check_vllm_kernels(_w4_modules(model), format)
 
     check_pruned_export(model)
+    refuse_source_folder(model, out_dir)
     begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
     state = export_state_dict(model, dtype)
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,

@@ -214,7 +214,7 @@ def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = N
     smaller config, tokenizer files and generation_config.json as save_quantized writes them) that
     `transformers.AutoModelForCausalLM.from_pretrained` loads. Quantized models: use `torchforge.save_quantized`.
     `dtype`: the floating dtype written (default: the model's)."""
-    from torchforge.export.folder import begin_folder, tokenizer_source, write_side_files
+    from torchforge.export.folder import begin_folder, refuse_source_folder, tokenizer_source, write_side_files
     from torchforge.export.vllm_awq import _quantized_modules, export_state_dict
     from torchforge.io import atomic_write_json, save_sharded
 
@@ -228,6 +228,7 @@ def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = N
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     check_pruned_export(model)
     state, meta = export_pruned(model, export_state_dict(model, dtype), out_dir)
+    refuse_source_folder(model, out_dir)
     begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
     save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes, metadata={"torchforge": "pruned"})
     cfg = apply_pruned_config(model.config.to_dict(), model)
