@@ -286,11 +286,18 @@ def test_recipe_prune_on_a_pruned_model_needs_the_same_map(tmp_path):
     torchforge.quantize(model, {**RECIPE, "prune": prune})  # pruned by hand with the same map: kept as it is
     assert model.model.layers[1].mlp.experts.num_experts == 4
     assert isinstance(model.model.layers[1].mlp.experts, ForgeAWQExperts)
-    other = models.build("deepseek_v3")
-    torchforge.quantize(other, {**RECIPE, "prune": prune})
+    other = prune_experts(models.build("deepseek_v3"), build_expert_map(torch.load(tmp_path / "hit.pt"), keep_k=4),
+                          mode="drop")
     with pytest.raises(ValueError, match=r"already pruned \(model\.layers\.1\.mlp is a PrunedMoE, 1 of 1 MoE blocks\) "
                                          "with another expert map or mode"):
         torchforge.quantize(other, {**RECIPE, "prune": {**prune, "keep_k": 3}})
+
+
+def test_a_second_quantize_is_refused():
+    """A second recipe was a no-op on the swapped modules, yet it replaced the recorded recipe the exports describe."""
+    model = torchforge.quantize(models.build("llama"), RECIPE)
+    with pytest.raises(ValueError, match="already quantized \\(scheme 'w4a16-rtn'\\); quantize a fresh model"):
+        torchforge.quantize(model, {**RECIPE, "group_size": 64})
 
 
 def test_a_tied_head_is_refused_in_both_paths(tmp_path):

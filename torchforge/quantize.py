@@ -38,6 +38,10 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     `w4a16-gptq` calibrates on `calib_data` (see torchforge.gptq.calibrate; `gptq`: a GPTQConfig or dict).
     """
     recipe = Recipe.coerce(recipe)
+    earlier = getattr(model, RECIPE_ATTR, None)
+    if earlier is not None:  # its exports describe one recipe: a second would be recorded over the first
+        raise ValueError(f"quantize: this model is already quantized (scheme {earlier.scheme!r}); quantize a fresh "
+                         "model with one recipe whose targets / ignore cover every module to quantize")
     if recipe.prune is not None:  # prune first; quantization then covers only the kept experts
         from torchforge.prune.from_recipe import prune_from_recipe
 
