@@ -323,6 +323,19 @@ def test_a_key_given_twice_in_a_file_is_an_error(tmp_path, suffix, text):
         Recipe.from_file(path)
 
 
+def test_yaml_merge_keys_work(tmp_path):
+    """`<<: *anchor` was refused as "not valid YAML" by the duplicate-key check; its keys merge, explicit ones win."""
+    path = tmp_path / "r.yaml"
+    path.write_text("base: &b {group_size: 64, symmetric: false}\n"
+                    "recipe:\n  <<: *b\n  scheme: w4a16-rtn\n  group_size: 32\n")
+    import yaml  # noqa: F401 - the loader below is torchforge's
+
+    from torchforge.recipe import _load_yaml_unique
+
+    data = _load_yaml_unique(path.read_text())["recipe"]
+    assert Recipe.from_dict(data) == Recipe.from_dict({"scheme": "w4a16-rtn", "group_size": 32, "symmetric": False})
+
+
 def test_nvfp4_dict_gets_the_scheme_defaults(tmp_path):
     # {"scheme": "nvfp4"} was refused with AWQ's dataclass defaults (group_size 128, export_format vllm-awq)
     r = Recipe.from_dict({"scheme": "nvfp4"})

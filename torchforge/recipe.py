@@ -47,6 +47,8 @@ def _load_yaml_unique(text: str):
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged (and overridden) by SafeLoader
+                    continue
                 key = self.construct_object(key_node, deep=deep)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
