@@ -328,8 +328,6 @@ def test_yaml_merge_keys_work(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("base: &b {group_size: 64, symmetric: false}\n"
                     "recipe:\n  <<: *b\n  scheme: w4a16-rtn\n  group_size: 32\n")
-    import yaml  # noqa: F401 - the loader below is torchforge's
-
     from torchforge.recipe import _load_yaml_unique
 
     data = _load_yaml_unique(path.read_text())["recipe"]
