@@ -294,6 +294,72 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   return out;
 }
 
+namespace {
+// Arguments both grouped ops share (awq_mma_moe_cuda, awq_wgmma_moe_cuda): device, dtypes, ranks, the experts' shapes
+// for groups of group_size (a multiple of group_multiple), where the routed rows read x, and contiguity.
+void check_grouped(const std::string& op, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                   const at::Tensor& qzeros, const at::Tensor& sorted_rows, const at::Tensor& block_expert,
+                   int64_t num_rows, int64_t x_row_div, int64_t group_size, int64_t group_multiple,
+                   const std::string& group_rule) {
+  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda() && sorted_rows.is_cuda() &&
+                  block_expert.is_cuda(),
+              op + "all tensors must be CUDA tensors");
+  check_mma_dtypes(op, x, scales);
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt &&
+                  sorted_rows.scalar_type() == at::kInt && block_expert.scalar_type() == at::kInt,
+              op + "qweight, qzeros, sorted_rows and block_expert must be int32");
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3 && qzeros.dim() == 3 && sorted_rows.dim() == 1 &&
+                  block_expert.dim() == 1,
+              op + "expected x [X, K], qweight / scales / qzeros [E, ...], sorted_rows [B * block], block_expert [B]");
+  TORCH_CHECK(group_size > 0 && group_size % group_multiple == 0,
+              op + "group_size must be a multiple of " + group_rule + ", got " + i2s(group_size));
+  const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64;
+  TORCH_CHECK(K % group_size == 0 && qweight.size(2) == K * 8,
+              op + "qweight must be [E, N / 64, K * 8] with K = " + i2s(K) + " a multiple of group_size, got " +
+                  shape_str(qweight.sizes()));
+  TORCH_CHECK(scales.size(0) == E && scales.size(1) == K / group_size && scales.size(2) == N && qzeros.size(0) == E &&
+                  qzeros.size(1) == K / group_size && qzeros.size(2) == N / 8,
+              op + "scales must be [E, K/G, N] = [" + i2s(E) + ", " + i2s(K / group_size) + ", " + i2s(N) +
+                  "] and qzeros [E, K/G, N/8], got " + shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
+  TORCH_CHECK(x_row_div >= 1 && num_rows >= 0 && x.size(0) * x_row_div >= num_rows,
+              op + "x has " + i2s(x.size(0)) + " rows; routed rows r < " + i2s(num_rows) + " read x[r / " +
+                  i2s(x_row_div) + "]");
+  for (const at::Tensor* t : {&x, &qweight, &scales, &qzeros, &sorted_rows, &block_expert})
+    TORCH_CHECK(t->device() == x.device() && t->is_contiguous(), op + "all tensors must be contiguous, on x's device");
+}
+
+// The optional shared expert (id E, stored apart): all three tensors or none, each of one routed expert's shape and
+// dtype, contiguous on x's device; shared_qweight 16-byte aligned (and, with all_aligned, its scales and zeros: bulk
+// copies). Returns whether there is one.
+bool check_shared_expert(const std::string& op, const at::Tensor& x, const at::Tensor& qweight,
+                         const at::Tensor& scales, const at::Tensor& qzeros,
+                         const c10::optional<at::Tensor>& shared_qweight,
+                         const c10::optional<at::Tensor>& shared_scales,
+                         const c10::optional<at::Tensor>& shared_qzeros, bool all_aligned) {
+  const bool shared = shared_qweight.has_value();
+  TORCH_CHECK(shared == shared_scales.has_value() && shared == shared_qzeros.has_value(),
+              op + "pass all three of shared_qweight, shared_scales and shared_qzeros, or none");
+  if (!shared) return false;
+  const at::Tensor &sq = *shared_qweight, &ss = *shared_scales, &sz = *shared_qzeros;
+  TORCH_CHECK(sq.sizes() == qweight.sizes().slice(1) && ss.sizes() == scales.sizes().slice(1) &&
+                  sz.sizes() == qzeros.sizes().slice(1),
+              op + "the shared expert's tensors must have one routed expert's shapes " +
+                  shape_str(qweight.sizes().slice(1)) + ", " + shape_str(scales.sizes().slice(1)) + ", " +
+                  shape_str(qzeros.sizes().slice(1)) + ", got " + shape_str(sq.sizes()) + ", " +
+                  shape_str(ss.sizes()) + ", " + shape_str(sz.sizes()));
+  TORCH_CHECK(sq.scalar_type() == at::kInt && ss.scalar_type() == scales.scalar_type() &&
+                  sz.scalar_type() == at::kInt,
+              op + "the shared expert's qweight and qzeros must be int32 and its scales in the experts' dtype");
+  for (const at::Tensor* t : {&sq, &ss, &sz})
+    TORCH_CHECK(t->device() == x.device() && t->is_contiguous(),
+                op + "the shared expert's tensors must be contiguous, on x's device");
+  TORCH_CHECK(aligned16(sq) && (!all_aligned || (aligned16(ss) && aligned16(sz))),
+              op + (all_aligned ? "the shared expert's tensors must be 16-byte aligned"
+                                : "shared_qweight must be 16-byte aligned"));
+  return true;
+}
+}  // namespace
+
 // Grouped (MoE) form of awq_mma_cuda: x [X, K]; expert weights in the mma layout qweight [E, N / 64, K * 8],
 // scales [E, K/G, N] (fp16, or bf16 with bf16 x), qzeros [E, K/G, N/8]; routed rows sorted by expert
 // (torchforge.ops.moe_align with blocks of 8 or 16: sorted_rows int32 [B * block], block_expert int32 [B]; or,
@@ -310,28 +376,10 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
                             const c10::optional<at::Tensor>& shared_qzeros, int64_t warps) {
   const std::string op = "awq_mma_moe_cuda: ";
   TORCH_CHECK(warps == 4 || warps == 8, op + "warps must be 4 or 8, got " + i2s(warps));
-  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda() && sorted_rows.is_cuda() &&
-                  block_expert.is_cuda(),
-              op + "all tensors must be CUDA tensors");
-  check_mma_dtypes(op, x, scales);
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt &&
-                  sorted_rows.scalar_type() == at::kInt && block_expert.scalar_type() == at::kInt,
-              op + "qweight, qzeros, sorted_rows and block_expert must be int32");
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3 && qzeros.dim() == 3 && sorted_rows.dim() == 1 &&
-                  block_expert.dim() == 1,
-              op + "expected x [X, K], qweight / scales / qzeros [E, ...], sorted_rows [B * block], block_expert [B]");
   TORCH_CHECK(item_chunks == 1 || item_chunks == 2, op + "item_chunks must be 1 or 2, got " + i2s(item_chunks));
-  TORCH_CHECK(group_size > 0 && group_size % (64 * item_chunks) == 0,
-              op + "group_size must be a multiple of 64 * item_chunks = " + i2s(64 * item_chunks) + ", got " +
-                  i2s(group_size));
+  check_grouped(op, x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size,
+                64 * item_chunks, "64 * item_chunks = " + i2s(64 * item_chunks));
   const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64, B = block_expert.size(0);
-  TORCH_CHECK(K % group_size == 0 && qweight.size(2) == K * 8,
-              op + "qweight must be [E, N / 64, K * 8] with K = " + i2s(K) + " a multiple of group_size, got " +
-                  shape_str(qweight.sizes()));
-  TORCH_CHECK(scales.size(0) == E && scales.size(1) == K / group_size && scales.size(2) == N && qzeros.size(0) == E &&
-                  qzeros.size(1) == K / group_size && qzeros.size(2) == N / 8,
-              op + "scales must be [E, K/G, N] = [" + i2s(E) + ", " + i2s(K / group_size) + ", " + i2s(N) +
-                  "] and qzeros [E, K/G, N/8], got " + shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
   // direct mode: sorted_rows empty, block_expert = the expert id of each routed row (one row per block)
   const bool direct = sorted_rows.numel() == 0;
   TORCH_CHECK(!direct || B == num_rows,
@@ -341,37 +389,15 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
               op + "sorted_rows must hold B * block rows for B = " + i2s(B) + " blocks");
   const int64_t block_rows = direct ? 8 : sorted_rows.numel() / B;
   TORCH_CHECK(block_rows == 8 || block_rows == 16, op + "blocks of 8 or 16 rows, got " + i2s(block_rows));
-  TORCH_CHECK(x_row_div >= 1 && num_rows >= 0 && x.size(0) * x_row_div >= num_rows,
-              op + "x has " + i2s(x.size(0)) + " rows; routed rows r < " + i2s(num_rows) + " read x[r / " +
-                  i2s(x_row_div) + "]");
   const int64_t items = K / (64 * item_chunks);
   TORCH_CHECK(splits >= 1 && splits <= items && splits <= 65535,
               op + "splits must be in [1, K / (64 * item_chunks) = " + i2s(items) + "], got " + i2s(splits));
   TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && num_rows < (int64_t{1} << 30) &&
                   E < (int64_t{1} << 20) && x.numel() < (int64_t{1} << 34),
               op + "K, num_rows must be < 2^30, N < 2^22, E < 2^20 and x smaller than 2^34 elements");
-  for (const at::Tensor* t : {&x, &qweight, &scales, &qzeros, &sorted_rows, &block_expert})
-    TORCH_CHECK(t->device() == x.device() && t->is_contiguous(), op + "all tensors must be contiguous, on x's device");
   TORCH_CHECK(aligned16(x) && aligned16(qweight), op + "x and qweight must be 16-byte aligned");
-  const bool shared = shared_qweight.has_value();
-  TORCH_CHECK(shared == shared_scales.has_value() && shared == shared_qzeros.has_value(),
-              op + "pass all three of shared_qweight, shared_scales and shared_qzeros, or none");
-  if (shared) {  // one more expert (id E), stored apart: its tensors are those of one routed expert
-    const at::Tensor &sq = *shared_qweight, &ss = *shared_scales, &sz = *shared_qzeros;
-    TORCH_CHECK(sq.sizes() == qweight.sizes().slice(1) && ss.sizes() == scales.sizes().slice(1) &&
-                    sz.sizes() == qzeros.sizes().slice(1),
-                op + "the shared expert's tensors must have one routed expert's shapes " +
-                    shape_str(qweight.sizes().slice(1)) + ", " + shape_str(scales.sizes().slice(1)) + ", " +
-                    shape_str(qzeros.sizes().slice(1)) + ", got " + shape_str(sq.sizes()) + ", " +
-                    shape_str(ss.sizes()) + ", " + shape_str(sz.sizes()));
-    TORCH_CHECK(sq.scalar_type() == at::kInt && ss.scalar_type() == scales.scalar_type() &&
-                    sz.scalar_type() == at::kInt,
-                op + "the shared expert's qweight and qzeros must be int32 and its scales in the experts' dtype");
-    for (const at::Tensor* t : {&sq, &ss, &sz})
-      TORCH_CHECK(t->device() == x.device() && t->is_contiguous(),
-                  op + "the shared expert's tensors must be contiguous, on x's device");
-    TORCH_CHECK(aligned16(sq), op + "shared_qweight must be 16-byte aligned");
-  }
+  const bool shared = check_shared_expert(op, x, qweight, scales, qzeros, shared_qweight, shared_scales,
+                                          shared_qzeros, false);
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor partial = at::empty({splits, num_rows, N}, x.options().dtype(at::kFloat));
   if (num_rows == 0 || N == 0) return partial;
@@ -462,55 +488,23 @@ at::Tensor awq_wgmma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, co
                               const c10::optional<at::Tensor>& shared_scales,
                               const c10::optional<at::Tensor>& shared_qzeros, bool producer_warp) {
   const std::string op = "awq_wgmma_moe_cuda: ";
-  TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda() && sorted_rows.is_cuda() &&
-                  block_expert.is_cuda(),
-              op + "all tensors must be CUDA tensors");
-  check_mma_dtypes(op, x, scales);
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qzeros.scalar_type() == at::kInt &&
-                  sorted_rows.scalar_type() == at::kInt && block_expert.scalar_type() == at::kInt,
-              op + "qweight, qzeros, sorted_rows and block_expert must be int32");
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3 && qzeros.dim() == 3 && sorted_rows.dim() == 1 &&
-                  block_expert.dim() == 1,
-              op + "expected x [X, K], qweight / scales / qzeros [E, ...], sorted_rows [B * block_m], block_expert [B]");
   TORCH_CHECK((block_m == 64 || block_m == 128) && tile_set == 2,
               op + "(block_m, tile_set) must be (64, 2) or (128, 2), got (" + i2s(block_m) + ", " + i2s(tile_set) + ")");
-  TORCH_CHECK(group_size > 0 && group_size % 64 == 0, op + "group_size must be a multiple of 64, got " + i2s(group_size));
+  check_grouped(op, x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, 64, "64");
   const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64, B = block_expert.size(0);
-  TORCH_CHECK(K > 0 && K % group_size == 0 && qweight.size(2) == K * 8,
-              op + "qweight must be [E, N / 64, K * 8] with K = " + i2s(K) + " a positive multiple of group_size, got " +
-                  shape_str(qweight.sizes()));
-  TORCH_CHECK(scales.size(0) == E && scales.size(1) == K / group_size && scales.size(2) == N && qzeros.size(0) == E &&
-                  qzeros.size(1) == K / group_size && qzeros.size(2) == N / 8,
-              op + "scales must be [E, K/G, N] = [" + i2s(E) + ", " + i2s(K / group_size) + ", " + i2s(N) +
-                  "] and qzeros [E, K/G, N/8], got " + shape_str(scales.sizes()) + " and " + shape_str(qzeros.sizes()));
+  TORCH_CHECK(K > 0, op + "K must be positive (x [X, K]), got K = 0");
   TORCH_CHECK(sorted_rows.numel() == B * block_m,
               op + "sorted_rows must hold B * block_m = " + i2s(B) + " * " + i2s(block_m) + " rows (moe_align with "
                    "block_m), got " + i2s(sorted_rows.numel()));
-  TORCH_CHECK(x_row_div >= 1 && num_rows >= 0 && x.size(0) * x_row_div >= num_rows,
-              op + "x has " + i2s(x.size(0)) + " rows; routed rows r < " + i2s(num_rows) + " read x[r / " +
-                  i2s(x_row_div) + "]");
   TORCH_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 22) && num_rows < (int64_t{1} << 30) &&
                   B * block_m < (int64_t{1} << 30) && E < (int64_t{1} << 20) && x.numel() < (int64_t{1} << 34) &&
                   (K / 64) * (group_size / 64) < (int64_t{1} << 32),
               op + "K, num_rows and the sorted rows must be < 2^30, N < 2^22, E < 2^20, x smaller than 2^34 elements "
                    "and (K / 64) (group_size / 64) < 2^32");
-  for (const at::Tensor* t : {&x, &qweight, &scales, &qzeros, &sorted_rows, &block_expert})
-    TORCH_CHECK(t->device() == x.device() && t->is_contiguous(), op + "all tensors must be contiguous, on x's device");
   TORCH_CHECK(aligned16(x) && aligned16(qweight) && aligned16(scales) && aligned16(qzeros),
               op + "x, qweight, scales and qzeros must be 16-byte aligned");
-  const bool shared = shared_qweight.has_value();
-  TORCH_CHECK(shared == shared_scales.has_value() && shared == shared_qzeros.has_value(),
-              op + "pass all three of shared_qweight, shared_scales and shared_qzeros, or none");
-  if (shared) {
-    const at::Tensor &sq = *shared_qweight, &ss = *shared_scales, &sz = *shared_qzeros;
-    TORCH_CHECK(sq.sizes() == qweight.sizes().slice(1) && ss.sizes() == scales.sizes().slice(1) &&
-                    sz.sizes() == qzeros.sizes().slice(1) && sq.scalar_type() == at::kInt &&
-                    ss.scalar_type() == scales.scalar_type() && sz.scalar_type() == at::kInt,
-                op + "the shared expert's tensors must have one routed expert's shapes and dtypes");
-    for (const at::Tensor* t : {&sq, &ss, &sz})
-      TORCH_CHECK(t->device() == x.device() && t->is_contiguous() && aligned16(*t),
-                  op + "the shared expert's tensors must be contiguous, 16-byte aligned, on x's device");
-  }
+  const bool shared = check_shared_expert(op, x, qweight, scales, qzeros, shared_qweight, shared_scales,
+                                          shared_qzeros, true);
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
