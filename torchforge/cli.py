@@ -6,6 +6,19 @@ import json
 import sys
 
 
+def _torch_load(path: str, what: str, fix: str):
+    """torch.load(path) on the CPU (weights only); a file it cannot read (truncated, foreign: pickle, zip and unpickler
+    errors of every kind) is a ValueError naming `what` and the `fix`. A missing file raises as it is."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        raise ValueError(f"{what} cannot be read by torch.load ({type(e).__name__}: {e}); {fix}") from e
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -66,13 +79,7 @@ def _plot_hitmap(args) -> int:
     from torchforge.prune import build_expert_map, load_expert_map
     from torchforge.prune.heatmap import save_hitmap_png
 
-    try:
-        obj = torch.load(args.hit_map, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # a truncated or foreign file: pickle, zip and unpickler errors of every kind
-        raise ValueError(f"{args.hit_map} cannot be read by torch.load ({type(e).__name__}: {e}); pass a "
-                         "torch-saved [L, E] tensor or a dict with a 'hit_map' tensor") from e
+    obj = _torch_load(args.hit_map, args.hit_map, "pass a torch-saved [L, E] tensor or a dict with a 'hit_map' tensor")
     hit = obj.get("hit_map") if isinstance(obj, dict) else obj
     if not isinstance(hit, torch.Tensor):
         what = (f"a dict without a 'hit_map' tensor (keys: {', '.join(map(str, list(obj)[:6]))})"
@@ -125,13 +132,8 @@ def _quantize(args) -> int:
         return 0
     calib = None
     if args.calib_ids:
-        try:
-            calib = torch.load(args.calib_ids, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # a truncated or foreign file: pickle, zip and unpickler errors of every kind
-            raise ValueError(f"--calib-ids {args.calib_ids} cannot be read by torch.load ({type(e).__name__}: {e}); "
-                             "save the input_ids with torch.save(tensor, path)") from e
+        calib = _torch_load(args.calib_ids, f"--calib-ids {args.calib_ids}",
+                            "save the input_ids with torch.save(tensor, path)")
         if not isinstance(calib, torch.Tensor) or calib.dim() != 2 or calib.is_floating_point():
             raise ValueError(f"--calib-ids {args.calib_ids}: expected a saved integer input_ids tensor [N, S]")
         _check_calib_ids(calib, args.calib_ids, args.src)

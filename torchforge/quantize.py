@@ -107,16 +107,22 @@ def _select_and_check(model: nn.Module, recipe: Recipe) -> list:
 
         return select_and_check_gptq(model, recipe)
     selected = recipe.select(model, check_fused=False)
-    err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
-    if err:
-        raise ValueError(err)
-    check_moe_blocks(model, selected, recipe.quantize_experts)
+    check_selection(model, selected, recipe.quantize_experts)
     check_quantizable(selected, lambda m: ForgeAWQLinear(m.in_features, m.out_features, bias=m.bias is not None,
                                                           group_size=recipe.group_size, symmetric=recipe.symmetric,
                                                           device="meta"),
                       lambda m: ForgeAWQExperts.empty_for(m, recipe.group_size, recipe.symmetric, device="meta"),
                       recipe.quantize_experts, op="awq_quantize")
     return selected
+
+
+def check_selection(model: nn.Module, selected, quantize_experts: bool) -> None:
+    """What every scheme's selection passes before a swap: fused groups (q/k/v, gate/up) selected whole or not at all,
+    and fused experts only in MoE blocks ForgeMoE can wrap."""
+    err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
+    if err:
+        raise ValueError(err)
+    check_moe_blocks(model, selected, quantize_experts)
 
 
 def check_moe_blocks(model: nn.Module, selected, quantize_experts: bool) -> None:

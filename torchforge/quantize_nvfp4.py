@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from torchforge.export.naming import VLLM_FUSED
-from torchforge.matching import is_fused_experts, paired_modules_error
+from torchforge.matching import is_fused_experts
 from torchforge.nn.nvfp4_experts import NVFP4Experts
 from torchforge.nn.nvfp4_linear import E2M1_E4M3_MAX, NVFP4Linear
 from torchforge.nn.nvfp4_moe import NVFP4MoE
@@ -115,13 +115,10 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
 
 def select_and_check_nvfp4(model: nn.Module, recipe: Recipe) -> list:
     """The recipe's modules, each checked (shapes, finite weights) before any is replaced."""
-    from torchforge.quantize import check_moe_blocks, check_quantizable
+    from torchforge.quantize import check_quantizable, check_selection
 
     selected = recipe.select(model, check_fused=False)
-    err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
-    if err:
-        raise ValueError(err)
-    check_moe_blocks(model, selected, recipe.quantize_experts)
+    check_selection(model, selected, recipe.quantize_experts)
     check_quantizable(selected, lambda m: NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None,
                                                        device="meta"),
                       lambda m: NVFP4Experts.empty_for(m, device="meta"), recipe.quantize_experts,

@@ -23,9 +23,9 @@ from torchforge.export.vllm_awq import vllm_awq_quantization_config
 from torchforge.io import iter_checkpoint
 from torchforge.io.checkpoint import CheckpointError
 from torchforge.io.shard_writer import ShardWriter
-from torchforge.matching import is_fused_experts, paired_modules_error
+from torchforge.matching import is_fused_experts
 from torchforge.ops import awq_quantize
-from torchforge.quantize import check_moe_blocks
+from torchforge.quantize import check_selection
 from torchforge.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -34,10 +34,7 @@ log = logging.getLogger(__name__)
 def _targets(model: nn.Module, recipe: Recipe) -> tuple[set[str], set[str]]:
     """(Linear module names, fused-experts module names) that `torchforge.quantize` would quantize."""
     selected = recipe.select(model, check_fused=False)
-    err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
-    if err:
-        raise ValueError(err)
-    check_moe_blocks(model, selected, recipe.quantize_experts)  # before any shard is written, as quantize does
+    check_selection(model, selected, recipe.quantize_experts)  # before any shard is written, as quantize does
     linears = {n for n, m in selected if isinstance(m, nn.Linear)}
     experts = {n for n, m in selected if is_fused_experts(m)} if recipe.quantize_experts else set()
     return linears, experts

@@ -44,7 +44,7 @@ from torch import nn
 
 from torchforge.gptq.hessian import HessianAccumulator
 from torchforge.gptq.solver import GPTQResult, check_scale_range, solve_batched
-from torchforge.matching import is_fused_experts, paired_modules_error
+from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.gptq_linear import ForgeGPTQLinear
 from torchforge.nn.moe import ForgeMoE
@@ -347,12 +347,9 @@ def select_and_check_gptq(model: nn.Module, recipe) -> list:
     if not recipe.quantize_experts:
         selected = [(n, m) for n, m in selected if not is_fused_experts(m)]
     selected = [(n, m) for n, m in selected if is_fused_experts(m) or isinstance(m, nn.Linear)]
-    err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
-    if err:
-        raise ValueError(err)
-    from torchforge.quantize import check_moe_blocks
+    from torchforge.quantize import check_selection
 
-    check_moe_blocks(model, selected, recipe.quantize_experts)
+    check_selection(model, selected, recipe.quantize_experts)
     for name, mod in selected:
         _check_module(name, mod, recipe)
     return selected
