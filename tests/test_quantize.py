@@ -293,11 +293,17 @@ def test_recipe_prune_on_a_pruned_model_needs_the_same_map(tmp_path):
         torchforge.quantize(other, {**RECIPE, "prune": {**prune, "keep_k": 3}})
 
 
-def test_a_second_quantize_is_refused():
-    """A second recipe was a no-op on the swapped modules, yet it replaced the recorded recipe the exports describe."""
-    model = torchforge.quantize(models.build("llama"), RECIPE)
+def test_a_second_quantize_is_refused(tmp_path):
+    """A second recipe was a no-op on the swapped modules, yet it replaced the recorded recipe the exports describe;
+    on a model from load_quantized (which records no recipe) it quantized the rest with other settings."""
+    model = torchforge.quantize(models.build("llama"), {**RECIPE, "ignore": ["lm_head", "re:.*mlp.*"]})
     with pytest.raises(ValueError, match="already quantized \\(scheme 'w4a16-rtn'\\); quantize a fresh model"):
         torchforge.quantize(model, {**RECIPE, "group_size": 64})
+    torchforge.save_quantized(model, str(tmp_path))
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    with pytest.raises(ValueError, match=r"already quantized \(model\.layers\.0\.self_attn\.q_proj is a "
+                                         r"ForgeAWQLinear\)"):
+        torchforge.quantize(reloaded, {**RECIPE, "group_size": 64})
 
 
 def test_a_tied_head_is_refused_in_both_paths(tmp_path):

@@ -38,10 +38,7 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     `w4a16-gptq` calibrates on `calib_data` (see torchforge.gptq.calibrate; `gptq`: a GPTQConfig or dict).
     """
     recipe = Recipe.coerce(recipe)
-    earlier = getattr(model, RECIPE_ATTR, None)
-    if earlier is not None:  # its exports describe one recipe: a second would be recorded over the first
-        raise ValueError(f"quantize: this model is already quantized (scheme {earlier.scheme!r}); quantize a fresh "
-                         "model with one recipe whose targets / ignore cover every module to quantize")
+    _refuse_quantized(model)
     if recipe.prune is not None:  # prune first; quantization then covers only the kept experts
         from torchforge.prune.from_recipe import prune_from_recipe
 
@@ -88,6 +85,21 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     _mark_quantized(model, recipe)
     log.info("quantize: %(linear)d linear layers and %(moe)d MoE expert blocks", counts)
     return model
+
+
+def _refuse_quantized(model: nn.Module) -> None:
+    """A model is quantized once: its exports describe one recipe, and a second would be recorded over the first (or,
+    on a model from load_quantized, which records none, mix group sizes or schemes that no format holds)."""
+    from torchforge.nn import ForgeAWQExperts, ForgeAWQLinear, ForgeGPTQLinear, NVFP4Experts, NVFP4Linear
+
+    earlier = getattr(model, RECIPE_ATTR, None)
+    kinds = (ForgeAWQLinear, ForgeGPTQLinear, ForgeAWQExperts, NVFP4Linear, NVFP4Experts)
+    found = earlier is not None or next((n for n, m in model.named_modules() if isinstance(m, kinds)), None)
+    if found:
+        what = (f"scheme {earlier.scheme!r}" if earlier is not None
+                else f"{found} is a {type(model.get_submodule(found)).__name__}")
+        raise ValueError(f"quantize: this model is already quantized ({what}); quantize a fresh model with one recipe "
+                         "whose targets / ignore cover every module to quantize")
 
 
 def _mark_quantized(model: nn.Module, recipe: Recipe) -> None:

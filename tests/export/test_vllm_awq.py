@@ -297,6 +297,17 @@ def test_a_resave_of_another_model_leaves_none_of_its_tokenizer_files(fmt, tmp_p
     assert (out / "tokenizer_config.json").read_text() == '{"chat_template": "MODEL B"}'
 
 
+def test_a_tokenizer_saved_into_the_folder_first_stays_when_the_export_has_none(tmp_path):
+    """tok.save_pretrained(out) then save_quantized(model, out), the model from a hub id (nothing to copy): the
+    export's clearing of an earlier model's tokenizer files took the user's own with it."""
+    model = torchforge.quantize(models.build("llama"), RECIPE)
+    model.name_or_path = "org/some-model"  # what from_pretrained of a hub id records
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("T")
+    torchforge.save_quantized(model, str(tmp_path))
+    assert (tmp_path / "tokenizer.json").read_text() == "{}" and (tmp_path / "chat_template.jinja").read_text() == "T"
+
+
 def test_a_save_into_the_folder_the_model_came_from_is_refused(tmp_path):
     """save_quantized(model, <its source folder>) replaced the bf16 checkpoint (the CLI already refused OUT = SRC)."""
     from transformers import AutoModelForCausalLM

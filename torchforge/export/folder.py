@@ -82,16 +82,23 @@ def refuse_source_folder(model: nn.Module, out_dir: str) -> None:
                          "checkpoint; write it to another folder")
 
 
-def begin_folder(out_dir: str, tokenizer_from: str | None = None) -> None:
+def _has_tokenizer_files(folder: str | None) -> bool:
+    return bool(folder) and os.path.isdir(folder) and any(
+        os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+
+
+def begin_folder(out_dir: str, tokenizer_from: str | None = None, *, tokenizer=None) -> None:
     """Before an export writes anything into `out_dir`: create it, and take away a config.json an earlier save left
     (and its generation_config.json, which finish_folder only writes where none exists). A folder with a config.json
     counts as complete, so a re-save that dies after its new shards must not leave the old one beside them. The
     earlier save's side files go too (STALE_SIDE_FILES), and its tokenizer files (TOKENIZER_FILES: another model's
-    tokenizer.json or chat template must not stay beside this one's), unless `out_dir` is `tokenizer_from`, the
-    folder this export copies them from."""
+    tokenizer.json or chat template must not stay beside this one's) where this export writes a tokenizer of its own
+    (a `tokenizer` object, or files in the folder `tokenizer_from`, unless that is `out_dir`): a tokenizer the user
+    saved into `out_dir` first, for an export with none to copy, stays."""
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = () if _same_folder(tokenizer_from, out_dir) else TOKENIZER_FILES
-    for name in ("config.json", "generation_config.json", *tokenizer, *STALE_SIDE_FILES):
+    replaced = tokenizer is not None or (_has_tokenizer_files(tokenizer_from)
+                                         and not _same_folder(tokenizer_from, out_dir))
+    for name in ("config.json", "generation_config.json", *(TOKENIZER_FILES if replaced else ()), *STALE_SIDE_FILES):
         path = os.path.join(out_dir, name)
         if os.path.exists(path):
             os.remove(path)

@@ -253,7 +253,7 @@ def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, sour
     check_pruned_export(model)
     state = w4_state_dict(model, format, dtype)
     refuse_source_folder(model, out_dir)
-    begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
+    begin_folder(out_dir, tokenizer_source(model, source_dir), tokenizer=tokenizer)  # no config.json before the tensors
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in mods})}
     state, edit_config = prune_for_save(model, state, out_dir, meta)  # pruned MoE: as for every format

@@ -215,7 +215,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
 
     check_pruned_export(model)
     refuse_source_folder(model, out_dir)
-    begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
+    begin_folder(out_dir, tokenizer_source(model, source_dir), tokenizer=tokenizer)  # no config.json before the tensors
 
     state, exact = nvfp4_state_dict(model, format, dtype)
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None, "w4a4": _w4a4(model)}

@@ -151,7 +151,7 @@ def save_quantized(model: nn.Module, out_dir: str, format: str | None = None, *,
 
     check_pruned_export(model)
     refuse_source_folder(model, out_dir)
-    begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
+    begin_folder(out_dir, tokenizer_source(model, source_dir), tokenizer=tokenizer)  # no config.json before the tensors
     state = export_state_dict(model, dtype)
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in _quantized_modules(model)})}

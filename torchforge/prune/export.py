@@ -229,7 +229,7 @@ def save_pruned(model: nn.Module, out_dir: str, *, dtype: torch.dtype | None = N
     check_pruned_export(model)
     state, meta = export_pruned(model, export_state_dict(model, dtype), out_dir)
     refuse_source_folder(model, out_dir)
-    begin_folder(out_dir, tokenizer_source(model, source_dir))  # no config.json until the new tensors are in
+    begin_folder(out_dir, tokenizer_source(model, source_dir), tokenizer=tokenizer)  # no config.json before the tensors
     save_sharded(checkpoint_state(state, model), out_dir, max_shard_bytes=max_shard_bytes, metadata={"torchforge": "pruned"})
     cfg = apply_pruned_config(model.config.to_dict(), model)
     cfg["architectures"] = [type(model).__name__]
