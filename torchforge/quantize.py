@@ -119,7 +119,7 @@ def _select_and_check(model: nn.Module, recipe: Recipe) -> list:
 
         return select_and_check_gptq(model, recipe)
     selected = recipe.select(model, check_fused=False)
-    check_selection(model, selected, recipe.quantize_experts)
+    check_selection(model, selected, recipe)
     check_quantizable(selected, lambda m: ForgeAWQLinear(m.in_features, m.out_features, bias=m.bias is not None,
                                                           group_size=recipe.group_size, symmetric=recipe.symmetric,
                                                           device="meta"),
@@ -128,13 +128,20 @@ def _select_and_check(model: nn.Module, recipe: Recipe) -> list:
     return selected
 
 
-def check_selection(model: nn.Module, selected, quantize_experts: bool) -> None:
+def check_selection(model: nn.Module, selected, recipe: Recipe) -> None:
     """What every scheme's selection passes before a swap: fused groups (q/k/v, gate/up) selected whole or not at all,
-    and fused experts only in MoE blocks ForgeMoE can wrap."""
+    fused experts only in MoE blocks ForgeMoE can wrap, and a recipe whose export format can hold the result."""
     err = paired_modules_error([n for n, _ in selected], [n for n, _ in model.named_modules()])
     if err:
         raise ValueError(err)
-    check_moe_blocks(model, selected, quantize_experts)
+    check_moe_blocks(model, selected, recipe.quantize_experts)
+    experts = recipe.quantize_experts and any(is_fused_experts(m) for _, m in selected)
+    if experts and recipe.export_format == "vllm-gptq" and not recipe.symmetric:
+        # save_quantized refuses it (gptq_export.check_vllm_kernels: vLLM's GPTQ MoE path drops zero points); said
+        # here, before the model is quantized
+        raise ValueError("quantize: an asymmetric recipe with export_format 'vllm-gptq' cannot be exported for MoE "
+                         "experts (vLLM's GPTQ MoE path assumes symmetric codes); use export_format "
+                         "'compressed-tensors' or 'vllm-awq', or symmetric=True; the model is unchanged")
 
 
 def check_moe_blocks(model: nn.Module, selected, quantize_experts: bool) -> None:

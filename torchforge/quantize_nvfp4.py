@@ -118,7 +118,7 @@ def select_and_check_nvfp4(model: nn.Module, recipe: Recipe) -> list:
     from torchforge.quantize import check_quantizable, check_selection
 
     selected = recipe.select(model, check_fused=False)
-    check_selection(model, selected, recipe.quantize_experts)
+    check_selection(model, selected, recipe)
     check_quantizable(selected, lambda m: NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None,
                                                        device="meta"),
                       lambda m: NVFP4Experts.empty_for(m, device="meta"), recipe.quantize_experts,

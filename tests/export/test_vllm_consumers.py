@@ -46,6 +46,11 @@ def test_exports_vllm_would_misread_or_run_slowly(tmp_path, caplog):
         torchforge.save_quantized(moe, str(tmp_path / "g"), format="vllm-gptq")
     assert not (tmp_path / "g").exists()
     torchforge.save_quantized(moe, str(tmp_path / "ct"), format="compressed-tensors")  # fine there
+    fresh = models.build("qwen3_moe", dtype=torch.bfloat16)  # with the format in the recipe: refused before quantizing
+    with pytest.raises(ValueError, match="asymmetric recipe with export_format 'vllm-gptq' cannot be exported for "
+                                         "MoE experts.*the model is unchanged"):
+        torchforge.quantize(fresh, {**asym, "export_format": "vllm-gptq"})
+    assert not any("Forge" in type(m).__name__ for m in fresh.modules())
     with caplog.at_level(logging.WARNING, logger="torchforge.export.gptq_export"):
         dense = torchforge.quantize(models.build("llama", dtype=torch.bfloat16), asym)
         torchforge.save_quantized(dense, str(tmp_path / "d"), format="vllm-gptq")

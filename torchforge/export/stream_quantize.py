@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 def _targets(model: nn.Module, recipe: Recipe) -> tuple[set[str], set[str]]:
     """(Linear module names, fused-experts module names) that `torchforge.quantize` would quantize."""
     selected = recipe.select(model, check_fused=False)
-    check_selection(model, selected, recipe.quantize_experts)  # before any shard is written, as quantize does
+    check_selection(model, selected, recipe)  # before any shard is written, as quantize does
     linears = {n for n, m in selected if isinstance(m, nn.Linear)}
     experts = {n for n, m in selected if is_fused_experts(m)} if recipe.quantize_experts else set()
     return linears, experts

@@ -349,7 +349,7 @@ def select_and_check_gptq(model: nn.Module, recipe) -> list:
     selected = [(n, m) for n, m in selected if is_fused_experts(m) or isinstance(m, nn.Linear)]
     from torchforge.quantize import check_selection
 
-    check_selection(model, selected, recipe.quantize_experts)
+    check_selection(model, selected, recipe)
     for name, mod in selected:
         _check_module(name, mod, recipe)
     return selected
