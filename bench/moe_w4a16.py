@@ -8,9 +8,11 @@ Ours: ForgeAWQExperts (group 128) through awq_moe_gemm: the grouped GEMV (awq_mo
 routed rows are few relative to the experts (`use_moe_gemv`; the `path` column), else the expert-sorted
 Triton grouped GEMM. Times: eager medians (both sides launch from Python) and, where capture works,
 CUDA-graph medians. `floor` is the int4 bytes of the experts actually hit over the measured copy bandwidth.
-The `mma` columns: the same experts after `ForgeAWQExperts.use_mma_layout()` (grouped tensor-core kernel of
-csrc/awq_mma.cu + the same epilogue reduce kernels), timed after the AWQ rows in the same run, with HF bf16
-timed again beside them.
+The `mma` columns: the same experts after `ForgeAWQExperts.use_mma_layout()` (the grouped mma.sync kernel of
+csrc/awq_mma_moe.cu, or from WGMMA_MOE_MIN_ROWS_PER_EXPERT routed rows per expert on Hopper the grouped wgmma kernel
+of csrc/awq_wgmma.cu; the `mma kernel` column says which; + the same epilogue reduce kernels), timed after the AWQ
+rows in the same run, with HF bf16 timed again beside them. Where the wgmma kernel ran, the `mma.sync-only` columns
+time the mma.sync kernel on the same call (MOE_WGMMA = False).
 
 `--gemv-sweep` runs alone (no HF model, random AWQ words, ~1-2 min): the grouped GEMV by itself (its split-K
 reduce included) on gate_up [E, 7168, 4096/8] and down [E, 2048, 7168/8] at M tokens x top-8 over BLOCK_W,
