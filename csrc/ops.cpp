@@ -370,11 +370,14 @@ bool check_shared_expert(const std::string& op, const at::Tensor& x, const at::T
 // shared_scales [K/G, N], shared_qzeros [K/G, N/8]: a shared expert, routed as expert id E.
 at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const at::Tensor& qzeros, const at::Tensor& sorted_rows, const at::Tensor& block_expert,
-                            int64_t num_rows, int64_t x_row_div, int64_t group_size, int64_t splits,
+                            c10::SymInt num_rows_sym, int64_t x_row_div, int64_t group_size, int64_t splits,
                             int64_t item_chunks, const c10::optional<at::Tensor>& shared_qweight,
                             const c10::optional<at::Tensor>& shared_scales,
                             const c10::optional<at::Tensor>& shared_qzeros, int64_t warps) {
   const std::string op = "awq_mma_moe_cuda: ";
+  // SymInt in the schema: an int there would pin the routed row count (the prefill length) under torch.compile
+  // to one value per graph; here, running, it is always concrete
+  const int64_t num_rows = num_rows_sym.expect_int();
   TORCH_CHECK(warps == 4 || warps == 8, op + "warps must be 4 or 8, got " + i2s(warps));
   TORCH_CHECK(item_chunks == 1 || item_chunks == 2, op + "item_chunks must be 1 or 2, got " + i2s(item_chunks));
   check_grouped(op, x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size,
@@ -483,11 +486,13 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
 // (the mma.sync kernel: once per 8 or 16). sm_90 devices only.
 at::Tensor awq_wgmma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                               const at::Tensor& qzeros, const at::Tensor& sorted_rows, const at::Tensor& block_expert,
-                              int64_t num_rows, int64_t x_row_div, int64_t group_size, int64_t block_m,
+                              c10::SymInt num_rows_sym, int64_t x_row_div, int64_t group_size, int64_t block_m,
                               int64_t tile_set, const c10::optional<at::Tensor>& shared_qweight,
                               const c10::optional<at::Tensor>& shared_scales,
                               const c10::optional<at::Tensor>& shared_qzeros, bool producer_warp) {
   const std::string op = "awq_wgmma_moe_cuda: ";
+  // SymInt in the schema, as for awq_mma_moe_cuda
+  const int64_t num_rows = num_rows_sym.expect_int();
   TORCH_CHECK((block_m == 64 || block_m == 128) && tile_set == 2,
               op + "(block_m, tile_set) must be (64, 2) or (128, 2), got (" + i2s(block_m) + ", " + i2s(tile_set) + ")");
   check_grouped(op, x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, 64, "64");
@@ -540,7 +545,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int item_chunks, Tensor? tickets=None, int warps=8, bool prefetch=False) -> Tensor");
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
-      "Tensor block_expert, int num_rows, int x_row_div, int group_size, int splits, int item_chunks, "
+      "Tensor block_expert, SymInt num_rows, int x_row_div, int group_size, int splits, int item_chunks, "
       "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=4) -> Tensor");
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
@@ -548,7 +553,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "Tensor? tickets=None) -> Tensor");
   m.def(
       "awq_wgmma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
-      "Tensor block_expert, int num_rows, int x_row_div, int group_size, int block_m, int tile_set, "
+      "Tensor block_expert, SymInt num_rows, int x_row_div, int group_size, int block_m, int tile_set, "
       "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, "
       "bool producer_warp=True) -> Tensor");
 }

@@ -153,3 +153,26 @@ def test_experts_op_equals_the_two_ops_when_one_half_cannot_take_wgmma():
     h = awq_mma_moe_gate_up_silu(x, ids, mgu, gu[1], gu[2], G, k)
     two = awq_mma_moe_down_combine(h, ids, w, mdn, ds, down[2], G)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_experts_op_compiles_once_for_all_prefill_lengths(wgmma, monkeypatch):
+    """After the automatic-dynamic recompile at the second prefill length a third length runs the same graph, on either
+    grouped kernel: the dispatch only compares the routed row count, and both ops take it as a SymInt (an int in the
+    schema, or an int() in the dispatch, pinned each length: a recompile per prompt)."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+    from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
+
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", wgmma)
+    E, k, G = 8, 4, 128
+    gu, down = _experts(E, G, "cuda", seed=7)
+    mgu, mdn = (awq_to_mma_layout(gu[0]), gu[1], gu[2]), (awq_to_mma_layout(down[0]), down[1], down[2])
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, ids, w: awq_mma_moe_experts(x, ids, w, mgu, mdn, G, k), fullgraph=True)
+    for n, T in enumerate((160, 192, 232)):
+        ids, w = _ids(T, k, E, seed=T)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        with torch._dynamo.config.patch(error_on_recompile=n == 2):
+            out = f(x, ids, w)
+        _, out_ref = _oracle(x, ids, w, gu, down, k, G)
+        assert ((out.double() - out_ref).norm() / out_ref.norm()) < 1e-2
