@@ -115,6 +115,39 @@ def gemv_sweep(E: int, H: int, I: int, K: int, ms: list[int], G: int = 128, rep_
     return rows, best, bw_gbs
 
 
+def wgmma_sweep(q, hf, hf_deq, routed_batch, ms: list[int], E: int, H: int, K: int) -> int:
+    """The mma layout's grouped kernels forced one by one at each token count (CUDA-graph ms of the whole experts
+    forward), against HF bf16 in the same run: where the wgmma kernel should take over from mma.sync
+    (WGMMA_MOE_MIN_ROWS_PER_EXPERT) and which block of sorted rows it should run on (WGMMA_MOE_BLOCK_M)."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+
+    assert q.use_mma_layout()
+    kernels = [("mma.sync", False, 64), ("wgmma 64", True, 64), ("wgmma 128", True, 128)]
+    block_m, rows = mma_cuda.WGMMA_MOE_BLOCK_M, []
+    for M in ms:
+        torch.manual_seed(M)
+        x, ids, w = routed_batch(M, H, E, K)
+        with torch.no_grad():
+            deq_ref = hf_deq(x, ids, w).float()
+            g_hf = bench_graph_ms(lambda: hf(x, ids, w))
+            row = [M, f"{M * K / E:.0f}", g_hf]
+            for _, wgmma, block in kernels:
+                mma_cuda.MOE_WGMMA, mma_cuda.WGMMA_MOE_BLOCK_M = wgmma, block
+                rel = ((q(x, ids, w).float() - deq_ref).norm() / deq_ref.norm()).item()
+                g = bench_graph_ms(lambda: q(x, ids, w))
+                row += [g, g_hf / g, f"{rel:.1e}"]
+            mma_cuda.MOE_WGMMA, mma_cuda.WGMMA_MOE_BLOCK_M = None, block_m
+            row.append(bench_graph_ms(lambda: q(x, ids, w)))  # as dispatched
+        rows.append(row)
+        torch.cuda.empty_cache()
+    print(f"device: {device_line()}; {E} experts, top-{K}; CUDA-graph ms of one experts forward")
+    heads = ["M tokens", "rows per expert", "HF bf16"]
+    for name, _, _ in kernels:
+        heads += [name, f"{name} speedup", f"{name} rel err"]
+    print(markdown_table(heads + ["dispatched"], rows))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,8,64,512")
@@ -130,6 +163,10 @@ def main() -> int:
     ap.add_argument("--mma-block-rows", default="",
                     help="e.g. 8,16: also time the mma layout with these rows per sorted block (MOE_SORTED_BLOCK_ROWS; "
                          "default: moe_sorted_block_rows)")
+    ap.add_argument("--wgmma-sweep", action="store_true",
+                    help="only time the mma layout's grouped kernels at each --m: mma.sync (blocks of 8 / 16) and the "
+                         "wgmma kernel on blocks of 64 and 128, against HF bf16 (WGMMA_MOE_MIN_ROWS_PER_EXPERT and "
+                         "WGMMA_MOE_BLOCK_M)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/moe_w4a16.py: no CUDA device; nothing to measure")
@@ -178,6 +215,8 @@ def main() -> int:
         w, ids = torch.rand(M, E, device="cuda").topk(K, dim=-1)
         return x, ids, (w / w.sum(-1, keepdim=True)).float()
 
+    if args.wgmma_sweep:
+        return wgmma_sweep(q, hf, hf_deq, routed_batch, [int(m) for m in args.m.split(",")], E, H, K)
     for M in map(int, args.m.split(",")):
         x, ids, w = routed_batch(M, H, E, K)
         with torch.no_grad():

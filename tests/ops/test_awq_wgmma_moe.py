@@ -1,6 +1,6 @@
 """The grouped wgmma kernel for MoE prefill (csrc/awq_wgmma.cu, GROUPED; op awq_wgmma_moe_cuda): routed rows sorted
-into blocks of 64 against the fp64 oracle and the grouped mma.sync kernel, out-of-range ids, the shared expert, bf16
-scales, opcheck, torch.compile and CUDA graphs. Hopper only."""
+into blocks of 64 or 128, against the fp64 oracle and the grouped mma.sync kernel; out-of-range ids, the shared
+expert, bf16 scales, opcheck, torch.compile and CUDA graphs. Hopper only."""
 import pytest
 import torch
 
@@ -22,7 +22,8 @@ def _ids(T, k, E, seed):
 
 @pytest.mark.parametrize("T,k,E,G", [(200, 2, 4, 128), (96, 8, 16, 64), (33, 4, 3, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_matches_oracle_and_the_mma_kernel(T, k, E, G, dtype, monkeypatch):
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_matches_oracle_and_the_mma_kernel(T, k, E, G, dtype, block_m, monkeypatch):
     import torchforge.ops.awq_mma_cuda as mma_cuda
 
     gu, down = _experts(E, G, "cuda", seed=T + k)
@@ -30,7 +31,8 @@ def test_matches_oracle_and_the_mma_kernel(T, k, E, G, dtype, monkeypatch):
     x = torch.randn(T, H, device="cuda").to(dtype)
     mgu = awq_to_mma_layout(gu[0])
     monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
-    assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], G) == 64
+    monkeypatch.setattr(mma_cuda, "WGMMA_MOE_BLOCK_M", block_m)
+    assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], G) == block_m
     part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, mgu, gu[1], gu[2], G, k)
     assert part.shape == (1, T * k, 2 * I) and part.dtype == torch.float32
     assert torch.isfinite(part).all()  # every routed row written once
@@ -45,7 +47,8 @@ def test_matches_oracle_and_the_mma_kernel(T, k, E, G, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_out_of_range_ids_give_nan_rows_and_the_shared_expert(shared, monkeypatch):
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_out_of_range_ids_give_nan_rows_and_the_shared_expert(shared, block_m, monkeypatch):
     import torchforge.ops.awq_mma_cuda as mma_cuda
 
     monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
@@ -61,6 +64,7 @@ def test_out_of_range_ids_give_nan_rows_and_the_shared_expert(shared, monkeypatc
         extra = (mma[4].contiguous(), gu[1][4].contiguous(), gu[2][4].contiguous())
     x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
     args = (mma[:4].contiguous(), gu[1][:4].contiguous(), gu[2][:4].contiguous(), 128, 1, extra)
+    monkeypatch.setattr(mma_cuda, "WGMMA_MOE_BLOCK_M", block_m)
     part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, *args)
     assert part.isnan().all(-1)[0].tolist() == [r in bad for r in range(rows)]
     good = [r for r in range(rows) if r not in bad]
@@ -93,8 +97,8 @@ def test_bf16_scales_and_opcheck(monkeypatch):
 
 
 def test_experts_op_compiles_and_graphs(monkeypatch):
-    """awq_mma_moe_experts (one sort for both halves) on blocks of 64, under torch.compile(fullgraph=True) and CUDA-graph
-    replay, equal to eager."""
+    """awq_mma_moe_experts (one sort for both halves; 80 rows per expert: blocks of 128), under
+    torch.compile(fullgraph=True) and CUDA-graph replay, equal to eager."""
     import torchforge.ops.awq_mma_cuda as mma_cuda
     from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
 

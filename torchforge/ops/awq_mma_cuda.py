@@ -20,7 +20,8 @@ __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_pref
            "mma_moe_cuda_ok", "mma_moe_sorts", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M",
            "wgmma_cuda_config", "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake",
            "moe_sorted_block_rows", "MOE_SORTED_BLOCK_ROWS", "MOE_WARPS", "WGMMA_MOE_MIN_ROWS_PER_EXPERT",
-           "WGMMA_MOE_BLOCK_M", "MOE_WGMMA", "wgmma_moe_ok", "moe_align_block_rows"]
+           "WGMMA_MOE_BLOCK128_MIN_ROWS_PER_EXPERT", "WGMMA_MOE_BLOCK_M", "MOE_WGMMA", "wgmma_moe_ok",
+           "wgmma_moe_block_m", "moe_align_block_rows"]
 
 # Rows of x the kernel takes: 16 per block along grid.x, each block re-reading its weight tile from L2. Up to 128
 # rows, because on the DeepSeek-V3 shapes (BENCHMARKS.md, sixth session) the kernel beat the AWQ layout's Triton
@@ -287,14 +288,31 @@ def moe_sorted_block_rows(rows: int, num_experts: int) -> int:
 
 
 # Prefill with many routed rows per expert: the grouped wgmma kernel (csrc/awq_wgmma.cu, GROUPED), which decodes each
-# weight once per WGMMA_MOE_BLOCK_M sorted rows instead of once per 8 or 16. The grouped mma.sync kernel fell behind
-# HF's bf16 grouped_mm from about 64 routed rows per expert (BENCHMARKS.md, nineteenth session: 0.92x at 64, 0.72x at
-# 128 with 256 experts); the wgmma kernel ran 1.5-1.8x faster than it at 64-512 rows per expert (1.50-1.71x bf16).
-# WGMMA_MOE_MIN_ROWS_PER_EXPERT: the average routed rows per expert from which it runs (sm_90 only). 32 lies between
-# the measured points (16 rows: mma.sync 2.4x bf16; 64: wgmma 1.65x against mma.sync's 0.93x); not swept between.
-# MOE_WGMMA, when set, forces it on (True) or off (False) wherever it can run (benchmarks, tests).
-WGMMA_MOE_MIN_ROWS_PER_EXPERT = 32
-WGMMA_MOE_BLOCK_M = 64
+# weight once per block of 64 or 128 sorted rows instead of once per 8 or 16. The grouped mma.sync kernel's time grows
+# with the rows, and it fell behind HF's bf16 grouped_mm from about 64 routed rows per expert.
+# Where each takes over: H100, one DeepSeek-V3 MoE layer (7168x2048 experts, top-8), CUDA-graph ms of the experts
+# forward, `bench/moe_w4a16.py --wgmma-sweep` (BENCHMARKS.md, twentieth session):
+#   experts  rows per expert   HF bf16   mma.sync   wgmma 64   wgmma 128
+#   256      16                 8.73      3.57       4.15       5.54
+#   256      24                 9.18      4.89       4.26       5.69
+#   256      48                10.28      8.97       4.84       6.15
+#   256      64                10.99     12.01       6.80       6.63
+#   256      128               16.56     23.17      11.30      10.03
+#   256      256               23.07     46.86      20.45      17.43
+#   32       16                 1.20      0.465      0.530      0.707
+#   32       32                 1.26      0.717      0.559      0.743
+#   32       64                 1.41      1.248      0.834      0.825
+#   32       512                4.99      9.94       4.67       3.87
+#   32       1024               9.47     21.27       9.43       7.54
+# WGMMA_MOE_MIN_ROWS_PER_EXPERT: the average routed rows per expert from which the wgmma kernel runs (sm_90 only):
+# between the last point mma.sync won (16) and the first it lost (24). From WGMMA_MOE_BLOCK128_MIN_ROWS_PER_EXPERT it
+# runs on blocks of 128 rows (each weight decoded half as often again); at 48 rows blocks of 64 were 21% faster, at 64
+# the two were within 3%, and from 128 blocks of 128 won by 11-20%.
+# MOE_WGMMA, when set, forces the kernel on (True) or off (False) wherever it can run; WGMMA_MOE_BLOCK_M, when set (64
+# or 128), forces its block (benchmarks, tests).
+WGMMA_MOE_MIN_ROWS_PER_EXPERT = 20
+WGMMA_MOE_BLOCK128_MIN_ROWS_PER_EXPERT = 64
+WGMMA_MOE_BLOCK_M: Optional[int] = None
 MOE_WGMMA: Optional[bool] = None
 
 
@@ -315,12 +333,20 @@ def wgmma_moe_ok(x: Tensor, rows: int, num_experts: int, scales: Tensor, qzeros:
             and (shared is None or _aligned16(*shared)))
 
 
+def wgmma_moe_block_m(rows: int, num_experts: int) -> int:
+    """Rows per sorted block of the grouped wgmma kernel for `rows` routed rows over `num_experts` experts: 64 or 128
+    (a comparison only: `rows` may be a SymInt)."""
+    if WGMMA_MOE_BLOCK_M is not None:
+        return WGMMA_MOE_BLOCK_M
+    return 128 if rows >= WGMMA_MOE_BLOCK128_MIN_ROWS_PER_EXPERT * num_experts else 64
+
+
 def moe_align_block_rows(x: Tensor, rows: int, num_experts: int, scales: Tensor, qzeros: Tensor, group_size: int,
                          shared: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> int:
-    """Rows per moe_align block of a sorted grouped call: WGMMA_MOE_BLOCK_M where the wgmma kernel takes it, else
+    """Rows per moe_align block of a sorted grouped call: wgmma_moe_block_m where the wgmma kernel takes it, else
     moe_sorted_block_rows."""
     if wgmma_moe_ok(x, rows, num_experts, scales, qzeros, group_size, shared):
-        return WGMMA_MOE_BLOCK_M
+        return wgmma_moe_block_m(rows, num_experts)
     return moe_sorted_block_rows(rows, num_experts)
 
 
@@ -336,8 +362,8 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
     `[E, N / 64, K * 8]`. While there are no more routed rows than experts (decode) each row is a block of its own;
     beyond, rows are sorted by expert on the device into blocks of moe_align_block_rows (moe_align): 8 or 16 for the
-    grouped mma.sync kernel, or WGMMA_MOE_BLOCK_M where the grouped wgmma kernel takes the call (many rows per expert,
-    sm_90; its result has one K slice). No host sync either way.
+    grouped mma.sync kernel, or 64 or 128 (wgmma_moe_block_m) where the grouped wgmma kernel takes the call (many rows
+    per expert, sm_90; its result has one K slice). No host sync either way.
     `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones.
     `alignment`: moe_align's (sorted_rows, block_expert) for these ids, `num_experts` (the shared one included) and
     moe_align_block_rows, computed once by the caller for both of a layer's grouped calls (awq_mma_moe_experts).
@@ -347,19 +373,21 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     num_experts, nb, k8 = qweight_mma.shape
     num_experts += int(shared is not None)  # an int: SymInt + bool trips sympy on torch 2.11 (opcheck, dynamic)
     k, n, rows = k8 // 8, nb * 64, expert_ids.numel()
-    if not mma_moe_sorts(rows, num_experts):  # decode: one routed row per block, no sort kernels in the step
+    sorts = mma_moe_sorts(rows, num_experts)
+    wgmma = sorts and wgmma_moe_ok(x, rows, num_experts, scales, qzeros, group_size, shared)
+    block = wgmma_moe_block_m(rows, num_experts) if wgmma else moe_sorted_block_rows(rows, num_experts)
+    if not sorts:  # decode: one routed row per block, no sort kernels in the step
         sorted_rows = torch.empty(0, dtype=torch.int32, device=x.device)
         block_expert = expert_ids.reshape(-1).to(torch.int32)
     elif alignment is not None:
         sorted_rows, block_expert = alignment
     else:
-        sorted_rows, block_expert = moe_align(
-            expert_ids, num_experts, moe_align_block_rows(x, rows, num_experts, scales, qzeros, group_size, shared))
+        sorted_rows, block_expert = moe_align(expert_ids, num_experts, block)
     x2 = x.contiguous() if not _aligned16(x) or not x.is_contiguous() else x
-    if sorted_rows.numel() and sorted_rows.numel() == block_expert.numel() * WGMMA_MOE_BLOCK_M:  # blocks of 64: wgmma
+    if wgmma:  # ops.cpp checks that sorted_rows holds `block` rows per block_expert entry
         return torch.ops.torchforge.awq_wgmma_moe_cuda(
             x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(), sorted_rows, block_expert, rows,
-            x_row_div, group_size, WGMMA_MOE_BLOCK_M, 2, *(shared or (None, None, None)), True)
+            x_row_div, group_size, block, 2, *(shared or (None, None, None)), True)
     # K slices by the dense kernel's rule, on the (upper bound of the) number of row blocks
     item_chunks = 2 if group_size % 128 == 0 else 1
     tiles = block_expert.numel() * (n // 64)

@@ -70,7 +70,7 @@ def _awq_mma_moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     if mma_moe_sorts(rows, num_experts) and mma_moe_cuda_ok(x, gate_up_qweight, gate_up_scales, group_size, shared_gu):
         from torchforge.ops.moe_align import moe_align
 
-        # One sort for both halves where they take the same block size (blocks of WGMMA_MOE_BLOCK_M where the wgmma
+        # One sort for both halves where they take the same block size (blocks of 64 or 128 where the wgmma
         # kernel takes the call). Where they do not (one half's scales not 16-byte aligned), the down half sorts for
         # itself, so that each half runs the kernel it would run alone and this op stays bit-identical to the two.
         block = moe_align_block_rows(x, rows, num_experts, gate_up_scales, gate_up_qzeros, group_size, shared_gu)
