@@ -67,6 +67,11 @@ def test_batches_must_be_input_ids_and_no_full_logits_are_built():
     with pytest.raises(ValueError, match="attention_mask has shape \\(1, 3\\), input_ids \\(1, 4\\)"):
         collect_router_stats(model, [{"input_ids": torch.zeros(1, 4, dtype=torch.long),
                                       "attention_mask": torch.ones(1, 3, dtype=torch.long)}])
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="attention_mask must hold 0 \\(padding\\) and 1 \\(real token\\) only"):
+        collect_router_stats(model, [{"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 0, 0], [1, -1, 1, 1]])}])
+    with pytest.raises(ValueError, match="attention_mask rows \\[0\\] have no real token"):
+        collect_router_stats(model, [{"input_ids": ids, "attention_mask": torch.tensor([[0, 0, 0, 0], [1, 1, 1, 0]])}])
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -338,3 +338,98 @@ def test_split_layers_compute_what_whole_layers_compute(ckpts, name):
     assert split._resolve_split(None) is False
     with pytest.raises(ValueError, match="split_layers=True needs .*'self_attn'.*pass split_layers=False"):
         split._resolve_split(True)
+
+
+def _padded(side: str, seed=0):
+    """Two batches of a tokenizer's padded output (pad id 0, mask 0): a full row beside a row of 4 real tokens
+    padded to 10 on `side`, and a batch whose mask has no padding; with the 24 real tokens as unpadded rows."""
+    from transformers import BatchEncoding
+
+    g = torch.Generator().manual_seed(seed)
+    a, b, c = (torch.randint(1, 96, shape, generator=g) for shape in ((1, 10), (1, 4), (2, 5)))
+    pad, real = torch.zeros(1, 6, dtype=torch.long), torch.ones_like(b)
+    row, mask = (torch.cat([b, pad], 1), torch.cat([real, pad], 1)) if side == "right" else \
+        (torch.cat([pad, b], 1), torch.cat([pad, real], 1))
+    first = BatchEncoding({"input_ids": torch.cat([a, row]), "attention_mask": torch.cat([torch.ones_like(a), mask])})
+    padded = [first, {"input_ids": c, "attention_mask": torch.ones_like(c)}]
+    return padded, [a, b, c]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_exact_mode_with_padding_equals_whole_model(ckpts, name, side):
+    """A tokenizer's padded batches: the streamer masks padding in attention as the whole model does (its own
+    create_causal_mask, generate()'s positions) and leaves it out of the statistics, so it equals
+    collect_router_stats on the whole model, and both equal the real tokens run unpadded."""
+    padded, unpadded = _padded(side)
+    streamer = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cpu", moe_chunk_tokens=7)
+    stats = streamer.collect_router_stats(padded)
+    model = _reference(ckpts[name])
+    _assert_same(stats, collect_router_stats(model, padded))
+    assert stats.tokens == 10 + 4 + 10
+    _assert_same(stats, collect_router_stats(model, unpadded))
+    # max_tokens counts real tokens: the first batch's 14 reach 14, the second batch is not used
+    assert streamer.collect_router_stats(padded, max_tokens=14).tokens == 14
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_approx_mode_leaves_padding_out(ckpts, side):
+    """Padding was counted (tokens, picks, mass) and, left-padded, shifted the real tokens' positions and let them
+    attend to padding: approx statistics of padded batches now equal those of the real tokens unpadded."""
+    padded, unpadded = _padded(side)
+    streamer = LayerwiseStreamer(ckpts["deepseek_v3"], dtype=torch.float32, device="cpu")
+    got = streamer.collect_router_stats(padded, mode="approx")
+    ref = streamer.collect_router_stats(unpadded, mode="approx")
+    _assert_same(got, ref)
+    assert got.tokens == 24 and int(got.topk_counts.sum(1)[0]) == 24 * streamer.config.num_experts_per_tok
+
+
+def test_bad_attention_mask_is_refused(ckpts):
+    streamer = LayerwiseStreamer(ckpts["qwen3_moe"], dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 96, (2, 4))
+    bad = {
+        "attention_mask has shape \\(2, 3\\), input_ids \\(2, 4\\)": torch.ones(2, 3, dtype=torch.long),
+        "attention_mask must hold 0 \\(padding\\) and 1 \\(real token\\) only, got values \\[0, 1, 2\\]":
+            torch.tensor([[1, 1, 2, 0], [1, 1, 1, 1]]),
+        "attention_mask rows \\[1\\] have no real token": torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]]),
+    }
+    for match, mask in bad.items():
+        with pytest.raises(ValueError, match="LayerwiseStreamer: " + match):
+            streamer.collect_router_stats([{"input_ids": ids, "attention_mask": mask}])
+    with pytest.raises(TypeError, match="LayerwiseStreamer: batches must yield integer input_ids tensors"):
+        streamer.collect_router_stats([torch.randint(0, 96, (8,))])
+    with pytest.raises(TypeError, match="LayerwiseStreamer: a batch mapping needs 'input_ids'"):
+        streamer.collect_router_stats([{"attention_mask": torch.ones(1, 4)}])
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_layers_get_the_whole_models_mask_and_positions(ckpts, name, side):
+    """Every decoder layer gets the attention mask, position ids and rotary embedding the whole model gives it.
+    (The statistics alone cannot tell: RoPE sees relative positions only, and without a mask transformers reads
+    left-padded positions as packed sequences, which masks padding too; neither holds for every model.)"""
+    padded, _ = _padded(side)
+
+    def spy(layers):
+        seen = {i: [] for i in range(len(layers))}
+        hooks = [layer.register_forward_pre_hook(
+            lambda m, args, kw, i=i: seen[i].append((kw["attention_mask"], kw["position_ids"],
+                                                     kw["position_embeddings"]))
+            if kw.get("position_embeddings") is not None else None, with_kwargs=True)
+            for i, layer in enumerate(layers)]
+        return seen, hooks
+
+    model = _reference(ckpts[name])
+    want, hooks = spy(model.model.layers)
+    collect_router_stats(model, padded)
+    streamer = LayerwiseStreamer(ckpts[name], dtype=torch.float32, device="cpu")
+    got, hooks2 = spy(streamer.decoder_layers)
+    streamer.collect_router_stats(padded)
+    for h in hooks + hooks2:
+        h.remove()
+    assert want[0][0][0] is not None and want[0][0][0].dim() == 4  # the padded batch has a 4-D mask
+    for i in want:
+        assert len(got[i]) == len(want[i]) == 2
+        for (m1, p1, (cos1, sin1)), (m2, p2, (cos2, sin2)) in zip(got[i], want[i]):
+            assert (m1 is None and m2 is None) or torch.equal(m1, m2)
+            assert torch.equal(p1.expand_as(p2), p2) and torch.equal(cos1, cos2) and torch.equal(sin1, sin2)

@@ -121,27 +121,42 @@ def add_sums(stats: RouterStats, idx: int, sums) -> None:
     stats.routed_weight[idx] += mass
 
 
-def _batch(item) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _batch(item, who: str = "collect_router_stats") -> tuple[torch.Tensor, torch.Tensor | None]:
     """(input_ids [B, S], attention_mask [B, S] or None) of one batch: an input_ids tensor, or a mapping (a
-    tokenizer's BatchEncoding) with input_ids and an optional attention_mask. A mask without padding is None, so
-    unpadded batches run exactly as bare input_ids."""
+    tokenizer's BatchEncoding) with input_ids and an optional attention_mask of 0 (padding) and 1 (real token),
+    at least one real token a row. A mask without padding is None, so unpadded batches run exactly as bare
+    input_ids. `who` starts the error messages (the whole-model function or the layer-by-layer streamer)."""
     ids, mask = item, None
     if isinstance(item, Mapping):
         if "input_ids" not in item:
-            raise TypeError(f"collect_router_stats: a batch mapping needs 'input_ids' (keys: {sorted(item)})")
+            raise TypeError(f"{who}: a batch mapping needs 'input_ids' (keys: {sorted(item)})")
         ids, mask = item["input_ids"], item.get("attention_mask")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
-        raise TypeError(f"collect_router_stats: batches must yield integer input_ids tensors [B, S] (or mappings with "
+        raise TypeError(f"{who}: batches must yield integer input_ids tensors [B, S] (or mappings with "
                         f"input_ids and attention_mask), got {type(ids).__name__}"
                         f"{f' {ids.dim()}-D {ids.dtype}' if isinstance(ids, torch.Tensor) else ''}")
     if mask is not None:
         mask = torch.as_tensor(mask)
         if tuple(mask.shape) != tuple(ids.shape):
-            raise ValueError(f"collect_router_stats: attention_mask has shape {tuple(mask.shape)}, input_ids "
+            raise ValueError(f"{who}: attention_mask has shape {tuple(mask.shape)}, input_ids "
                              f"{tuple(ids.shape)}")
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"{who}: attention_mask must hold 0 (padding) and 1 (real token) only, got values "
+                             f"{sorted(set(mask.unique().tolist()))[:8]}")
+        empty = (mask == 0).all(dim=-1).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"{who}: attention_mask rows {empty[:8]} have no real token (all 0); drop them")
         if bool((mask != 0).all()):
             mask = None
+        else:
+            mask = mask.long()
     return ids, mask
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] positions of a padded batch as generate() numbers them (the first real token is 0, padding is
+    clamped to 0), so a left-padded row routes like the same row unpadded."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @torch.no_grad()
@@ -173,9 +188,7 @@ def collect_router_stats(model: nn.Module, batches, *, router_attr: str | None =
             # only the routers' inputs matter: no KV cache, and logits for one position instead of [B, S, vocab]
             kwargs = dict(input_ids=ids.to(device), use_cache=False, logits_to_keep=1)
             if mask is not None:
-                # positions as generate() numbers them, so a left-padded row routes like the same row unpadded
-                kwargs.update(attention_mask=mask.to(device),
-                              position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0).to(device))
+                kwargs.update(attention_mask=mask.to(device), position_ids=position_ids(mask).to(device))
                 keep[0] = mask.reshape(-1) != 0
             model(**kwargs)
             stats.tokens += ids.numel() if mask is None else int(keep[0].sum())

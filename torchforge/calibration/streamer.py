@@ -20,7 +20,10 @@ attention on 1024-token sequences alone needs ~350 MB at DeepSeek-V3 width), bel
 Statistics are those of `collect_router_stats` (same hooks and probability code, `router_stats.router_sums`):
 hit_map[L, E] sums the router's sigmoid probabilities (never turned into a softmax) or, for softmax routers,
 their softmax; top-k counts and routed weight come from the router's own picks. Dense layers (DeepSeek's
-first_k_dense_replace) are run and contribute no row.
+first_k_dense_replace) are run and contribute no row. Batches are parsed as there (`router_stats._batch`):
+input_ids [B, S] or a tokenizer's output with an attention_mask; padded positions get the model's own
+causal+padding mask (transformers' create_causal_mask, as the whole model builds it) and generate()'s
+position ids, and are left out of every statistic and of `tokens`, in both modes.
 
 Modes:
 - "exact": every layer runs in full; the result equals `collect_router_stats` on the whole model.
@@ -42,7 +45,8 @@ from torch import nn
 from torchforge.export.folder import restore_fp32
 from torchforge.calibration import layer_loader
 from torchforge.calibration.activations import ActivationStore, check_offload_dir
-from torchforge.calibration.router_stats import ROUTERS, RouterStats, add_sums, new_stats, router_sums
+from torchforge.calibration.router_stats import (ROUTERS, RouterStats, _batch, add_sums, new_stats, position_ids,
+                                                  router_sums)
 from torchforge.io import CheckpointError, checkpoint_tensor_names
 
 MODES = ("exact", "approx")
@@ -276,7 +280,7 @@ class LayerwiseStreamer:
 
     # ------------------------------------------------------------------------------------------- running
 
-    def _embed(self, batches, store: ActivationStore) -> None:
+    def _embed(self, batches: list[torch.Tensor], store: ActivationStore) -> None:
         emb = self.model.get_input_embeddings()
         prefix = next(n for n, m in self.model.named_modules() if m is emb) + "."
         host = layer_loader.read_host(self.model_path, self._names(prefix), pin=False)
@@ -296,7 +300,9 @@ class LayerwiseStreamer:
         with torch.device(self.device):  # rotary __init__ signatures differ across models; all take the config
             return type(rot)(rot.config)
 
-    def _mask(self, idx: int, h: torch.Tensor, position_ids: torch.Tensor):
+    def _mask(self, idx: int, h: torch.Tensor, position_ids: torch.Tensor, padding: torch.Tensor | None = None):
+        """Layer `idx`'s attention mask for one batch, built by transformers' mask functions from the batch's 2-D
+        padding mask (None: no padding) exactly as the model's forward builds it."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         types = getattr(self.config, "layer_types", None)
@@ -305,7 +311,7 @@ class LayerwiseStreamer:
         else:
             sliding = getattr(self.config, "sliding_window", None) is not None
         fn = create_sliding_window_causal_mask if sliding else create_causal_mask
-        return fn(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+        return fn(config=self.config, inputs_embeds=h, attention_mask=padding, past_key_values=None,
                   position_ids=position_ids)
 
     @staticmethod
@@ -340,18 +346,25 @@ class LayerwiseStreamer:
 
     @torch.no_grad()
     def collect_router_stats(self, batches, mode: str = "exact", *, max_tokens: int | None = None) -> RouterStats:
-        """RouterStats of `batches` (input_ids tensors [B, S], no padding) in "exact" or "approx" mode (see the
-        module docstring); the same result as `collect_router_stats` on the whole model in exact mode."""
+        """RouterStats of `batches` in "exact" or "approx" mode (see the module docstring); in exact mode the same
+        result as `collect_router_stats` on the whole model.
+
+        Each batch is an integer input_ids tensor [B, S], or a mapping with `input_ids` and an optional
+        `attention_mask` [B, S] of 0/1 (a tokenizer's BatchEncoding; other keys are ignored). Padded positions
+        (mask 0, left or right) are masked in attention as the model masks them, positions count real tokens
+        only (as generate() numbers them), and padding is left out of every statistic and of `tokens`, in both
+        modes (`max_tokens` counts real tokens too). A mask of another shape, with values other than 0/1 or with
+        a row of padding only raises ValueError."""
         if mode not in MODES:
             raise ValueError(f"LayerwiseStreamer: mode must be one of {MODES}, got {mode!r}")
-        batches = self._take(batches, max_tokens)
+        batches, masks = self._take(batches, max_tokens)
         names = [f"{self.layer_prefix}{i}.{self.router_attr}" for i in self.moe_layers]
         row = {layer: r for r, layer in enumerate(self.moe_layers)}
         stats = new_stats(len(names), self.num_experts, names, {
             "prob": self.prob, "mode": mode, "router_attr": self.router_attr, "model_path": self.model_path,
             "model_type": self.model_type, "dtype": str(self.dtype), "fp8": self.fp8_block is not None,
             "batches": len(batches), "max_tokens": max_tokens, "streamer": True})
-        stats.tokens = sum(int(ids.numel()) for ids in batches)
+        stats.tokens = sum(int(ids.numel() if m is None else m.sum()) for ids, m in zip(batches, masks))
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -362,7 +375,7 @@ class LayerwiseStreamer:
             self._embed(batches, store)
             rotary = self._rotary()
             for i, stage, layer in self._stream(self._stages(mode == "exact", self.split_layers)):
-                sums = self._run_layer(i, stage, layer, len(batches), store, rotary, mode)
+                sums = self._run_layer(i, stage, layer, masks, store, rotary, mode)
                 if sums is not None:
                     add_sums(stats, row[i], sums)
         finally:
@@ -381,17 +394,18 @@ class LayerwiseStreamer:
         h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         return torch.zeros_like(h), None
 
-    def _run_layer(self, i: int, stage: str | None, layer: nn.Module, num_batches: int, store: ActivationStore,
+    def _run_layer(self, i: int, stage: str | None, layer: nn.Module, masks: list, store: ActivationStore,
                    rotary, mode: str):
         """Runs every batch through stage `stage` of decoder layer `i` (None: the whole layer), replacing its
         hidden states in `store`; returns the layer's router sums (on the device), None for a dense layer or
-        the attention stage."""
+        the attention stage. `masks[b]` is batch b's [B, S] padding mask (None: no padding)."""
         router = None if stage == "attn" else self._router(layer)
         parent = self.router_attr.rpartition(".")[0]
         if router is not None and mode == "approx" and not parent:
             raise ValueError(f"LayerwiseStreamer: approx mode needs the router inside an MoE block "
                              f"(router_attr like 'mlp.gate'), got {self.router_attr!r}")
         acc: list = [None]
+        keep: list = [None, 0]  # the current batch's [B * S] real-token mask (None: no padding), tokens hooked so far
         handle, patched = None, []
         tag = f"{i}_mid" if stage == "attn" else i + 1  # spill files: input of layer i's MLP half, of layer i + 1
         try:  # every patch below is undone in `finally`: the skeleton is shared by all later runs
@@ -404,7 +418,11 @@ class LayerwiseStreamer:
                 patched.append(layer.self_attn)
             if router is not None:
                 def hook(mod, inputs, output):
-                    s = router_sums(mod, inputs[0], output, self.prob)
+                    part = None
+                    if keep[0] is not None:  # the router may see a batch in token chunks, in flat [B * S] order
+                        n = inputs[0].numel() // mod.weight.shape[1]
+                        part, keep[1] = keep[0][keep[1]:keep[1] + n], keep[1] + n
+                    s = router_sums(mod, inputs[0], output, self.prob, part)
                     acc[0] = s if acc[0] is None else tuple(x + y for x, y in zip(acc[0], s))
                 handle = router.register_forward_hook(hook)
                 if mode == "approx":
@@ -415,12 +433,19 @@ class LayerwiseStreamer:
                     moe = layer.get_submodule(parent)
                     moe.forward = self._token_chunked_forward(moe, self.moe_chunk_tokens)
                     patched.append(moe)
-            for b in range(num_batches):
+            for b, pad in enumerate(masks):
                 h = store.get(b).to(self.device, non_blocking=True)
-                pos = torch.arange(h.shape[1], device=self.device).unsqueeze(0)
+                if pad is None:
+                    pos = torch.arange(h.shape[1], device=self.device).unsqueeze(0)
+                else:  # as the whole model gets them in collect_router_stats: generate()'s positions, and the mask
+                    pos, pad = position_ids(pad).to(self.device), pad.to(self.device)
+                keep[:] = [None if pad is None else pad.reshape(-1) != 0, 0]
                 attn = stage != "mlp"  # the MLP stage's stub attention needs no mask nor rotary embedding
-                out = layer(h, attention_mask=self._mask(i, h, pos) if attn else None, position_ids=pos,
+                out = layer(h, attention_mask=self._mask(i, h, pos, pad) if attn else None, position_ids=pos,
                             position_embeddings=rotary(h, pos) if attn else None, use_cache=False)
+                if keep[0] is not None and router is not None and keep[1] != keep[0].numel():
+                    raise ValueError(f"LayerwiseStreamer: the router of layer {i} saw {keep[1]} tokens of batch {b}, "
+                                     f"which has {keep[0].numel()}; cannot tell its padding apart")
                 out = out[0] if isinstance(out, tuple) else out
                 store.put(b, out.to("cpu"), layer=tag)
                 del h, out  # else held while the next batch is read: host peak over the budget on device="cpu"
@@ -433,15 +458,16 @@ class LayerwiseStreamer:
 
     @staticmethod
     def _take(batches, max_tokens):
-        out, tokens = [], 0
-        for ids in batches:
+        """([input_ids [B, S]], [padding mask [B, S] or None]) of the batches used: parsed and checked as
+        `collect_router_stats` parses them, up to `max_tokens` real tokens."""
+        ids_out, masks, tokens = [], [], 0
+        for item in batches:
             if max_tokens is not None and tokens >= max_tokens:
                 break
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-                raise ValueError("LayerwiseStreamer: batches must be input_ids tensors of shape [B, S], got "
-                                 f"{type(ids).__name__}{list(ids.shape) if isinstance(ids, torch.Tensor) else ''}")
-            out.append(ids)
-            tokens += ids.numel()
-        if not out:
+            ids, mask = _batch(item, "LayerwiseStreamer")
+            ids_out.append(ids)
+            masks.append(mask)
+            tokens += ids.numel() if mask is None else int(mask.sum())
+        if not ids_out:
             raise ValueError("LayerwiseStreamer: no calibration batches")
-        return out
+        return ids_out, masks
