@@ -124,22 +124,30 @@ def wgmma_sweep(q, hf, hf_deq, routed_batch, ms: list[int], E: int, H: int, K: i
     assert q.use_mma_layout()
     kernels = [("mma.sync", False, 64), ("wgmma 64", True, 64), ("wgmma 128", True, 128)]
     block_m, rows = mma_cuda.WGMMA_MOE_BLOCK_M, []
-    for M in ms:
-        torch.manual_seed(M)
-        x, ids, w = routed_batch(M, H, E, K)
-        with torch.no_grad():
-            deq_ref = hf_deq(x, ids, w).float()
-            g_hf = bench_graph_ms(lambda: hf(x, ids, w))
-            row = [M, f"{M * K / E:.0f}", g_hf]
-            for _, wgmma, block in kernels:
-                mma_cuda.MOE_WGMMA, mma_cuda.WGMMA_MOE_BLOCK_M = wgmma, block
-                rel = ((q(x, ids, w).float() - deq_ref).norm() / deq_ref.norm()).item()
-                g = bench_graph_ms(lambda: q(x, ids, w))
-                row += [g, g_hf / g, f"{rel:.1e}"]
-            mma_cuda.MOE_WGMMA, mma_cuda.WGMMA_MOE_BLOCK_M = None, block_m
-            row.append(bench_graph_ms(lambda: q(x, ids, w)))  # as dispatched
-        rows.append(row)
-        torch.cuda.empty_cache()
+    try:
+        for M in ms:
+            torch.manual_seed(M)
+            x, ids, w = routed_batch(M, H, E, K)
+            with torch.no_grad():
+                deq_ref = hf_deq(x, ids, w).float()
+                g_hf = bench_graph_ms(lambda: hf(x, ids, w))
+                row = [M, f"{M * K / E:.0f}", g_hf]
+                for _, wgmma, block in kernels:
+                    mma_cuda.MOE_WGMMA, mma_cuda.WGMMA_MOE_BLOCK_M = wgmma, block
+                    # no sort (decode-sized calls), or not sm_90: the wgmma columns would time mma.sync
+                    if wgmma and not mma_cuda.wgmma_moe_ok(x, ids.numel(), E, q.gate_up_scales, q.gate_up_qzeros,
+                                                           q.group_size):
+                        row += ["n/a", "", ""]
+                        continue
+                    rel = ((q(x, ids, w).float() - deq_ref).norm() / deq_ref.norm()).item()
+                    g = bench_graph_ms(lambda: q(x, ids, w))
+                    row += [g, g_hf / g, f"{rel:.1e}"]
+                mma_cuda.MOE_WGMMA, mma_cuda.WGMMA_MOE_BLOCK_M = None, block_m
+                row.append(bench_graph_ms(lambda: q(x, ids, w)))  # as dispatched
+            rows.append(row)
+            torch.cuda.empty_cache()
+    finally:
+        mma_cuda.MOE_WGMMA, mma_cuda.WGMMA_MOE_BLOCK_M = None, block_m
     print(f"device: {device_line()}; {E} experts, top-{K}; CUDA-graph ms of one experts forward")
     heads = ["M tokens", "rows per expert", "HF bf16"]
     for name, _, _ in kernels:

@@ -183,6 +183,7 @@ at::Tensor awq_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const a
   }
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor out = at::empty({N}, x.options());
+  if (N == 0) return out;  // no output columns: nothing to launch (a grid of 0 blocks is a launch error)
   const int64_t tiles = (N / 8 + 31) / 32;
   at::Tensor tickets = at::zeros({tiles}, x.options().dtype(at::kInt));
   at::Tensor partial = at::empty({splits > 1 ? splits * N : 1}, x.options().dtype(at::kFloat));

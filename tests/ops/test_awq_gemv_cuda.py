@@ -76,6 +76,16 @@ def test_errors_name_the_problem():
         op(x, qw2, s2, z2, 128, None, 1, 32)
 
 
+def test_no_output_columns_gives_an_empty_result():
+    """N = 0 (qweight [K, 0]): an empty output, not a launch of a grid of 0 blocks."""
+    x = torch.randn(256, device="cuda", dtype=torch.float16)
+    qw = torch.empty(256, 0, dtype=torch.int32, device="cuda")
+    s = torch.empty(2, 0, dtype=torch.float16, device="cuda")
+    z = torch.empty(2, 0, dtype=torch.int32, device="cuda")
+    out = torch.ops.torchforge.awq_gemv_cuda(x, qw, s, z, 128, None, 1, 32)
+    assert out.shape == (0,) and out.dtype == torch.float16
+
+
 def _big_case(k=7168, n=7168, G=128):
     """A matrix large enough for the dispatch (two blocks per SM), quantized on the GPU."""
     torch.manual_seed(1)

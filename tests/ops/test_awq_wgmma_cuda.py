@@ -274,3 +274,44 @@ def test_compile_and_cuda_graph():
     b = torch.randn(16384, device="cuda", dtype=torch.float16)
     assert wgmma_cuda_ok(x, mma, s, z, 128, b)  # the time model sends these 100 rows to the wgmma kernel
     check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, b), x)
+
+
+def test_prefill_lengths_past_the_kernel_compile_once():
+    """Rows past WGMMA_MAX_M go to dequantize + cuBLAS whatever their count: the dispatch compares the SymInt before
+    reading it as an int (which the time model needs inside the range), so after the automatic-dynamic recompile at
+    the second length a third runs the same graph. Caches off: a cached graph would pass without tracing anything."""
+    from torchforge.ops.awq_mma import awq_mma_linear
+    from torchforge.ops.awq_mma_cuda import WGMMA_MAX_M
+
+    import torch._functorch.config
+    import torch._inductor.config
+
+    _, mma, s, z = _case(512, 256, 128)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: awq_mma_linear(x, mma, s, z, 128), fullgraph=True)
+    with torch._inductor.config.patch(force_disable_caches=True), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        for n, m in enumerate((WGMMA_MAX_M + 88, WGMMA_MAX_M + 188, WGMMA_MAX_M + 300)):
+            x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+            with torch._dynamo.config.patch(error_on_recompile=n == 2):
+                out = f(x)
+            torch.testing.assert_close(out, awq_mma_linear(x, mma, s, z, 128), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 64, 600])
+def test_contiguous_but_misaligned_x_is_copied(m):
+    """x a contiguous view 6 bytes into a flat buffer: contiguous() returns it as is, which the kernels' 16-byte
+    loads refuse; the dispatch copies it instead, and gives the aligned copy's bits on our kernels (1 row: the decode
+    kernel; 64: what the time model picks). Past WGMMA_MAX_M, cuBLAS takes x as it is and picks its kernel by the
+    pointer's alignment, so 600 rows agree to rounding only."""
+    from torchforge.ops.awq_mma import awq_mma_linear
+
+    _, mma, s, z = _case(512, 256, 128)
+    buf = torch.randn(m * 512 + 3, device="cuda", dtype=torch.bfloat16)
+    x = buf[3:].view(m, 512)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    out, ref = awq_mma_linear(x, mma, s, z, 128), awq_mma_linear(x.clone(), mma, s, z, 128)
+    if m <= 512:
+        assert torch.equal(out, ref)
+    else:
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 4e-3

@@ -13,6 +13,21 @@ hopper = pytest.mark.skipif(not (has_cuda_ext() and torch.cuda.get_device_capabi
 pytestmark = [pytest.mark.cuda, hopper]
 
 
+def _spy_blocks(monkeypatch) -> list:
+    """The block sizes moe_align is asked for from here on: which grouped kernel a call took (8 / 16: mma.sync; 64 /
+    128: wgmma), traced calls under torch.compile included."""
+    import torchforge.ops.moe_align as moe_align_mod
+
+    seen, real = [], moe_align_mod.moe_align
+
+    def spy(expert_ids, num_experts, block_m):
+        seen.append(block_m)
+        return real(expert_ids, num_experts, block_m)
+
+    monkeypatch.setattr(moe_align_mod, "moe_align", spy)
+    return seen
+
+
 def _ids(T, k, E, seed):
     g = torch.Generator().manual_seed(seed)
     # uneven load: expert 0 takes about a third of the rows, so some experts fill several blocks of 64 and some few
@@ -33,7 +48,9 @@ def test_matches_oracle_and_the_mma_kernel(T, k, E, G, dtype, block_m, monkeypat
     monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
     monkeypatch.setattr(mma_cuda, "WGMMA_MOE_BLOCK_M", block_m)
     assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], G) == block_m
+    blocks = _spy_blocks(monkeypatch)
     part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, mgu, gu[1], gu[2], G, k)
+    assert blocks == [block_m]
     assert part.shape == (1, T * k, 2 * I) and part.dtype == torch.float32
     assert torch.isfinite(part).all()  # every routed row written once
     h, out = _run(x, ids, w, gu, down, G, k)
@@ -90,6 +107,10 @@ def test_bf16_scales_and_opcheck(monkeypatch):
     ref = torch.stack([x[r // k].double() @ wq[e].T for r, e in enumerate(ids.tolist())])
     assert ((part - ref).norm() / ref.norm()) < 4e-3
     torch.library.opcheck(op, (x, mma, gu[1], gu[2], sorted_rows, block_expert, T * k, k, G, 64, 2))
+    rows128, experts128 = moe_align(ids, E, 128)
+    part128 = op(x, mma, s16, gu[2], rows128, experts128, T * k, k, G, 128, 2)[0].double()
+    assert ((part128 - ref).norm() / ref.norm()) < 4e-3
+    torch.library.opcheck(op, (x, mma, gu[1], gu[2], rows128, experts128, T * k, k, G, 128, 2))
     with pytest.raises(RuntimeError, match="sorted_rows must hold B \\* block_m"):
         op(x, mma, gu[1], gu[2], sorted_rows[:-8], block_expert, T * k, k, G, 64, 2)
     with pytest.raises(RuntimeError, match="\\(block_m, tile_set\\) must be \\(64, 2\\) or \\(128, 2\\)"):
@@ -121,7 +142,8 @@ def test_experts_op_compiles_and_graphs(monkeypatch):
     torch.testing.assert_close(captured, f(x, ids, w), rtol=0, atol=0)
 
 
-def test_long_k_wraps_the_stage_ring(monkeypatch):
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_long_k_wraps_the_stage_ring(block_m, monkeypatch):
     """K = 1024 (16 chunks of 64) runs past the kernel's 8 stages, so every stage is refilled (the grouped form of the
     wait-and-refill path); against the fp64 oracle of one expert per routed row."""
     from tests.ops.awq_oracle import dequant_independent
@@ -129,6 +151,7 @@ def test_long_k_wraps_the_stage_ring(monkeypatch):
     from torchforge.ops import awq_quantize
 
     monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
+    monkeypatch.setattr(mma_cuda, "WGMMA_MOE_BLOCK_M", block_m)
     E, N, K, G, k, T = 3, 192, 1024, 128, 2, 100
     torch.manual_seed(4)
     qw, s, z = [t.cuda() for t in awq_quantize(torch.randn(E, N, K) * 0.2, G, symmetric=False)]
@@ -159,11 +182,13 @@ def test_experts_op_equals_the_two_ops_when_one_half_cannot_take_wgmma():
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("wgmma", [True, False])
-def test_experts_op_compiles_once_for_all_prefill_lengths(wgmma, monkeypatch):
-    """After the automatic-dynamic recompile at the second prefill length a third length runs the same graph, on either
-    grouped kernel: the dispatch only compares the routed row count, and both ops take it as a SymInt (an int in the
-    schema, or an int() in the dispatch, pinned each length: a recompile per prompt)."""
+@pytest.mark.parametrize("wgmma,blocks", [(None, {128}), (True, {128}), (False, {16})])
+def test_experts_op_compiles_once_for_all_prefill_lengths(wgmma, blocks, monkeypatch):
+    """After the automatic-dynamic recompile at the second prefill length a third length runs the same graph, on
+    either grouped kernel and through the default dispatch (80-116 rows per expert: wgmma on blocks of 128): the
+    dispatch only compares the routed row count, and both ops take it as a SymInt (an int in the schema, or an int()
+    in the dispatch, pinned each length: a recompile per prompt). Caches off, and the spy must see the traced sort:
+    a graph cached by an earlier case would pass without tracing this one's dispatch."""
     import torchforge.ops.awq_mma_cuda as mma_cuda
     from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
 
@@ -171,12 +196,36 @@ def test_experts_op_compiles_once_for_all_prefill_lengths(wgmma, monkeypatch):
     E, k, G = 8, 4, 128
     gu, down = _experts(E, G, "cuda", seed=7)
     mgu, mdn = (awq_to_mma_layout(gu[0]), gu[1], gu[2]), (awq_to_mma_layout(down[0]), down[1], down[2])
+    import torch._functorch.config
+    import torch._inductor.config
+
     torch._dynamo.reset()
+    seen = _spy_blocks(monkeypatch)
     f = torch.compile(lambda x, ids, w: awq_mma_moe_experts(x, ids, w, mgu, mdn, G, k), fullgraph=True)
-    for n, T in enumerate((160, 192, 232)):
-        ids, w = _ids(T, k, E, seed=T)
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        with torch._dynamo.config.patch(error_on_recompile=n == 2):
-            out = f(x, ids, w)
-        _, out_ref = _oracle(x, ids, w, gu, down, k, G)
-        assert ((out.double() - out_ref).norm() / out_ref.norm()) < 1e-2
+    with torch._inductor.config.patch(force_disable_caches=True), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        for n, T in enumerate((160, 192, 232)):
+            ids, w = _ids(T, k, E, seed=T)
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            with torch._dynamo.config.patch(error_on_recompile=n == 2):
+                out = f(x, ids, w)
+            _, out_ref = _oracle(x, ids, w, gu, down, k, G)
+            assert ((out.double() - out_ref).norm() / out_ref.norm()) < 1e-2
+    assert seen and set(seen) == blocks
+
+
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_contiguous_but_misaligned_x_is_copied(wgmma, monkeypatch):
+    """x a contiguous view 6 bytes into a flat buffer (contiguous() would return it as is): both grouped kernels get
+    an aligned copy and give its bits."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", wgmma)
+    E, k, G, T = 4, 2, 128, 96
+    gu, _ = _experts(E, G, "cuda", seed=8)
+    mgu = awq_to_mma_layout(gu[0])
+    ids, _ = _ids(T, k, E, seed=8)
+    x = torch.randn(T * H + 3, device="cuda", dtype=torch.bfloat16)[3:].view(T, H)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, mgu, gu[1], gu[2], G, k)
+    assert torch.equal(part, mma_cuda.launch_awq_mma_moe_cuda(x.clone(), ids, mgu, gu[1], gu[2], G, k))

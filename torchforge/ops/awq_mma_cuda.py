@@ -107,6 +107,14 @@ def _aligned16(*tensors: Tensor) -> bool:
     return all(t.storage_offset() * t.element_size() % 16 == 0 for t in tensors)
 
 
+def _packed_rows(x2: Tensor) -> Tensor:
+    """x2 [M, K] as the kernels read it: packed rows starting 16 bytes into an allocation's multiple. A copy where it
+    is not; clone, not contiguous(), which returns a contiguous but misaligned view (a slice of a flat buffer) as is."""
+    if x2.stride(-1) == 1 and x2.stride(0) == x2.shape[-1] and _aligned16(x2):
+        return x2
+    return x2.clone(memory_format=torch.contiguous_format)
+
+
 def _scales_ok(x: Tensor, scales: Tensor) -> bool:
     # csrc/awq_mma.cuh dispatch_dtypes: fp16 scales (AWQ checkpoints), or bf16 ones with bf16 x (model.to(bf16))
     return scales.dtype == torch.float16 or scales.dtype == x.dtype == torch.bfloat16
@@ -151,8 +159,7 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
-        x2 = x2.contiguous()
+    x2 = _packed_rows(x2)
     sms = _sm_count(x2.device.index)
     if splits is None and item_chunks is None and warps is None:
         splits, item_chunks, warps, pf = mma_cuda_launch_config(x2.shape[0], k, n, group_size, sms)
@@ -201,9 +208,9 @@ def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
     # Dynamic shapes (SymInts under torch.compile: the rows of x, or the weight's size where one compiled function
     # meets several) specialize here: the kernel's block shape and K slices depend on their exact values, and the time
     # model's arithmetic (divmod, min over floats) wants plain ints.
-    m, k, n = int(m), int(k), int(n)
-    if not WGMMA_MIN_ROWS <= m <= WGMMA_MAX_M:
+    if not WGMMA_MIN_ROWS <= m <= WGMMA_MAX_M:  # two guards on a SymInt: rows outside the range stay dynamic
         return False
+    m, k, n = int(m), int(k), int(n)
     other = decode_mma_time_us(m, k, n) if m <= MMA_CUDA_MAX_M else dequant_cublas_time_us(m, k, n)
     return best_wgmma_config(m, k, n, sms)[1] < other
 
@@ -236,8 +243,7 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) != k or not _aligned16(x2):
-        x2 = x2.contiguous()
+    x2 = _packed_rows(x2)
     if config is None:
         config = wgmma_cuda_config(x2.shape[0], k, n, _sm_count(x2.device.index))
     block_m, tile_set, splits, group_m, ws, *dp = config
@@ -383,7 +389,7 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
         sorted_rows, block_expert = alignment
     else:
         sorted_rows, block_expert = moe_align(expert_ids, num_experts, block)
-    x2 = x.contiguous() if not _aligned16(x) or not x.is_contiguous() else x
+    x2 = _packed_rows(x)
     if wgmma:  # ops.cpp checks that sorted_rows holds `block` rows per block_expert entry
         return torch.ops.torchforge.awq_wgmma_moe_cuda(
             x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(), sorted_rows, block_expert, rows,
