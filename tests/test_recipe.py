@@ -345,3 +345,26 @@ def test_nvfp4_dict_gets_the_scheme_defaults(tmp_path):
     assert Recipe.from_dict({"scheme": "w4a16-rtn"}).group_size == 128  # other schemes keep the dataclass defaults
     with pytest.raises(RecipeError, match="group_size: invalid value 32 .*16 for scheme 'nvfp4'"):
         Recipe.from_dict({"scheme": "nvfp4", "group_size": 32})
+
+
+def test_a_user_ignore_list_that_selects_a_router_is_reported(caplog):
+    # an ignore list replaces DEFAULT_IGNORE: an nn.Linear router (older / remote-code MoE models: mlp.gate) is then
+    # selected by "Linear", which the defaults would have kept in bf16
+    import logging
+
+    from torch import nn
+
+    mlp = nn.Module()
+    mlp.gate, mlp.up_proj = nn.Linear(64, 4), nn.Linear(64, 128)
+    layer = nn.Module()
+    layer.mlp = mlp
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer])
+    with caplog.at_level(logging.WARNING, logger="torchforge.recipe"):
+        assert [n for n, _ in Recipe.from_dict({"scheme": "w4a16-rtn"}).select(model)] == ["layers.0.mlp.up_proj"]
+        picked = Recipe.from_dict({"scheme": "w4a16-rtn", "ignore": ["re:.*up_proj$"]}).select(model)
+    assert [n for n, _ in picked] == ["layers.0.mlp.gate"]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1, msgs
+    assert "1 MoE router layer(s) of Module are selected and will be quantized (e.g. 'layers.0.mlp.gate')" in msgs[0]
+    assert r"'re:.*mlp\\.gate$'" in msgs[0]

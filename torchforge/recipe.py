@@ -61,6 +61,7 @@ def _load_yaml_unique(text: str):
 __all__ = [
     "DEFAULT_IGNORE",
     "DTYPES",
+    "ROUTER_IGNORE",
     "EXPORT_FORMATS",
     "PRESETS",
     "Recipe",
@@ -89,20 +90,19 @@ DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 MIN_GROUP_SIZE = 16
 
+# MoE routers are never quantized: routing decisions are very sensitive to error. In transformers 5 they are
+# *TopkRouter modules (not nn.Linear, so "Linear" skips them anyway), but older and remote-code models use a plain
+# nn.Linear named mlp.gate, and PhiMoE / Llama4 / Jamba / GraniteMoE name theirs `router`, some an nn.Linear subclass
+# ("Linear" would select it, and their forward unpacks the router's outputs, so a quantized one breaks it). Qwen2-MoE's
+# shared_expert_gate is a 1-row sigmoid gate (hidden -> 1): nothing to gain.
+ROUTER_IGNORE: tuple[str, ...] = (r"re:.*mlp\.gate$", r"re:.*\.router$", r"re:.*shared_expert_gate$")
+
 DEFAULT_IGNORE: tuple[str, ...] = (
     # The output head stays in bf16: 4-bit logits cost accuracy for little memory.
     "lm_head",
     # Token embeddings are a lookup table, not a matmul: keep them in bf16.
     r"re:.*embed_tokens$",
-    # MoE routers are never quantized: routing decisions are very sensitive to error. In
-    # transformers 5 they are *TopkRouter modules (not nn.Linear, so "Linear" skips them
-    # anyway), but older and remote-code models use a plain nn.Linear named mlp.gate.
-    r"re:.*mlp\.gate$",
-    # ... and PhiMoE / Llama4 / Jamba / GraniteMoE name theirs `router`, some an nn.Linear subclass ("Linear"
-    # would select it, and their forward unpacks the router's outputs, so a quantized one breaks it).
-    r"re:.*\.router$",
-    # Qwen2-MoE's shared_expert_gate is a 1-row sigmoid gate (hidden -> 1): nothing to gain.
-    r"re:.*shared_expert_gate$",
+    *ROUTER_IGNORE,
     # MLA's kv_b_proj: vLLM dequantizes it at load (it is split into W_UK / W_UV and
     # absorbed into the attention computation), so quantizing it only adds error.
     r"re:.*self_attn\.kv_b_proj$",
@@ -538,6 +538,14 @@ class Recipe:
                         "so nothing is quantized; a pattern does not reach into a module's children: target "
                         "'Linear' (with ignore) or the layers' own names", list(self.targets), len(selected),
                         type(model).__name__, selected[0][0])
+        # a user's ignore list replaces the defaults, router patterns included
+        routers = [n for n, m in selected if any(matching.match_pattern(n, m, p) for p in ROUTER_IGNORE)]
+        if routers:
+            log.warning("recipe: %d MoE router layer(s) of %s are selected and will be quantized (e.g. %r): the ignore "
+                        "list replaces torchforge.recipe.DEFAULT_IGNORE, which leaves routers unquantized (routing is "
+                        "sensitive to error); add %s to ignore, or start from ignore=[*DEFAULT_IGNORE, ...]",
+                        len(routers), type(model).__name__, routers[0],
+                        [p for p in ROUTER_IGNORE if p not in self.ignore])
         for p in self.ignore:
             if p not in DEFAULT_IGNORE and not any(matching.match_pattern(n, m, p) for n, m in names):
                 log.warning("recipe: ignore pattern %r matches no module of %s; patterns match the in-memory module "
