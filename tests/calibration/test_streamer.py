@@ -433,3 +433,21 @@ def test_padded_layers_get_the_whole_models_mask_and_positions(ckpts, name, side
         for (m1, p1, (cos1, sin1)), (m2, p2, (cos2, sin2)) in zip(got[i], want[i]):
             assert (m1 is None and m2 is None) or torch.equal(m1, m2)
             assert torch.equal(p1.expand_as(p2), p2) and torch.equal(cos1, cos2) and torch.equal(sin1, sin2)
+
+
+def test_streamed_dequantization_refuses_integer_and_nan_scales():
+    """layer_loader multiplies by scale.float(): ue8m0 exponents stored as raw uint8 bytes (127 for 2**0) came out
+    127x too large, and NaN/Inf scales as NaN/Inf weights, with no error."""
+    w = torch.ones(200, 300).to(torch.float8_e4m3fn)
+    dest = torch.empty(200, 300)
+    with pytest.raises(CheckpointError, match=r"'x\.weight_scale_inv' of /ckpt cannot dequantize 'x\.weight': "
+                                              r"scale_inv must be a floating tensor .* got torch\.uint8"):
+        layer_loader._dequantize_into(dest, w, torch.full((2, 3), 127, dtype=torch.uint8), (128, 128), "x.weight",
+                                      "/ckpt")
+    scale = torch.ones(2, 3)
+    scale[1, 2] = float("inf")
+    with pytest.raises(CheckpointError, match=r"'x\.weight_scale_inv' of /ckpt .*1 NaN/Inf entries of 6 \(the first "
+                                              r"at block \[1, 2\]\)"):
+        layer_loader._dequantize_into(dest, w, scale, (128, 128), "x.weight", "/ckpt")
+    layer_loader._dequantize_into(dest, w, torch.full((2, 3), 2.0), (128, 128), "x.weight", "/ckpt")
+    assert torch.equal(dest, torch.full((200, 300), 2.0))

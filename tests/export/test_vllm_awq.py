@@ -326,3 +326,31 @@ def test_a_save_whose_tokenizer_source_is_its_own_folder_keeps_the_tokenizer(tmp
     model = torchforge.quantize(models.build("llama"), RECIPE)
     torchforge.save_quantized(model, str(tmp_path), source_dir=str(tmp_path))
     assert (tmp_path / "tokenizer.json").read_text() == "{}"
+
+
+def test_tokenizer_copy_that_fails_leaves_no_temporary(tmp_path, monkeypatch):
+    """copy_tokenizer_files copied to a fixed `.{name}.tmp`, not fsynced, and left it where the copy failed (a full
+    disk), unlike every other file of an export."""
+    import shutil
+
+    from torchforge.export import folder
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    (src / "tokenizer.json").write_text('{"v": 1}')
+    (src / "merges.txt").write_text("a b\n" * 100)
+    real = shutil.copyfile
+
+    def full_disk(a, b, *args, **kw):
+        if os.path.basename(a) == "merges.txt":
+            with open(b, "w") as f:
+                f.write("a b\n")  # a part, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real(a, b, *args, **kw)
+
+    monkeypatch.setattr(shutil, "copyfile", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        folder.copy_tokenizer_files(str(src), str(out))
+    assert sorted(os.listdir(out)) == ["tokenizer.json"]  # no .merges.txt temporary, no partial merges.txt
+    assert (out / "tokenizer.json").read_text() == '{"v": 1}'

@@ -324,3 +324,38 @@ def test_corrupt_bin(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"cannot load .*pytorch_model\.bin with torch\.load\(weights_only=True\)"):
         load_state_dict(tmp_path)
+
+
+def test_header_length_over_the_safetensors_limit_is_not_read(tmp_path, monkeypatch):
+    """A damaged length field below the file size made the header check read that many bytes (up to a whole 5 GB
+    shard) into memory before failing on the JSON; safetensors itself refuses headers over 100 MB."""
+    import builtins
+
+    path = tmp_path / "model.safetensors"
+    n = 150_000_000
+    with open(path, "wb") as f:
+        f.write(n.to_bytes(8, "little") + b"{")
+        f.truncate(8 + n + 1000)  # sparse: takes no disk space
+    reads = []
+    real_open = builtins.open
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, k=-1):
+            reads.append(k)
+            return self.f.read(k)
+
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **kw: Spy(real_open(p, *a, **kw)) if str(p) == str(path)
+                        else real_open(p, *a, **kw))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: the header length field says 150000000 bytes, "
+                                              r"over safetensors' limit of 100000000 bytes"):
+        iter_checkpoint(tmp_path)
+    assert reads == [8]

@@ -196,3 +196,34 @@ def test_bin_fp8(tmp_path, quantized):
     got = load_state_dict(tmp_path, dequantize_fp8=True, dtype=torch.float32)
     assert set(got) == {"x.weight", "y"}
     assert torch.equal(got["x.weight"], ref)
+
+
+def test_scales_of_a_wrong_dtype_nan_or_a_1d_weight_name_the_tensor(tmp_path, quantized):
+    """A TypeError/ValueError naming neither tensor nor file came from deep inside the iteration; NaN/Inf scales
+    went through as NaN/Inf weights."""
+    _, q, s, _ = quantized
+    ue8m0_bytes = torch.full(s.shape, 127, dtype=torch.uint8)  # ue8m0 exponents stored as raw bytes
+    save_sharded({"x.weight": q, "x.weight_scale_inv": ue8m0_bytes}, tmp_path / "u8")
+    with pytest.raises(CheckpointError, match=r"'x\.weight_scale_inv' in model\.safetensors is uint8, but block-FP8 "
+                                              r"scales of 'x\.weight' are float32.*dequantize_fp8=False"):
+        iter_checkpoint(tmp_path / "u8", dequantize_fp8=True)  # raised before iterating
+    torch.save({"x.weight": q, "x.weight_scale_inv": ue8m0_bytes}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"'x\.weight_scale_inv' does not fit 'x\.weight' in pytorch_model\.bin: "
+                                              r"scale_inv must be a floating tensor"):
+        load_state_dict(tmp_path, dequantize_fp8=True)
+
+    bad = s.clone()
+    bad[2, 1] = float("nan")
+    bad[0, 1] = float("inf")
+    save_sharded({"x.weight": q, "x.weight_scale_inv": bad}, tmp_path / "nan")
+    with pytest.raises(CheckpointError, match=r"'x\.weight_scale_inv' in model\.safetensors cannot dequantize "
+                                              r"'x\.weight': scale_inv has 2 NaN/Inf entries of 6 \(the first at "
+                                              r"block \[0, 1\]\): the checkpoint is corrupt"):
+        load_state_dict(tmp_path / "nan", dequantize_fp8=True)
+    with pytest.raises(CheckpointError, match="NaN/Inf"):
+        dequantize_fp8_block(q, bad)
+
+    save_sharded({"b": q[0].contiguous(), "b_scale_inv": torch.ones(2)}, tmp_path / "1d")
+    with pytest.raises(CheckpointError, match=r"float8 tensor 'b' in model\.safetensors: block-FP8 weights are at "
+                                              r"least 2-D, got shape \[200\]"):
+        iter_checkpoint(tmp_path / "1d", dequantize_fp8=True)

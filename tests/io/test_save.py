@@ -281,3 +281,44 @@ def test_shard_writer_removes_the_temporaries_of_a_killed_run(tmp_path):
     w.close()
     assert sorted(os.listdir(tmp_path)) == [".shard-notes.txt", "model-00001-of-00002.safetensors",
                                             "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+
+
+def test_shard_writer_refuses_a_second_writer_into_the_same_folder(tmp_path):
+    """Two writers into one folder share the .shard-NNNNN names: the second removed the first's shards as stale and
+    the first then committed the second's shard under its own index (a folder that looks complete, but mismatched)."""
+    from torchforge.io.shard_writer import ShardWriter
+
+    first = ShardWriter(tmp_path, max_shard_bytes=1000)
+    for i in range(3):
+        first.add(f"a{i}", torch.full((200,), float(i)))  # 800 bytes each: two shards written so far
+    with pytest.raises(FileExistsError, match="another writer .* is writing a checkpoint into it"):
+        ShardWriter(tmp_path)
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".partial")]) == 2  # the first writer's shards stay
+    first.close()
+    assert _equal_dicts(load_state_dict(tmp_path), {f"a{i}": torch.full((200,), float(i)) for i in range(3)})
+    aborted = ShardWriter(tmp_path / "other")  # the lock goes with close() and abort()
+    aborted.abort()
+    ShardWriter(tmp_path / "other").close()
+    dropped = ShardWriter(tmp_path / "third")
+    del dropped  # neither closed nor aborted: garbage collection unlocks
+    ShardWriter(tmp_path / "third").abort()
+
+
+def test_shard_writer_abort_after_a_failed_commit_leaves_no_index_temporary(tmp_path, monkeypatch):
+    from torchforge.io.shard_writer import ShardWriter
+
+    w = ShardWriter(tmp_path, max_shard_bytes=8)
+    w.add("a", torch.ones(2))
+    w.add("b", torch.ones(2))
+    real = os.replace
+
+    def fail_on_index(src, dst):
+        if str(dst).endswith("index.json"):
+            raise OSError("disk gone")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_on_index)
+    with pytest.raises(OSError, match="disk gone"):
+        w.close()
+    w.abort()
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no .model.safetensors.index.json.tmp.*

@@ -12,7 +12,7 @@ from torch import nn
 
 from torchforge.export.naming import EXPERT_KEY, from_checkpoint_name
 from torchforge.io import CheckpointError, dequantize_fp8_block, iter_checkpoint
-from torchforge.io.fp8 import expected_scale_shape, is_fp8_dtype
+from torchforge.io.fp8 import check_scale_inv, expected_scale_shape, is_fp8_dtype
 
 _SCALE_INV = "_scale_inv"
 
@@ -96,6 +96,10 @@ def _dequantize_into(dest: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, b
         raise CheckpointError(f"{name + _SCALE_INV!r} of {path} has shape {list(scale.shape)}, but {name!r} of shape "
                               f"{list(w.shape)} with {block[0]}x{block[1]} blocks needs {list(want)}: check "
                               "weight_block_size in config.json")
+    try:  # the chunks below cast with float(): raw uint8 exponents would pass as 127.0, NaN/Inf as NaN weights
+        check_scale_inv(scale)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{name + _SCALE_INV!r} of {path} cannot dequantize {name!r}: {e}") from None
     if w.dim() != 2:
         dest.copy_(dequantize_fp8_block(w, scale, block, dtype=dest.dtype))
         return

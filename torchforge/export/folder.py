@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from torchforge.io import atomic_write_json
+from torchforge.io.save import _atomic_write
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -50,9 +51,9 @@ def copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
         for f in TOKENIZER_FILES:
             p = os.path.join(src, f)
             if os.path.isfile(p):
-                tmp = os.path.join(out_dir, f".{f}.tmp")
-                shutil.copyfile(p, tmp)
-                os.replace(tmp, os.path.join(out_dir, f))
+                # as every other file of the export: a unique fsynced temporary (removed where the copy fails, e.g. a
+                # full disk) renamed into place, so a durable config.json never sits beside a truncated tokenizer
+                _atomic_write(os.path.join(out_dir, f), lambda tmp, p=p: shutil.copyfile(p, tmp))
                 copied.append(f)
     return copied
 

@@ -78,6 +78,8 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "F4": ("float4_e2m1", 4),
 }
 _FP8_WEIGHT_CODES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
+# dtypes block scales can have (dequantize_fp8_block multiplies in float32): not integers, e.g. raw ue8m0 bytes
+_FP8_SCALE_CODES = frozenset({"F32", "F16", "BF16", "F64", "F8_E8M0"})
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,10 @@ class TensorInfo:
     @property
     def torch_dtype_name(self) -> str:
         return SAFETENSORS_DTYPES.get(self.dtype, (self.dtype, 0))[0]
+
+
+# safetensors refuses larger headers (MAX_HEADER_SIZE in its Rust core), so no readable file has one
+_MAX_HEADER_BYTES = 100_000_000
 
 
 def _corrupt(path: str, what: str) -> CheckpointError:
@@ -125,6 +131,9 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
             n = int.from_bytes(head, "little")
             if n > size - 8:
                 raise _corrupt(path, f"the header length field says {n} bytes but the file has only {size} bytes")
+            if n > _MAX_HEADER_BYTES:  # checked before the read: a damaged length field must not read gigabytes
+                raise _corrupt(path, f"the header length field says {n} bytes, over safetensors' limit of "
+                                     f"{_MAX_HEADER_BYTES} bytes")
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"cannot read safetensors file {path}: {e}") from e
@@ -486,7 +495,17 @@ def _iter_safetensors(layout: _Layout, prefixes, dequantize_fp8, device, dtype, 
                             f"cannot dequantize it: read with dequantize_fp8=False to get the stored tensors"
                         )
                     sfile, sinfo = found
-                    want = expected_scale_shape(info.shape, block)
+                    if sinfo.dtype not in _FP8_SCALE_CODES:
+                        raise CheckpointError(
+                            f"{sname!r} in {sfile} is {sinfo.torch_dtype_name}, but block-FP8 scales of {info.name!r} "
+                            f"are float32 (or float8_e8m0fnu): the checkpoint is not DeepSeek block FP8 or it is "
+                            f"damaged; read with dequantize_fp8=False to get the stored tensors"
+                        )
+                    try:
+                        want = expected_scale_shape(info.shape, block)
+                    except ValueError as e:
+                        raise CheckpointError(f"float8 tensor {info.name!r} in {fname}: {e}; read with "
+                                              f"dequantize_fp8=False to get the stored tensors") from None
                     if sinfo.shape != want:
                         raise CheckpointError(
                             f"{sname!r} in {sfile} has shape {list(sinfo.shape)} but {info.name!r} of shape "
@@ -530,9 +549,11 @@ def _iter_safetensors(layout: _Layout, prefixes, dequantize_fp8, device, dtype, 
                     if info.name in scale_of:
                         sname, sfile = scale_of[info.name]
                         s = remote.pop(sname) if sfile != fname else f.get_tensor(sname)
-                        yield info.name, dequantize_fp8_block(
-                            t.to(device), s.to(device), block, dtype=dtype or torch.bfloat16
-                        )
+                        try:
+                            t = dequantize_fp8_block(t.to(device), s.to(device), block, dtype=dtype or torch.bfloat16)
+                        except CheckpointError as e:  # NaN/Inf scales: only the data shows them
+                            raise CheckpointError(f"{sname!r} in {sfile} cannot dequantize {info.name!r}: {e}") from e
+                        yield info.name, t
                     else:
                         yield info.name, _finish(t, info.name, device, dtype)
 
@@ -595,7 +616,7 @@ def _iter_bin(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
                         )
                     try:
                         t = dequantize_fp8_block(t.to(device), s.to(device), block, dtype=dtype or torch.bfloat16)
-                    except CheckpointError as e:
+                    except (TypeError, ValueError) as e:  # CheckpointError too; a wrong dtype, a 1-D weight
                         raise CheckpointError(f"{sname!r} does not fit {name!r} in {fname}: {e}") from e
                     yield name, t
                     continue

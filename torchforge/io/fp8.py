@@ -30,7 +30,7 @@ import torch
 
 from .checkpoint import CheckpointError
 
-__all__ = ["dequantize_fp8_block", "FP8_DTYPES", "is_fp8_dtype", "expected_scale_shape"]
+__all__ = ["dequantize_fp8_block", "FP8_DTYPES", "is_fp8_dtype", "expected_scale_shape", "check_scale_inv"]
 
 # float8 formats that hold weights (not float8_e8m0fnu, which is an exponent-only scale format).
 FP8_DTYPES = frozenset(
@@ -72,6 +72,24 @@ def expected_scale_shape(weight_shape: Sequence[int], block_size=DEFAULT_BLOCK_S
     return (*lead, math.ceil(m / bm), math.ceil(n / bn))
 
 
+def check_scale_inv(scale_inv: torch.Tensor) -> None:
+    """Raises where ``scale_inv`` cannot be block scales: not floating (e.g. ue8m0 exponents stored as raw uint8
+    bytes, which a float() cast would turn into 127.0 instead of 1.0), or NaN/Inf entries (a corrupt shard: every
+    weight of such a block would come out NaN/Inf). The scale grid is 1/16384 of the weight: cheap to check."""
+    if not scale_inv.is_floating_point() or is_fp8_dtype(scale_inv.dtype):
+        raise TypeError(
+            "scale_inv must be a floating tensor (float32, or float8_e8m0fnu power-of-two scales), got "
+            f"{scale_inv.dtype}"
+        )
+    bad = ~torch.isfinite(scale_inv.to(torch.float32))
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise CheckpointError(
+            f"scale_inv has {int(bad.sum())} NaN/Inf entries of {scale_inv.numel()} (the first at block {first}): "
+            f"the checkpoint is corrupt; download the shard again"
+        )
+
+
 def dequantize_fp8_block(
     weight_fp8: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -87,10 +105,7 @@ def dequantize_fp8_block(
     """
     if not is_fp8_dtype(weight_fp8.dtype):
         raise TypeError(f"dequantize_fp8_block expects a float8 weight, got {weight_fp8.dtype}")
-    if not scale_inv.is_floating_point() or is_fp8_dtype(scale_inv.dtype):
-        raise TypeError(
-            f"scale_inv must be a floating tensor (float32, or float8_e8m0fnu power-of-two scales), got {scale_inv.dtype}"
-        )
+    check_scale_inv(scale_inv)
     bm, bn = _block_pair(block_size)
     expected = expected_scale_shape(weight_fp8.shape, (bm, bn))
     if tuple(scale_inv.shape) != expected:

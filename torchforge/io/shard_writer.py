@@ -7,6 +7,7 @@ files, never a folder that looks complete.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -28,6 +29,35 @@ def _remove_stale_temps(out_dir: str, present: list[str]) -> None:
             _unlink_quiet(os.path.join(out_dir, name))
 
 
+def _lock_folder(out_dir: str) -> int | None:
+    """An exclusive flock on `out_dir` itself (no lock file left behind; the kernel drops it when the process dies):
+    two writers into one folder would share the `.shard-NNNNN` names and remove each other's shards as stale, and
+    one would commit the other's (maybe half-written) shard under its own index. None where flock is unavailable."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(out_dir, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise FileExistsError(f"{out_dir}: another writer (a torchforge quantize --stream, in this process or "
+                                  "another) is writing a checkpoint into it; wait for it to finish or write into "
+                                  "another folder") from None
+        return None  # a file system without flock (some network mounts): unlocked, as before
+    return fd
+
+
+def _unlock_folder(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
 class ShardWriter:
     """`add(name, tensor)` one tensor at a time, then `close()`; `abort()` removes what was written."""
 
@@ -36,13 +66,20 @@ class ShardWriter:
             raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         os.makedirs(self.out_dir, exist_ok=True)
-        present = os.listdir(self.out_dir)
-        if "config.json" in present:
-            raise FileExistsError(f"{self.out_dir} already holds a checkpoint; write into an empty folder")
-        if any(f.endswith(".safetensors") for f in present):  # an export that died after its shards, before config.json
-            raise FileExistsError(f"{self.out_dir} holds .safetensors files but no config.json (an unfinished "
-                                  "export, or not a checkpoint): remove them or write into an empty folder")
-        _remove_stale_temps(self.out_dir, present)
+        self._lock = _lock_folder(self.out_dir)  # held until close()/abort(): the temporaries below are then stale
+        try:
+            present = os.listdir(self.out_dir)
+            if "config.json" in present:
+                raise FileExistsError(f"{self.out_dir} already holds a checkpoint; write into an empty folder")
+            # an export that died after its shards, before config.json
+            if any(f.endswith(".safetensors") for f in present):
+                raise FileExistsError(f"{self.out_dir} holds .safetensors files but no config.json (an unfinished "
+                                      "export, or not a checkpoint): remove them or write into an empty folder")
+            _remove_stale_temps(self.out_dir, present)
+        except BaseException:
+            _unlock_folder(self._lock)
+            self._lock = None  # else __del__ would close the descriptor number again
+            raise
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
         self._buffer: dict[str, torch.Tensor] = {}
@@ -83,6 +120,7 @@ class ShardWriter:
                      "weight_map": {t: names[i] for t, i in sorted(self._shard_of.items())}}
             index_tmp = _write_temp_text(os.path.join(self.out_dir, SAFE_WEIGHTS_INDEX_NAME),
                                          json.dumps(index, indent=2, sort_keys=True) + "\n")
+            self._temps.append(index_tmp)  # abort() removes it too where a rename below fails
         for tmp, final in zip(self._temps, finals):
             os.replace(tmp, final)
         if index_tmp is not None:
@@ -90,12 +128,20 @@ class ShardWriter:
             finals.append(os.path.join(self.out_dir, SAFE_WEIGHTS_INDEX_NAME))
         _fsync_dir(self.out_dir)
         self._temps = []
+        _unlock_folder(self._lock)
+        self._lock = None
         return finals
+
+    def __del__(self):  # a writer dropped without close()/abort() must not keep the folder locked
+        _unlock_folder(getattr(self, "_lock", None))
+        self._lock = None
 
     def abort(self) -> None:
         for tmp in self._temps:
             _unlink_quiet(tmp)
         self._temps, self._buffer = [], {}
+        _unlock_folder(self._lock)
+        self._lock = None
 
 
 __all__ = ["ShardWriter"]
