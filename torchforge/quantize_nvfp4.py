@@ -12,6 +12,7 @@ layer. Without calib_data the model is weight-only NVFP4 (W4A16; exports as Mode
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 
 import torch
@@ -57,11 +58,17 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
     """Runs ``model`` on every batch of ``calib_data`` (input_ids tensors, tuples or dicts of model kwargs) and
     returns ``{linear name: amax}`` and ``{experts name: (gate_up amax [E], down amax [E])}``."""
     amax: dict = {}
+    nonfinite: dict[str, float] = {}  # layer -> a non-finite input amax (Python's max would drop a NaN)
     hooks = []
+
+    def note(name: str, a: float) -> float:
+        if not math.isfinite(a):
+            nonfinite.setdefault(name, a)
+        return a
 
     def linear_hook(name):
         def hook(mod, args):
-            a = float(args[0].detach().abs().amax()) if args[0].numel() else 0.0
+            a = note(name, float(args[0].detach().abs().amax()) if args[0].numel() else 0.0)
             amax[name] = max(amax.get(name, 0.0), a)
         return hook
 
@@ -76,6 +83,9 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
             routed = ids < E
             if len(vals) > 2:  # a pick with weight 0 reaches no output: PrunedMoE(drop) sends pruned picks to id 0 so
                 routed &= vals[2].detach().cpu() != 0  # (they would loosen expert 0's input scale)
+            bad = tok[routed.any(dim=1) & ~torch.isfinite(tok)]
+            if bad.numel():
+                note(f"{name} (gate_up_proj)", float(bad[0]))
             for j in range(ids.shape[1]):
                 valid = routed[:, j]
                 gu.scatter_reduce_(0, ids[valid, j], tok[valid], reduce="amax")
@@ -83,7 +93,7 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
                 rows = ((ids == e) & routed).any(dim=1).nonzero().squeeze(-1).to(hidden.device)
                 gate, up = nn.functional.linear(hidden[rows], mod.gate_up_proj[e]).chunk(2, dim=-1)
                 h = mod.act_fn(gate) * up
-                dn[e] = max(float(dn[e]), float(h.abs().amax()))
+                dn[e] = max(float(dn[e]), note(f"{name}.{e}.down_proj", float(h.abs().amax())))
         return hook
 
     for name, mod in selected:
@@ -102,6 +112,14 @@ def calibrate(model: nn.Module, selected: list[tuple[str, nn.Module]], calib_dat
             n += 1
         if n == 0:
             raise ValueError("quantize: calib_data is empty")
+        if nonfinite:
+            # input_scale = amax / (6 * 448) would be inf / NaN: vLLM quantizes with its reciprocal (0), and the
+            # all-or-nothing W4A4 export would otherwise fall back to weight-only without a word
+            name, a = next(iter(nonfinite.items()))
+            raise ValueError(f"quantize: calibration saw a non-finite activation ({a}) at the input of {name} "
+                             f"({len(nonfinite)} layer(s) in all): the model overflows or yields NaN on calib_data "
+                             "in its dtype; calibrate in bfloat16 or float32, or check calib_data (no layer was "
+                             "quantized)")
     finally:
         for h in hooks:
             h.remove()

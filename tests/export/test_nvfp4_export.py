@@ -177,3 +177,23 @@ def test_save_without_format_writes_the_recipes(preset, quant_method, tmp_path):
     torchforge.save_quantized(torchforge.load_quantized(str(tmp_path / "a")), str(tmp_path / "b"))
     with open(tmp_path / "b" / "config.json") as f:
         assert json.load(f)["quantization_config"]["quant_method"] == "modelopt"
+
+
+@pytest.mark.parametrize("fmt,drop", [
+    ("modelopt-nvfp4", "model.layers.1.mlp.experts.3.up_proj.weight_scale_2"),
+    ("modelopt-nvfp4", "model.layers.1.mlp.experts.3.down_proj.weight"),
+    ("compressed-tensors", "model.layers.1.mlp.experts.0.gate_proj.weight_global_scale"),
+    ("compressed-tensors", "model.layers.0.self_attn.o_proj.weight_global_scale"),
+])
+def test_incomplete_checkpoint_names_the_missing_tensor(fmt, drop, tmp_path):
+    """A tensor missing from an NVFP4 layer failed as a TypeError in torch.equal or a KeyError 'weight'."""
+    from torchforge.io import CheckpointError
+
+    torchforge.save_quantized(_quantized("qwen3_moe", calibrate=False), str(tmp_path), format=fmt)
+    path = tmp_path / "model.safetensors"
+    sd = load_file(str(path))
+    del sd[drop]
+    save_file(sd, str(path), metadata={"format": "pt"})
+    module, _, kind = drop.rpartition(".")
+    with pytest.raises(CheckpointError, match=f"{module} has no {kind} in the checkpoint"):
+        torchforge.load_quantized(str(tmp_path))

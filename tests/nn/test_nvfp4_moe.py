@@ -249,3 +249,25 @@ def test_packing_a_meta_built_module_leaves_no_buffer_on_meta():
     experts = models.moe_blocks(models.build("qwen3_moe"))[0][1].experts
     e = NVFP4Experts.empty_for(experts, device="meta").pack_weights(experts.gate_up_proj, experts.down_proj)
     assert {b.device.type for b in e.buffers()} == {"cpu"} and not e.calibrated
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("where", ["linear", "experts"])
+@torch.no_grad()
+def test_calibration_refuses_non_finite_activations(bad, where):
+    # an overflow (inf) exported input_scale = inf (vLLM then quantizes with 1 / inf = 0); a NaN was dropped by
+    # Python's max for Linear layers, and made the experts' scales NaN, turning the whole export weight-only silently
+    model = models.build("qwen3_moe")
+    layer = model.model.layers[1]
+    target = layer.mlp.experts if where == "experts" else layer.self_attn.o_proj
+    calls = []
+
+    def overflow_second_batch(mod, args):
+        calls.append(1)
+        return (args[0] * bad, *args[1:]) if len(calls) == 2 else None
+
+    target.register_forward_pre_hook(overflow_second_batch)
+    with pytest.raises(ValueError, match=r"calibration saw a non-finite activation \((inf|nan)\) at the input of "
+                                         r"model\.layers\.1\.(mlp\.experts|self_attn\.o_proj)"):
+        torchforge.quantize(model, "nvfp4", calib_data=_calib(model, n=3))
+    assert not any(isinstance(m, (NVFP4Linear, NVFP4MoE)) for m in model.modules())

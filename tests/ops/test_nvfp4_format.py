@@ -213,6 +213,16 @@ def test_bad_inputs():
         nvfp4_dequantize(p, s.float(), g)
 
 
+def test_meta_weights_give_meta_outputs():
+    # the NaN/Inf check read a value of the meta weight ("Tensor.item() cannot be called on meta tensors"), so a
+    # module built on meta could not be packed there (awq_quantize gives the shapes)
+    p, s, g = nvfp4_quantize(torch.empty(3, 8, 48, device="meta", dtype=torch.bfloat16))
+    assert [(tuple(t.shape), t.dtype, t.device.type) for t in (p, s, g)] == [
+        ((3, 8, 24), torch.uint8, "meta"), ((3, 8, 3), torch.float8_e4m3fn, "meta"), ((3,), torch.float32, "meta")]
+    with pytest.raises(ValueError, match="K=40 input channels"):  # the shape checks still run
+        nvfp4_quantize(torch.empty(4, 40, device="meta"))
+
+
 # ------------------------------------------------------------------------------ pinned bytes
 @unittest.skipIf(expecttest is None, "expecttest is not installed")
 class TestPinnedBytes(expecttest.TestCase if expecttest is not None else unittest.TestCase):

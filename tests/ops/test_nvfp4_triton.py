@@ -6,7 +6,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from torchforge.ops import nvfp4_grouped_linear, nvfp4_quantize  # noqa: E402
+from torchforge.ops import (  # noqa: E402
+    nvfp4_dequantize,
+    nvfp4_grouped_linear,
+    nvfp4_quantize,
+    nvfp4_quantize_activation,
+)
 from torchforge.ops._triton import can_launch  # noqa: E402
 from torchforge.ops.nvfp4_triton import launch_nvfp4_align, launch_nvfp4_grouped_linear, max_sorted_rows  # noqa: E402
 
@@ -89,3 +94,36 @@ def test_grouped_kernel_x_row_div():
     ref = nvfp4_grouped_linear(x[:4].repeat_interleave(3, 0), ids, p, s, ws2)
     out = launch_nvfp4_grouped_linear(*on_device(x[:4], ids, p, s, ws2), x_row_div=3).cpu()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def _decoded_activation(x, input_scale):
+    """float64 E2M1 * fp8 scale * input_scale of the NVFP4-quantized rows of x (checked bit for bit against vLLM's
+    rules in test_nvfp4_format.py)."""
+    packed, scales = nvfp4_quantize_activation(x, input_scale)
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(x.shape).long()
+    e2m1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    return e2m1[codes] * scales.double().repeat_interleave(16, -1) * float(input_scale)
+
+
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_grouped_kernel_fp16_exact_for_small_block_scales(w4a4):
+    """fp16 activations: the in-register weight was E2M1 * scale * 2**-22, which fp16 cannot hold below 2**-14 (a
+    block scale under 4 lost bits or flushed to 0: 9% error on these rows). Checked against a float64 oracle on the
+    exactly dequantized weights (and activations, W4A4): the fp32 summation bound plus one fp16 rounding."""
+    g = torch.Generator().manual_seed(15)
+    e, n, k, r = 2, 32, 64, 40
+    w = torch.randn(e, n, k, generator=g)
+    w[:, 1:] *= 1e-3  # row 0 sets the global scale: the other rows' block scales are < 1
+    p, s, ws2 = nvfp4_quantize(w)
+    assert float(s[:, 1:].float().max()) < 4
+    x = torch.randn(r, k, generator=g).half()
+    ids = torch.randint(0, e, (r,), generator=g)
+    ins = torch.full((e,), float(x.float().abs().max()) / 2688) if w4a4 else None
+    out = launch_nvfp4_grouped_linear(*on_device(x, ids, p, s, ws2), None if ins is None else ins.to(DEVICE)).cpu()
+    a = torch.stack([_decoded_activation(x[i], ins[ids[i]]) for i in range(r)]) if w4a4 else x.double()
+    wq = nvfp4_dequantize(p, s, ws2, torch.float64)[ids]
+    exact = torch.einsum("rnk,rk->rn", wq, a)
+    mag = torch.einsum("rnk,rk->rn", wq.abs(), a.abs())
+    tol = k * 2.0**-24 * mag + (4 * 2.0**-24 + 2.0**-11) * exact.abs() + 1e-30
+    err = (out.double() - exact).abs()
+    assert bool((err[:, 1:] <= tol[:, 1:]).all()), float((err[:, 1:] / tol[:, 1:]).max())

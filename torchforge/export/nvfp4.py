@@ -273,8 +273,16 @@ def _scale(parts: dict, key: str, ct: bool, exact: dict, full_name: str) -> torc
     return 1.0 / gs
 
 
-def _linear_parts(parts: dict, ct: bool):
-    return parts["weight_packed" if ct else "weight"], parts["weight_scale"]
+def _linear_parts(parts: dict, ct: bool, exact: dict, full_name: str) -> tuple:
+    """(packed, block scales, weight_scale_2) of one NVFP4 linear; a missing tensor is named (it failed as a KeyError
+    or a TypeError in torch.equal)."""
+    names = ("weight_packed", "weight_scale", "weight_global_scale") if ct else \
+        ("weight", "weight_scale", "weight_scale_2")
+    missing = [n for n in names if n not in parts]
+    if missing:
+        raise CheckpointError(f"load_quantized: {full_name} has no {', '.join(missing)} in the checkpoint (an NVFP4 "
+                              f"layer needs {', '.join(names)}); the checkpoint is incomplete, export it again")
+    return parts[names[0]], parts["weight_scale"], _scale(parts, "weight_scale_2", ct, exact, full_name)
 
 
 def _shared_gate_up(e: int, gate: tuple, up: tuple, module_name: str, repaired: list) -> tuple:
@@ -313,10 +321,9 @@ def load_nvfp4_state(model: nn.Module, path: str, ct: bool, exact: dict) -> dict
         else:
             state[key] = t
     for name, parts in per_linear.items():
-        packed, scale = _linear_parts(parts, ct)
+        packed, scale, ws2 = _linear_parts(parts, ct, exact, name)
         ins = _scale(parts, "input_scale", ct, exact, name)
-        state.update({f"{name}.weight": packed, f"{name}.weight_scale": scale,
-                      f"{name}.weight_scale_2": _scale(parts, "weight_scale_2", ct, exact, name),
+        state.update({f"{name}.weight": packed, f"{name}.weight_scale": scale, f"{name}.weight_scale_2": ws2,
                       f"{name}.input_scale": torch.zeros(()) if ins is None else ins})
     repaired: list[str] = []
     for name, mod in nv_experts.items():
@@ -329,9 +336,7 @@ def load_nvfp4_state(model: nn.Module, path: str, ct: bool, exact: dict) -> dict
                 if not sub:
                     raise CheckpointError(f"load_quantized: {name}.{e}.{p} is missing from the checkpoint")
                 full = f"{name}.{e}.{p}"
-                packed, scale = _linear_parts(sub, ct)
-                proj[p] = (packed, scale, _scale(sub, "weight_scale_2", ct, exact, full),
-                           _scale(sub, "input_scale", ct, exact, full))
+                proj[p] = (*_linear_parts(sub, ct, exact, full), _scale(sub, "input_scale", ct, exact, full))
             gp, gs, gg = _shared_gate_up(e, proj["gate_proj"][:3], proj["up_proj"][:3], name, repaired)
             ins = [proj[p][3] for p in ("gate_proj", "up_proj") if proj[p][3] is not None]
             cols["gate_up_weight"].append(gp)

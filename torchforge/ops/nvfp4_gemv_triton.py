@@ -7,7 +7,8 @@ HBM (as int32 words, contiguous along K) with its fp8 block scales, dequantizes 
 by ``x[r // x_row_div]`` with fp32 FMAs; no sort, no padding, no tl.dot. Grid axis 0 is the row, so the rows
 that share an expert and an n-block run side by side and the second read of the slab comes from L2.
 
-Dequantization is exact and the same as the grouped kernel's (see `nvfp4_triton`):
+Dequantization is exact and decodes the same bit patterns as the grouped kernel (see `nvfp4_triton`); it
+stays in fp32 here (no fp16 / bf16 tensor-core operand), so the 2**-22 shift of the decoded values is harmless:
 
 * an int32 word w holds 8 codes (byte j: code 2j in the low nibble). For q = 0..3,
   ``((w << (12 - 4q)) & 0x80008000) | ((w << (9 - 4q)) & 0x0E000E00)`` holds two fp16 bit patterns

@@ -16,9 +16,11 @@ Grouped (MoE) matmul, no host sync and no loop over experts:
    Packed bytes `[BLOCK_N, BLOCK_K / 2]` and fp8 scale bytes `[BLOCK_N, BLOCK_K / 16]` are loaded once per
    tile and dequantized in registers: the nibble becomes fp16 bits `sign << 15 | mag << 9` (= E2M1 * 2**-14,
    exact, subnormal for 0.5), the e4m3 byte becomes fp16 bits `sign << 15 | (b & 0x7f) << 7`
-   (= scale * 2**-8, exact). Their fp32 product is E2M1 * scale * 2**-22, exact and exactly representable in
-   bf16/fp16, so the tensor-core operand is the exact weight up to a power of two; the fp32 accumulator is
-   multiplied by `weight_scale_2 * 2**22` (times `input_scale` in W4A4 emulation) at the end.
+   (= scale * 2**-8, exact). The scale is multiplied by 2**22 in fp32 (exact), so the fp32 product is
+   E2M1 * scale itself: in [2**-10, 2688] with at most 6 significant bits, exactly representable in bf16 and
+   in fp16 (E2M1 * scale * 2**-22 was not: below fp16's 2**-14 it went subnormal, and blocks with a scale
+   under 4 lost bits or flushed to 0 in the fp16 operand). The tensor-core operand is the exact weight; the
+   fp32 accumulator is multiplied by `weight_scale_2` (times `input_scale` in W4A4 emulation) at the end.
    W4A4 emulation (`QUANT_A`) quantizes each activation tile as vLLM's `ref_nvfp4_quant` does (see
    `nvfp4_reference`), with exact fp8/E2M1 rounding in integer arithmetic.
 
@@ -33,8 +35,6 @@ from torch import Tensor
 from torchforge.ops._triton import HAS_TRITON, interpret_mode, tl, triton
 
 __all__ = ["launch_nvfp4_grouped_linear", "launch_nvfp4_align", "grouped_config", "max_sorted_rows"]
-
-_W_SHIFT = 2.0**22  # the in-register weight is E2M1 * scale * 2**-22
 
 
 def max_sorted_rows(rows: int, num_buckets: int, block_m: int) -> int:
@@ -128,7 +128,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _nvfp4_weight_tile(w_ptr, s_ptr, offs_n, mask_n, k0, KP, KS, BK: tl.constexpr, BN: tl.constexpr):
-        """fp32 [BN, BK] tile of E2M1 * scale * 2**-22 for input channels k0 .. k0 + BK (exact)."""
+        """fp32 [BN, BK] tile of E2M1 * scale for input channels k0 .. k0 + BK (exact, and exact in fp16 / bf16)."""
         kb = k0 // 2 + tl.arange(0, BK // 2)
         b = tl.load(w_ptr + offs_n[:, None] * KP + kb[None, :], mask=mask_n[:, None], other=0)
         b = b.to(tl.int16)
@@ -137,7 +137,10 @@ if HAS_TRITON:
         ks = k0 // 16 + tl.arange(0, BK // 16)
         sb = tl.load(s_ptr + offs_n[:, None] * KS + ks[None, :], mask=mask_n[:, None], other=0).to(tl.int16)
         sf = (((sb & 0x80) << 8) | ((sb & 0x7F) << 7)).to(tl.float16, bitcast=True)  # scale * 2**-8
-        sf = tl.reshape(tl.broadcast_to(sf.to(tl.float32)[:, :, None], (BN, BK // 16, 16)), (BN, BK))
+        # times 2**22 (exact): the tile is E2M1 * scale, which fp16 holds exactly (E2M1 * scale * 2**-22 can be
+        # an fp16 subnormal, rounded or flushed to 0 when the dot operand is cast to fp16)
+        sf = sf.to(tl.float32) * 4194304.0
+        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (BN, BK // 16, 16)), (BN, BK))
         return wf.to(tl.float32) * sf
 
     @triton.jit
@@ -184,9 +187,9 @@ if HAS_TRITON:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        alpha = ws2 * 4194304.0  # 2**22 undoes the in-register shift
+        alpha = ws2
         if QUANT_A:
-            alpha = ins * ws2 * 4194304.0
+            alpha = ins * ws2
         tl.store(out_ptrs, (acc * alpha).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
