@@ -271,3 +271,19 @@ def test_calibration_refuses_non_finite_activations(bad, where):
                                          r"model\.layers\.1\.(mlp\.experts|self_attn\.o_proj)"):
         torchforge.quantize(model, "nvfp4", calib_data=_calib(model, n=3))
     assert not any(isinstance(m, (NVFP4Linear, NVFP4MoE)) for m in model.modules())
+
+
+def test_pack_weights_resets_the_input_scales():
+    # meta -> to_empty leaves uninitialised input scales on the weights' device: packing must not keep them (nor an
+    # earlier calibration of other weights); the module is uncalibrated until set_input_amax
+    from torchforge.nn.nvfp4_experts import NVFP4Experts
+
+    E, H, I = 2, 32, 16
+    m = NVFP4Experts(E, H, I, device="meta").to_empty(device="cpu")
+    m.gate_up_input_scale.fill_(float("nan"))
+    m.down_input_scale.fill_(3.0)
+    m.pack_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I))
+    assert torch.equal(m.gate_up_input_scale, torch.zeros(E)) and torch.equal(m.down_input_scale, torch.zeros(E))
+    assert not m.calibrated
+    m.set_input_amax(torch.full((E,), 2688.0), torch.full((E,), 26.88))
+    assert m.calibrated and torch.equal(m.gate_up_input_scale, torch.ones(E))

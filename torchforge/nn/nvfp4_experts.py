@@ -78,10 +78,11 @@ class NVFP4Experts(FixedDtypeBuffers):
                              f"[{E}, {H}, {I}]")
         self.gate_up_weight, self.gate_up_weight_scale, self.gate_up_weight_scale_2 = ops.nvfp4_quantize(gate_up_proj)
         self.down_weight, self.down_weight_scale, self.down_weight_scale_2 = ops.nvfp4_quantize(down_proj)
+        # new weights: not calibrated (0) until set_input_amax, on the weights' device (as NVFP4Linear.pack_weight);
+        # kept scales would be a meta tensor, to_empty()'s uninitialised memory, or another weight's calibration
         dev = self.gate_up_weight.device
-        if self.gate_up_input_scale.device != dev:  # built on meta: not calibrated (0) on the weights' device
-            self.gate_up_input_scale = torch.zeros(E, dtype=torch.float32, device=dev)
-            self.down_input_scale = torch.zeros(E, dtype=torch.float32, device=dev)
+        self.gate_up_input_scale = torch.zeros(E, dtype=torch.float32, device=dev)
+        self.down_input_scale = torch.zeros(E, dtype=torch.float32, device=dev)
         return self
 
     @torch.no_grad()
