@@ -125,7 +125,9 @@ def test_offload_spills_and_cleans_up(ckpts, tmp_path, monkeypatch):
     original = activations.ActivationStore.get
 
     def spy(self, batch):
-        seen.append(sorted(os.listdir(self.offload_dir)))
+        seen.append(sorted(os.listdir(self._dir_path)) if self._dir_path else [])
+        if self._dir_path and self.offload_dir:  # its own folder inside offload_dir
+            assert os.path.dirname(self._dir_path) == str(offload)
         return original(self, batch)
 
     monkeypatch.setattr(activations.ActivationStore, "get", spy)
@@ -173,8 +175,9 @@ def test_failed_spill_leaves_no_file_and_says_what_to_do(tmp_path, monkeypatch):
     store = activations.ActivationStore(0, tmp_path / "off")
     with pytest.raises(OSError, match="cannot spill hidden states to .*hs_layer_3_batch_0.pt: .*free space there"):
         store.put(0, torch.zeros(100), layer=3)
-    assert os.listdir(tmp_path / "off") == []
+    assert [files for _, _, files in os.walk(tmp_path / "off")] == [[], []]  # offload_dir and the store's folder
     store.close()
+    assert not os.path.exists(tmp_path / "off")  # made by the store, left empty: removed
 
 
 def test_one_layer_materialized_at_a_time(ckpts, monkeypatch):
@@ -451,3 +454,18 @@ def test_streamed_dequantization_refuses_integer_and_nan_scales():
         layer_loader._dequantize_into(dest, w, scale, (128, 128), "x.weight", "/ckpt")
     layer_loader._dequantize_into(dest, w, torch.full((2, 3), 2.0), (128, 128), "x.weight", "/ckpt")
     assert torch.equal(dest, torch.full((200, 300), 2.0))
+
+
+def test_two_stores_sharing_an_offload_dir_keep_their_own_files(tmp_path):
+    # the spill names (hs_layer_{l}_batch_{b}.pt) are the same in every run: two streamers with one offload_dir used
+    # to overwrite each other's hidden states, and the first to close deleted the other's
+    shared = tmp_path / "nvme"
+    shared.mkdir()
+    a, b = activations.ActivationStore(0, shared), activations.ActivationStore(0, shared)
+    a.put(0, torch.zeros(8), layer=1)
+    b.put(0, torch.ones(8), layer=1)
+    assert torch.equal(a.get(0), torch.zeros(8)) and torch.equal(b.get(0), torch.ones(8))
+    a.close()
+    assert torch.equal(b.get(0), torch.ones(8))
+    b.close()
+    assert os.listdir(shared) == []  # a folder the user made stays, emptied

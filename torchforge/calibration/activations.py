@@ -1,7 +1,8 @@
 """Hidden states of the calibration batches between decoder layers (seed 000 section 1.2.3).
 
 They live in host memory while they fit a byte budget; beyond it each batch's tensor is written to
-`offload_dir/hs_layer_{l}_batch_{b}.pt` (the input of layer `l`) and read back when that layer needs it.
+`offload_dir/torchforge-hs-XXXX/hs_layer_{l}_batch_{b}.pt` (the input of layer `l`; a folder of this store's own,
+so that two runs sharing an offload_dir cannot overwrite each other's files) and read back when that layer needs it.
 The budget covers the batch in flight too (the one being read back, or just computed and being written):
 room for the largest batch is kept free, so held + in-flight bytes stay within it whenever the budget is at
 least one batch.
@@ -38,8 +39,8 @@ class ActivationStore:
             raise ValueError(f"host_budget_bytes must be >= 0 or None, got {budget_bytes}")
         self.budget = budget_bytes
         self.offload_dir = None if offload_dir is None else os.fspath(offload_dir)
-        self._dir_path: str | None = None   # the folder in use once something was spilled
-        self._made_dir = False              # whether this store created it (then close() removes it)
+        self._dir_path: str | None = None   # this store's own folder once something was spilled (close() removes it)
+        self._made_parent = False           # whether this store created offload_dir (then close() removes it if empty)
         self._mem: dict[int, torch.Tensor] = {}
         self._files: dict[int, str] = {}
         self.held_bytes = 0          # batches kept in host memory now
@@ -50,12 +51,10 @@ class ActivationStore:
 
     def _dir(self) -> str:
         if self._dir_path is None:
-            if self.offload_dir is None:
-                self._dir_path, self._made_dir = tempfile.mkdtemp(prefix="torchforge-hs-"), True
-            else:
-                self._made_dir = not os.path.isdir(self.offload_dir)
+            if self.offload_dir is not None:
+                self._made_parent = not os.path.isdir(self.offload_dir)
                 check_offload_dir(self.offload_dir)
-                self._dir_path = self.offload_dir
+            self._dir_path = tempfile.mkdtemp(prefix="torchforge-hs-", dir=self.offload_dir)
         return self._dir_path
 
     def expect(self, nbytes: int) -> None:
@@ -111,9 +110,15 @@ class ActivationStore:
         return list(self._files.values())
 
     def close(self) -> None:
-        """Drops every batch and deletes the spill files (and the folder if this store created it)."""
+        """Drops every batch and deletes the spill files with this store's folder (and offload_dir if this store
+        created it and nothing else was put there)."""
         for b in list(self._mem) + list(self._files):
             self.drop(b)
-        if self._made_dir:
+        if self._dir_path is not None:
             shutil.rmtree(self._dir_path, ignore_errors=True)
-        self._dir_path, self._made_dir = None, False
+        if self._made_parent:
+            try:
+                os.rmdir(self.offload_dir)
+            except OSError:  # not empty: another run's files
+                pass
+        self._dir_path, self._made_parent = None, False
