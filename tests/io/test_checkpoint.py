@@ -266,6 +266,26 @@ def test_index_that_is_not_json_or_disagrees_with_its_shards(tmp_path):
         iter_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("shard", ["../model-00001-of-00002.safetensors", "/etc/model.safetensors",
+                                   "sub/model-00001-of-00002.safetensors", ".."])
+def test_index_naming_a_shard_outside_the_folder_is_refused(tmp_path, shard):
+    save_sharded({"a": torch.zeros(256), "b": torch.ones(256)}, tmp_path / "ckpt", max_shard_bytes=1024)
+    index_path = tmp_path / "ckpt" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["a"] = shard
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="not a file of .*: shards must be plain file names"):
+        iter_checkpoint(tmp_path / "ckpt")
+
+
+def test_index_with_an_empty_weight_map_is_refused(tmp_path):
+    save_sharded({"a": torch.zeros(256), "b": torch.ones(256)}, tmp_path, max_shard_bytes=1024)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index_path.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(CheckpointError, match="maps no tensor \\(an empty 'weight_map'\\)"):
+        iter_checkpoint(tmp_path)
+
+
 def test_bin_index_that_disagrees_with_its_shards(tmp_path):
     # as for safetensors: a name the index gives a pickled shard must be in it (the reader dropped it silently)
     torch.save({"a": torch.ones(2)}, tmp_path / "pytorch_model-00001-of-00002.bin")

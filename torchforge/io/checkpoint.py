@@ -209,6 +209,15 @@ def _read_index(root: str, index_name: str) -> dict[str, str]:
             f"index file {path} has no valid 'weight_map' (tensor name -> shard file); it is not a "
             f"Hugging Face checkpoint index or it is damaged"
         )
+    if not weight_map:
+        raise CheckpointError(f"index file {path} maps no tensor (an empty 'weight_map'): it is damaged or from an "
+                              "interrupted save; download or save the checkpoint again")
+    # shards are files of the checkpoint's own folder (as transformers writes and reads them): a path elsewhere
+    # ('../x', '/abs/x', 'sub/x') would read files the folder does not hold
+    odd = sorted({v for v in weight_map.values() if v != os.path.basename(v) or v in ("", ".", "..")})
+    if odd:
+        raise CheckpointError(f"index file {path} names shard {odd[0]!r}, not a file of {root}: shards must be plain "
+                              "file names in the checkpoint's folder; the index is damaged or hand-edited")
     return weight_map
 
 
