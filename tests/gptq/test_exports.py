@@ -163,3 +163,37 @@ def test_errors(tmp_path):
     assert json.load(open(tmp_path / "g" / "config.json"))["quantization_config"]["desc_act"] is True
     loaded = torchforge.load_quantized(str(tmp_path / "g"), dtype=torch.float32)
     assert torch.equal(loaded.model.layers[0].mlp.down_proj.dequantized_weight(), lin.dequantized_weight())
+
+
+def test_quantized_lm_head_sets_lm_head_in_the_gptq_config(tmp_path):
+    # vLLM quantizes ParallelLMHead only with lm_head: true; with false it expects lm_head.weight and the load of
+    # lm_head.qweight fails
+    model = models.build("llama")
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 32, "ignore": [r"re:.*embed_tokens$"]})
+    torchforge.save_quantized(model, str(tmp_path), format="vllm-gptq")
+    assert json.load(open(tmp_path / "config.json"))["quantization_config"]["lm_head"] is True
+    assert "lm_head.qweight" in _tensors(str(tmp_path))
+    plain = models.build("llama")
+    torchforge.quantize(plain, {"scheme": "w4a16-rtn", "group_size": 32})
+    from torchforge.export.gptq_export import vllm_gptq_config
+    assert vllm_gptq_config(plain)["lm_head"] is False
+
+
+def test_compressed_tensors_weight_g_idx_is_read():
+    # actorder "group" (llm-compressor): vLLM and compressed-tensors decode column k with group weight_g_idx[k]
+    from torchforge.export.gptq_export import _to_gptq_linear
+
+    g = torch.Generator().manual_seed(0)
+    oc, ic, gs = 16, 64, 16
+    codes = torch.randint(0, 16, (oc, ic), generator=g)
+    scale = torch.rand(oc, ic // gs, generator=g).half() + 0.5
+    g_idx = (torch.arange(ic) // gs)[torch.randperm(ic, generator=g)].to(torch.int32)
+    packed = torch.zeros(oc, ic // 8, dtype=torch.int64)
+    for j in range(8):  # compressed-tensors pack_to_int32: column 8r + j in bits 4j
+        packed |= codes[:, j::8] << (4 * j)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    t = {"weight_packed": packed, "weight_scale": scale, "weight_shape": torch.tensor([oc, ic]), "weight_g_idx": g_idx}
+    lin = ForgeGPTQLinear(ic, oc, group_size=gs)
+    lin.qweight, lin.qzeros, lin.scales, lin.g_idx = _to_gptq_linear("compressed-tensors", t, True)
+    ref = (codes.float() - 8) * scale.float()[:, g_idx.long()]
+    assert torch.equal(lin.dequantized_weight(), ref)

@@ -10,8 +10,8 @@ layouts are exact re-packings of the same numbers (``ForgeGPTQLinear``, ``ForgeA
 * ``vllm-gptq`` (AutoGPTQ / vLLM ``quant_method: gptq``): ``qweight [IC // 8, OC]`` packed along IC,
   ``qzeros [IC // G, OC // 8]`` holding ``z - 1`` (v1, see :mod:`torchforge.ops.gptq_reference`),
   ``scales``, ``g_idx``. Config: ``bits, group_size, desc_act`` (true only for a permuted ``g_idx``: vLLM reads
-  ``g_idx`` only then), ``sym, lm_head: false, checkpoint_format: gptq``, the quantized modules in
-  ``modules_in_block_to_quantize`` (vLLM treats an
+  ``g_idx`` only then), ``sym, lm_head`` (true when the output head is quantized),
+  ``checkpoint_format: gptq``, the quantized modules in ``modules_in_block_to_quantize`` (vLLM treats an
   entry as a substring of a layer's name; full module names), and every unquantized Linear as a negative
   ``dynamic`` rule (``"-:^name$"``, vLLM ``re.match`` es it against the layer name).
 * ``compressed-tensors`` ``pack-quantized`` (what vLLM's ``CompressedTensorsWNA16`` reads):
@@ -157,8 +157,12 @@ def vllm_gptq_config(model: nn.Module) -> dict:
     # k // group_size, so a permuted g_idx (an act-order checkpoint loaded and re-exported) needs true. A trivial
     # g_idx beside it is read as it is, so one act-order layer sets it for the checkpoint.
     desc_act = any(isinstance(m, ForgeGPTQLinear) and m.has_act_order() for _, m in mods)
+    # vLLM builds ParallelLMHead quantized only when lm_head is true (gptq.py / gptq_marlin.py lm_head_quantized);
+    # with false it expects lm_head.weight and a quantized head's lm_head.qweight fails the load
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lm_head = head is not None and any(m is head for _, m in mods)
     return {"quant_method": "gptq", "bits": 4, "group_size": _group_size(mods), "desc_act": desc_act,
-            "sym": _symmetric(mods), "lm_head": False, "static_groups": False, "true_sequential": True,
+            "sym": _symmetric(mods), "lm_head": lm_head, "static_groups": False, "true_sequential": True,
             "checkpoint_format": "gptq", "modules_in_block_to_quantize": quantized,
             "dynamic": {f"-:^{re.escape(n)}$": {} for n in module_names_for_config(_skip_list(model), model)}}
 
@@ -295,7 +299,11 @@ def _to_gptq_linear(fmt: str, t: dict, symmetric: bool):
     scales = t["weight_scale"].T.contiguous()
     zeros = (torch.full(scales.shape, 8, dtype=torch.uint8) if symmetric
              else _unpack_along_oc(t["weight_zero_point"].T.contiguous()))
-    return qweight, gptq_pack_zeros(zeros), scales, trivial_g_idx(ic, ic // scales.shape[0])
+    # actorder "group" checkpoints (llm-compressor) carry the group of each input column in weight_g_idx, which
+    # vLLM's CompressedTensorsWNA16 and compressed-tensors' decompressor read: k // G would decode other weights
+    g_idx = t.get("weight_g_idx")
+    g_idx = trivial_g_idx(ic, ic // scales.shape[0]) if g_idx is None else g_idx.to(torch.int32)
+    return qweight, gptq_pack_zeros(zeros), scales, g_idx
 
 
 def _to_awq_expert(fmt: str, t: dict, symmetric: bool):
@@ -307,6 +315,10 @@ def _to_awq_expert(fmt: str, t: dict, symmetric: bool):
     else:
         codes = gptq_unpack(t["weight_packed"].T.contiguous())
         scales = t["weight_scale"].T.contiguous()
+        g_idx = t.get("weight_g_idx")
+        if g_idx is not None and not torch.equal(g_idx.to(torch.int32),
+                                                 trivial_g_idx(codes.shape[0], codes.shape[0] // scales.shape[0])):
+            raise CheckpointError("load_quantized: act-order (permuted weight_g_idx) routed experts are not supported")
         zeros = (torch.full(scales.shape, 8, dtype=torch.uint8) if symmetric
                  else _unpack_along_oc(t["weight_zero_point"].T.contiguous()))
     if int(zeros.max()) > 15:
