@@ -26,8 +26,9 @@ would hit a quantized layer.
 Gate and up of one expert share `weight_scale_2` (vLLM's fused MoE keeps `w13_weight_scale_2[:, 0]` only).
 A checkpoint from elsewhere whose gate and up global scales differ is repaired at load: the projection with
 the smaller scale is dequantized exactly and re-quantized under the larger one (its bytes change, the other
-projection's do not; the layer then computes what vLLM computes after its own max-based unification would,
-up to that one re-rounding), and a warning says how many experts were repaired.
+projection's do not; both projections keep their values up to that one re-rounding), and a warning says how
+many experts were repaired. vLLM itself keeps the gate's scale for both (`w13_weight_scale_2[:, 0]`, with a warning
+where they differ), which misreads the up projection of such a checkpoint.
 
 compressed-tensors stores reciprocals, and an fp32 reciprocal does not round-trip for about 1 value in 6, so
 `torchforge.json` keeps the exact `weight_scale_2` / `input_scale` of every layer it wrote; the loader uses them
