@@ -188,9 +188,18 @@ def test_calibration_and_w4a4_emulation():
                                rtol=1e-5, atol=1e-5)
     emulate_w4a4(model, False)
     torch.testing.assert_close(model(ids).logits, w4a16)
-    # uncalibrated models refuse W4A4
+    # uncalibrated models refuse W4A4: when it is switched on (the forward's check is skipped under torch.compile,
+    # where input scales of 0 would quantize every activation to 0), and in an eager forward of a module switched
+    # on by hand
     torchforge.quantize(ref, "nvfp4")
-    emulate_w4a4(ref)
+    with pytest.raises(RuntimeError, match="emulate_w4a4: .* no calibrated input scale .*quantize with calib_data"):
+        emulate_w4a4(ref)
+    with pytest.raises(RuntimeError, match="emulate_w4a4: .* no calibrated input scale"):
+        ref.model.layers[1].mlp.emulate_w4a4()
+    assert not any(getattr(m, "w4a4", False) for m in ref.modules())  # nothing switched
+    for m in ref.modules():
+        if isinstance(m, (NVFP4Experts, NVFP4Linear)):
+            m.w4a4 = True
     with pytest.raises(RuntimeError, match="W4A4 emulation needs (a )?calibrated input"):  # a linear or the experts
         ref(ids)
 

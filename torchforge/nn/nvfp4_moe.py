@@ -23,15 +23,24 @@ class NVFP4MoE(ForgeMoE):
         super().__init__(gate, experts, shared, **kw)
 
     def emulate_w4a4(self, enabled: bool = True) -> "NVFP4MoE":
-        for m in self.modules():
-            if isinstance(m, (NVFP4Experts, NVFP4Linear)):
-                m.w4a4 = enabled
-        return self
+        return emulate_w4a4(self, enabled)
 
 
 def emulate_w4a4(model: nn.Module, enabled: bool = True) -> nn.Module:
-    """Switch every NVFP4 module of ``model`` to W4A4 emulation (or back to weight-only compute)."""
-    for m in model.modules():
-        if isinstance(m, (NVFP4Experts, NVFP4Linear)):
-            m.w4a4 = enabled
+    """Switch every NVFP4 module of ``model`` to W4A4 emulation (or back to weight-only compute). Switching on
+    checks the calibrated input scales here, eagerly: the forward's own check is skipped under torch.compile (it
+    reads tensor data), where an uncalibrated scale of 0 would quantize every activation to 0."""
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, (NVFP4Experts, NVFP4Linear))]
+    if enabled:
+        bad = [n or type(m).__name__ for n, m in mods if not _on_meta(m) and not m.calibrated]
+        if bad:
+            raise RuntimeError(f"emulate_w4a4: {len(bad)} NVFP4 module(s) have no calibrated input scale (e.g. "
+                               f"{bad[0]!r}); quantize with calib_data (W4A4 needs activation amax), or keep "
+                               "weight-only compute")
+    for _, m in mods:
+        m.w4a4 = enabled
     return model
+
+
+def _on_meta(m: nn.Module) -> bool:
+    return any(b.is_meta for b in m.buffers())
