@@ -166,7 +166,7 @@ def _model_ms(m: int, k: int, n: int, cfg: tuple, sms: int) -> float:
     from torchforge.ops.awq_wgmma_cost import WGMMA_US_PER_CHUNK, wgmma_tail_time_us, wgmma_time_us
 
     shape, splits, ws, dp = tuple(cfg[:2]), cfg[2], cfg[4], (cfg[5] if len(cfg) > 5 else 0)
-    if not ws or shape not in WGMMA_US_PER_CHUNK or (splits > 1 and not dp):
+    if not ws or shape not in WGMMA_US_PER_CHUNK or (splits != 1 and not dp):
         return float("nan")
     us = wgmma_tail_time_us(m, k, n, shape, splits, sms) if dp else wgmma_time_us(m, k, n, shape, sms)
     return us / 1e3
@@ -215,6 +215,8 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
                             configs.add((bm, tw, splits, 8, True))
                     if tail and splits > 1 and 0 < dp < blocks and (blocks - dp) * splits <= sms:
                         configs.add((bm, tw, splits, 8, producer_warp, dp))
+                if producer_warp:  # stream-K: one block per SM, the tiles' chunks shared evenly
+                    configs.add((bm, tw, 0, 8, True, 0))
             if only:  # e.g. "64x2,128x2": these (block_m, tile_set) only, and the default
                 keep = {tuple(map(int, o.split("x"))) for o in only.split(",")}
                 configs = {c for c in configs if c[:2] in keep or c == default}
@@ -222,12 +224,54 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
                 f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets)  # noqa: E731
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                kind = ("ws" if cfg[4] else "") + (f"+tail {cfg[5]}" if len(cfg) > 5 else "")
+                kind = ("stream-K" if cfg[2] == 0 else ("ws" if cfg[4] else "")
+                        + (f"+tail {cfg[5]}" if len(cfg) > 5 else ""))
                 out.append([shape, M, *cfg[:3], kind, "*" if cfg == default else "", t,
                             _model_ms(M, IC, OC, cfg, sms), 2 * M * OC * IC / t / 1e9,
                             wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
     out.sort(key=lambda r: (r[0], r[1], r[7]))
+    L2Rotation.stop()
+    return out
+
+
+def stream_k_check(shapes: str, ms: str) -> list:
+    """The wgmma dispatch with stream-K (awq_wgmma_cost.STREAM_K_US) against the same dispatch without it (every
+    stream-K estimate made infinite), bf16 in the same run: what the twenty-first session's dispatch change buys or
+    costs on each shape and M, where wgmma_rows_ok sends the call to the kernel either way."""
+    from torchforge.ops import awq_wgmma_cost as cost
+    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+
+    def config(m, k, n, sms, stream_k):
+        saved = cost.wgmma_stream_k_time_us
+        if not stream_k:
+            cost.wgmma_stream_k_time_us = lambda *a, **kw: float("inf")
+        cost.best_wgmma_config.cache_clear()
+        try:
+            return wgmma_cuda_config(m, k, n, sms)
+        finally:
+            cost.wgmma_stream_k_time_us = saved
+            cost.best_wgmma_config.cache_clear()
+
+    out = []
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    for shape in shapes.split(","):
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+        mma = awq_to_mma_layout(qw)
+        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
+        tickets = mma_tickets(OC, mma.device)
+        for M in map(int, ms.split(",")):
+            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
+            new, old = config(M, IC, OC, sms, True), config(M, IC, OC, sms, False)
+            t = {}
+            for cfg in {new, old}:
+                t[cfg] = bench_graph_ms(lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets),
+                                        rep_ms=50)
+            out.append([shape, M, str(new[:3]), str(old[:3]), t[new], t[old], t[old] / t[new], t_bf16,
+                        t_bf16 / t[new], t_bf16 / t[old]])
+            print("done", shape, M, flush=True)
     L2Rotation.stop()
     return out
 
@@ -349,6 +393,8 @@ def main() -> int:
                          "every tile")
     ap.add_argument("--wgmma-only", default="",
                     help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
+    ap.add_argument("--stream-k-check", default="",
+                    help="M list: the wgmma dispatch with stream-K against the one without, then stop")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
@@ -370,6 +416,14 @@ def main() -> int:
                               "op ms",
                               "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
+        return 0
+    if args.stream_k_check:
+        srows = stream_k_check(args.shapes, args.stream_k_check)
+        print(f"device: {device_line()}")
+        print("\nwgmma dispatch with stream-K (new) and without (old), CUDA graphs, weights rotated, bf16 x, fp16 "
+              "scales; config = (block_m, tile_set, splits), splits 0 = stream-K:")
+        print(markdown_table(["W", "M", "new config", "old config", "new ms", "old ms", "old/new", "bf16 ms",
+                              "bf16/new", "bf16/old"], srows))
         return 0
     if args.wgmma_sweep:
         wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws, args.wgmma_only,

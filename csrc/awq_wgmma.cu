@@ -41,6 +41,10 @@
 //   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
 // * K slices as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for every tile or
 //   only for those of a last, nearly empty round of blocks (dp_tiles, see launch), whose blocks come first in the grid.
+// * Stream-K (splits 0): one block per SM, each on an equal share of the (tile, chunk) units, its producer running on
+//   from one tile to the next. At 64 rows on 18432x7168 (72 tiles of (64, 2) for 132 SMs) the K-sliced grid left a
+//   quarter of the SMs' time idle (ncu, twenty-first session: 85k of 113k cycles active) and refilled the ring once
+//   per block; stream-K took 0.056 ms against 0.065 (BENCHMARKS.md, twenty-first session).
 // * Grouped form for MoE prefill (GROUPED, op awq_wgmma_moe_cuda): the routed rows sorted by expert into blocks of BM
 //   (moe_align), the x image gathered from them, each tile on its block's expert's weights, fp32 sums scattered back to
 //   the routed rows. With many rows per expert this decodes each weight once per 64 rows instead of once per 8 or 16
@@ -48,6 +52,7 @@
 //   BENCHMARKS.md, nineteenth session).
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
+#include <algorithm>
 #include <type_traits>
 
 #include "awq_mma.cuh"
@@ -113,11 +118,14 @@ struct Pair<__nv_bfloat16> {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
     return r;
   }
+  // v rounded, twice: one cvt that packs the pair (F2FP, a full-rate ALU op; rounding to one half and shifting it over
+  // went through F2F on the slow conversion pipe, on the dequantization's critical path at every group start).
   static __device__ __forceinline__ uint32_t splat(float v) {
-    const uint32_t b = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-    return b | (b << 16);
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
+    return r;
   }
-  static __device__ __forceinline__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+  static __device__ __forceinline__ float low(uint32_t pair) { return __uint_as_float(pair << 16); }
 };
 template <>
 struct Pair<__half> {
@@ -137,10 +145,13 @@ struct Pair<__half> {
     return r;
   }
   static __device__ __forceinline__ uint32_t splat(float v) {
-    const uint32_t b = __half_as_ushort(__float2half_rn(v));
-    return b | (b << 16);
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
+    return r;
   }
-  static __device__ __forceinline__ float round(float v) { return __half2float(__float2half_rn(v)); }
+  static __device__ __forceinline__ float low(uint32_t pair) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xFFFFu)));
+  }
 };
 
 // The TW words of this lane's layout uint4 that the block's tile set tq uses.
@@ -219,57 +230,112 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   const int nblocks = N / 64;
   const int ncols = (nblocks + 3) / 4 * kSets;  // blocks along the columns
   const int mblocks = (M + BM - 1) / BM;
-  // The grid's first sliced_tiles x splits blocks run tiles [whole_tiles, whole_tiles + sliced_tiles) in K slices
-  // (slice-major), the rest tiles [0, whole_tiles) whole (see launch).
-  const int sliced_blocks = sliced_tiles * splits;
-  const bool sliced = static_cast<int>(blockIdx.x) < sliced_blocks;
-  const int slot = sliced ? static_cast<int>(blockIdx.x) % sliced_tiles : 0;  // this tile's ticket and partials
-  const int slice = sliced ? static_cast<int>(blockIdx.x) / sliced_tiles : 0;
-  const int slices = sliced ? splits : 1;
-  // Row blocks walk in groups of group_m, so that the blocks running together share x and the weight in L2.
-  const int pid = sliced ? whole_tiles + slot : static_cast<int>(blockIdx.x) - sliced_blocks;
-  const int per_group = group_m * ncols;
-  const int first_m = pid / per_group * group_m;
-  const int rows_in_group = min(mblocks - first_m, group_m);
-  const int mb = first_m + pid % per_group % rows_in_group;
-  const int col = pid % per_group / rows_in_group;
-  const int cbg = col / kSets, tq = col % kSets * kGroups<TW> + tid / 128;  // this warpgroup's tile set
-  const int m0 = mb * BM;
   const int chunks = K / 64;
-  // This tile's expert (GROUPED): its weights, or the shared expert's
-  const uint4* qwb = qw;
-  const S* scb = sc;
-  const uint32_t* qzb = qz;
-  if constexpr (GROUPED) {
-    const int e = gp.block_expert[mb];
-    if (e == gp.E && gp.shared_qw != nullptr) {
-      qwb = gp.shared_qw, scb = gp.shared_sc, qzb = gp.shared_qz;
-    } else if (e < 0 || e >= gp.E) {  // out-of-range ids (moe_align's last bucket) or empty blocks past the end
-      const int n0 = kBlockCols * cbg;
+  const int bid = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
+  // A block's work is a list of segments: a tile (pid) and its chunks [c_begin, c_end).
+  // * K slices (splits >= 1): one segment. The grid's first sliced_tiles x splits blocks run tiles [whole_tiles,
+  //   whole_tiles + sliced_tiles) in K slices (slice-major), the rest tiles [0, whole_tiles) whole (see launch).
+  // * Stream-K (splits == 0, WS only): the grid (one block per SM) shares the units (tile, chunk) evenly, in tile-major
+  //   order: block b runs units [U b / G, U (b + 1) / G). Its segments are the tail of a tile, whole tiles, and the
+  //   head of another. The producer runs on across them, so the ring is filled once per block, not once per tile, and
+  //   no SM idles through a last, partial round of tiles.
+  const bool stream_k = !GROUPED && splits == 0;  // (the grouped form runs one segment a block)
+  // 32-bit unit math (ops.cpp checks units < 2^31): u0(b) = U b / G = q b + r b / G, with r b < G^2.
+  const int units = stream_k ? mblocks * ncols * chunks : 1;
+  const int uq = units / grid, ur = units % grid;
+  auto block_start = [&](int b) { return uq * b + ur * b / grid; };
+  const int u_begin = stream_k ? block_start(bid) : 0;
+  const int u_end = stream_k ? block_start(bid + 1) : 1;
+  const int sliced_blocks = sliced_tiles * splits;
+  const bool sliced = !stream_k && bid < sliced_blocks;
+  const int slot = sliced ? bid % sliced_tiles : 0;  // a sliced tile's ticket and partials
+  const int slice = sliced ? bid / sliced_tiles : 0;
+  struct Segment {
+    int pid, c_begin, c_end;
+  };
+  // The segment at unit u, and u moved past it; false once the block's units are done.
+  auto next_segment = [&](int& u, Segment& s) {
+    if (u >= u_end) return false;
+    if (stream_k) {
+      s.pid = u / chunks;
+      s.c_begin = u - s.pid * chunks;
+      s.c_end = min(chunks, s.c_begin + (u_end - u));
+      u += s.c_end - s.c_begin;
+    } else {  // K slices: possibly empty (then its partials are zeros)
+      const int slices = sliced ? splits : 1;
+      const int per_split = (chunks + slices - 1) / slices;
+      s.pid = sliced ? whole_tiles + slot : bid - sliced_blocks;
+      s.c_begin = min(chunks, slice * per_split);
+      s.c_end = min(chunks, s.c_begin + per_split);
+      u = u_end;
+    }
+    return true;
+  };
+  // Stream-K: the block that runs unit u (the last b with u0(b) <= u: u / q overshoots by at most G / q + 1), and
+  // the first tile of block b.
+  auto block_of = [&](int u) {
+    int b = min(grid - 1, u / uq);
+    while (block_start(b) > u) --b;
+    return b;
+  };
+  auto first_tile = [&](int b) { return block_start(b) / chunks; };
+
+  // What a tile's stages and threads need: row block mb and column block group cbg (row blocks walk in groups of
+  // group_m, so that the blocks running together share x and the weight in L2), this warpgroup's tile set tq, the x
+  // image tiles and the (expert's) weights.
+  struct Tile {
+    int m0, cbg, tq, n0, valid_cbs;
+    uint32_t s_bytes, z_bytes, stage_bytes;
+    const T* x_tiles;
+    const uint4* qw;
+    const S* sc;
+    const uint32_t* qz;
+    int expert;
+  };
+  auto tile_at = [&](int pid) {
+    Tile tl;
+    const int per_group = group_m * ncols;
+    const int first_m = pid / per_group * group_m;
+    const int rows_in_group = min(mblocks - first_m, group_m);
+    const int mb = first_m + pid % per_group % rows_in_group;
+    const int col = pid % per_group / rows_in_group;
+    tl.m0 = mb * BM;
+    tl.cbg = col / kSets;
+    tl.tq = col % kSets * kGroups<TW> + tid / 128;
+    tl.n0 = kBlockCols * tl.cbg;
+    tl.valid_cbs = min(4, nblocks - 4 * tl.cbg);
+    tl.s_bytes = min(kBlockCols, N - tl.n0) * static_cast<uint32_t>(sizeof(S));
+    tl.z_bytes = min(kBlockCols, N - tl.n0) / 8 * 4u;
+    tl.stage_bytes = St::kX + tl.valid_cbs * 2048u + tl.s_bytes + tl.z_bytes;
+    tl.x_tiles = x + static_cast<size_t>(mb) * chunks * (BM * 64);
+    tl.qw = qw, tl.sc = sc, tl.qz = qz, tl.expert = 0;
+    if constexpr (GROUPED) {  // this tile's expert: its weights, or the shared expert's
+      const int e = gp.block_expert[mb];
+      tl.expert = e;
+      if (e == gp.E && gp.shared_qw != nullptr) {
+        tl.qw = gp.shared_qw, tl.sc = gp.shared_sc, tl.qz = gp.shared_qz;
+      } else if (e >= 0 && e < gp.E) {
+        tl.qw = qw + static_cast<size_t>(e) * (N / 64) * (K / 64) * 128;
+        tl.sc = sc + static_cast<size_t>(e) * (K / 64 / chunks_per_group) * N;
+        tl.qz = qz + static_cast<size_t>(e) * (K / 64 / chunks_per_group) * (N / 8);
+      }
+    }
+    return tl;
+  };
+  int first_u = u_begin;
+  Segment first;
+  if (!next_segment(first_u, first)) return;  // stream-K: more blocks than units
+  if constexpr (GROUPED) {  // (one segment) out-of-range ids (moe_align's last bucket) or empty blocks past the end
+    const Tile tl = tile_at(first.pid);
+    if (!(tl.expert == gp.E && gp.shared_qw != nullptr) && (tl.expert < 0 || tl.expert >= gp.E)) {
       for (int i = tid; i < BM * kBlockCols; i += blockDim.x) {
-        const int r = gp.sorted_rows[m0 + i / kBlockCols], n = n0 + i % kBlockCols;
-        if (r >= 0 && r < gp.num_rows && n < N)
-          partial[static_cast<size_t>(r) * N + n] = __int_as_float(0x7fc00000);
+        const int r = gp.sorted_rows[tl.m0 + i / kBlockCols], n = tl.n0 + i % kBlockCols;
+        if (r >= 0 && r < gp.num_rows && n < N) partial[static_cast<size_t>(r) * N + n] = __int_as_float(0x7fc00000);
       }
       return;
-    } else {
-      qwb = qw + static_cast<size_t>(e) * (N / 64) * (K / 64) * 128;
-      scb = sc + static_cast<size_t>(e) * (K / 64 / chunks_per_group) * N;
-      qzb = qz + static_cast<size_t>(e) * (K / 64 / chunks_per_group) * (N / 8);
     }
   }
-  const int per_split = (chunks + slices - 1) / slices;
-  const int c_begin = min(chunks, slice * per_split);
-  const int c_end = min(chunks, c_begin + per_split);
 
-  // One thread copies a chunk's stage with the bulk-copy (TMA) engine: the x image tile, the 4 column blocks' words,
-  // the group's scales and zero words, all contiguous in global memory; the stage's mbarrier counts the bytes.
-  const int n0 = kBlockCols * cbg;
-  const int valid_cbs = min(4, nblocks - 4 * cbg);
-  const uint32_t s_bytes = min(kBlockCols, N - n0) * static_cast<uint32_t>(sizeof(S));
-  const uint32_t z_bytes = min(kBlockCols, N - n0) / 8 * 4u;
-  const uint32_t stage_bytes = St::kX + valid_cbs * 2048u + s_bytes + z_bytes;
-  const T* x_tiles = x + static_cast<size_t>(mb) * chunks * (BM * 64);
   // Quantization group of chunk c as a high multiply by ceil(2^32 / d), d = chunks_per_group > 1: exact while c d <
   // 2^32, which ops.cpp checks ((K / 64) (group_size / 64) < 2^32). ncu (ninth session) had the loop's two runtime
   // divisions per chunk, MUFU.RCP sequences, among its busiest instructions.
@@ -278,16 +344,20 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   auto group_of = [&](int c) {
     return chunks_per_group > 1 ? static_cast<int>(__umulhi(static_cast<uint32_t>(c), group_mul)) : c;
   };
-  auto load_stage = [&](int c, int st) {
+  // One thread copies a chunk's stage with the bulk-copy (TMA) engine: the x image tile, the 4 column blocks' words,
+  // the group's scales and zero words, all contiguous in global memory; the stage's mbarrier counts the bytes.
+  auto load_stage = [&](const Tile& tl, int c, int st) {
     const uint32_t base = smem_base + st * St::kBytes;
     const uint32_t bar = bar_base + st * 8;
-    ptx::mbar_expect_tx(bar, stage_bytes);
-    ptx::bulk_copy(base, x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
-    for (int i = 0; i < valid_cbs; ++i)
-      ptx::bulk_copy(base + St::kX + i * 2048, qwb + (static_cast<size_t>(4 * cbg + i) * chunks + c) * 128, 2048, bar);
+    ptx::mbar_expect_tx(bar, tl.stage_bytes);
+    ptx::bulk_copy(base, tl.x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
+    for (int i = 0; i < tl.valid_cbs; ++i)
+      ptx::bulk_copy(base + St::kX + i * 2048, tl.qw + (static_cast<size_t>(4 * tl.cbg + i) * chunks + c) * 128, 2048,
+                     bar);
     const int group = group_of(c);
-    ptx::bulk_copy(base + St::kX + St::kW, scb + static_cast<size_t>(group) * N + n0, s_bytes, bar);
-    ptx::bulk_copy(base + St::kX + St::kW + St::kS, qzb + static_cast<size_t>(group) * (N / 8) + n0 / 8, z_bytes, bar);
+    ptx::bulk_copy(base + St::kX + St::kW, tl.sc + static_cast<size_t>(group) * N + tl.n0, tl.s_bytes, bar);
+    ptx::bulk_copy(base + St::kX + St::kW + St::kS, tl.qz + static_cast<size_t>(group) * (N / 8) + tl.n0 / 8,
+                   tl.z_bytes, bar);
   };
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
@@ -299,12 +369,18 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   if constexpr (WS) {
     if (tid >= kThreads<TW>) {  // the producer: fill stage it % kStages once its previous fill is released
       if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-      if (tid == kThreads<TW>)
-        for (int c = c_begin; c < c_end; ++c) {
-          const unsigned it = static_cast<unsigned>(c - c_begin);
-          if (it >= kStages) ptx::mbar_wait(empty_base + it % kStages * 8, (it / kStages - 1) & 1);
-          load_stage(c, it % kStages);
+      if (tid == kThreads<TW>) {
+        unsigned it = 0;
+        int u = u_begin;
+        Segment s;
+        while (next_segment(u, s)) {
+          const Tile tl = tile_at(s.pid);
+          for (int c = s.c_begin; c < s.c_end; ++c, ++it) {
+            if (it >= kStages) ptx::mbar_wait(empty_base + it % kStages * 8, (it / kStages - 1) & 1);
+            load_stage(tl, c, it % kStages);
+          }
         }
+      }
       return;  // the consumers sync among themselves from here on (consumer_sync)
     }
     if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
@@ -317,169 +393,193 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       __syncthreads();
   };
 
-  float acc[TW][BM / 2];
-#pragma unroll
-  for (int i = 0; i < TW; ++i)
-#pragma unroll
-    for (int e = 0; e < BM / 2; ++e) acc[i][e] = 0.0f;
-
-  // Without WS, thread 0 fills the whole ring first, then refills each stage once every consumer thread has retired
-  // the wgmmas that read it (the block barrier in `chunk`).
-  if (!WS && tid == 0)
-    for (int i = 0; i < kStages && c_begin + i < c_end; ++i) load_stage(c_begin + i, i);
-
   const int zshift = awq_shift(g);
+  float acc[TW][BM / 2];
   uint32_t zc[TW][2], shi[TW][2], slo[TW][2];
   uint32_t wr[4][TW];  // the layout words of the next chunk to dequantize
-  // Wait for chunk c's stage and load what the threads themselves read of it: this lane's layout words and, at the
-  // start of a quantization group, the scales and zero points of its columns. `chunk` calls it for the next chunk
-  // once its own wgmmas are issued and the previous chunk's stage released, so these loads and the scale
-  // conversions run while the tensor cores work, not at the head of the next chunk's dequantization (ncu,
-  // fourteenth session: at 4096 rows the scale loads and conversions had 16% of the loop's stall samples). Stages
-  // and fill parities come from the chunk index: warp-uniform, so wgmma's descriptors stay in uniform registers.
-  auto fetch = [&](int c) {
-    const unsigned it = static_cast<unsigned>(c - c_begin);
-    ptx::mbar_wait(bar_base + it % kStages * 8, (it / kStages) & 1);  // chunk c has landed
-    const uint8_t* stage = smem + it % kStages * St::kBytes;
-    const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
+  uint32_t a0[4][TW][4], a1[4][TW][4];
+  unsigned base = 0;  // stages the block's earlier segments used
+  int u = u_begin;
+  Segment s;
+  while (next_segment(u, s)) {
+    const Tile tl = tile_at(s.pid);
 #pragma unroll
-    for (int s = 0; s < 4; ++s) lds_words<TW>(wr[s], wsm + s * 32 * 16, tq);
-    if (c == c_begin || group_of(c) * chunks_per_group == c) {
-      const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
-      const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
+    for (int i = 0; i < TW; ++i)
 #pragma unroll
-      for (int i = 0; i < TW; ++i) {
+      for (int e = 0; e < BM / 2; ++e) acc[i][e] = 0.0f;
+
+    // Without WS (one segment), thread 0 fills the whole ring first, then refills each stage once every consumer
+    // thread has retired the wgmmas that read it (the block barrier in `chunk`).
+    if (!WS && tid == 0)
+      for (int i = 0; i < kStages && s.c_begin + i < s.c_end; ++i) load_stage(tl, s.c_begin + i, i);
+
+    // Wait for chunk c's stage and load what the threads themselves read of it: this lane's layout words and, at the
+    // start of a quantization group, the scales and zero points of its columns. `chunk` calls it for the next chunk
+    // once its own wgmmas are issued and the previous chunk's stage released, so these loads and the scale
+    // conversions run while the tensor cores work, not at the head of the next chunk's dequantization (ncu,
+    // fourteenth session: at 4096 rows the scale loads and conversions had 16% of the loop's stall samples). Stages
+    // and fill parities come from the chunk index: warp-uniform, so wgmma's descriptors stay in uniform registers.
+    auto fetch = [&](int c) {
+      const unsigned it = base + static_cast<unsigned>(c - s.c_begin);
+      ptx::mbar_wait(bar_base + it % kStages * 8, (it / kStages) & 1);  // chunk c has landed
+      const uint8_t* stage = smem + it % kStages * St::kBytes;
+      const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int n = 64 * warp + 16 * (tq * TW + i) + g + 8 * h;  // column within the block's 256
-          const uint32_t z = and_or(zs[n / 8] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic2 & 0xFFFFu));
-          zc[i][h] = z | (z << 16);  // (magic + z) twice, exact
-          const float s = awq_mma_detail::scale_f(ss[n]);
-          shi[i][h] = P::splat(s);
-          slo[i][h] = kSplitScale ? P::splat(s - P::round(s)) : 0u;
+      for (int k = 0; k < 4; ++k) lds_words<TW>(wr[k], wsm + k * 32 * 16, tl.tq);
+      if (c == s.c_begin || group_of(c) * chunks_per_group == c) {
+        const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
+        const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
+#pragma unroll
+        for (int i = 0; i < TW; ++i) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int n = 64 * warp + 16 * (tl.tq * TW + i) + g + 8 * h;  // column within the block's 256
+            const uint32_t z = and_or(zs[n / 8] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic2 & 0xFFFFu));
+            zc[i][h] = z | (z << 16);  // (magic + z) twice, exact
+            const float sv = awq_mma_detail::scale_f(ss[n]);
+            shi[i][h] = P::splat(sv);
+            slo[i][h] = kSplitScale ? P::splat(sv - P::low(shi[i][h])) : 0u;
+          }
         }
       }
-    }
-  };
-  // One chunk: dequantize all its A fragments into `a` from the fetched words, issue its wgmmas as one commit group,
-  // retire the previous chunk's group and release its stage, then fetch the next chunk. The A registers of a group
-  // are read while it runs, so chunks alternate between two buffers (the loop below is unrolled by two for that):
-  // the next chunk's dequantization overlaps this chunk's wgmmas. (One commit group per k-step, waiting for the
-  // previous k-step, left the tensor pipe 60% idle: ncu, 2026-11-22.)
-  auto chunk = [&](int c, uint32_t(&a)[4][TW][4]) {
-    const unsigned it = static_cast<unsigned>(c - c_begin);
+    };
+    // One chunk: dequantize all its A fragments into `a` from the fetched words, issue its wgmmas as one commit group,
+    // retire the previous chunk's group and release its stage, then fetch the next chunk. The A registers of a group
+    // are read while it runs, so chunks alternate between two buffers (the loop below is unrolled by two for that):
+    // the next chunk's dequantization overlaps this chunk's wgmmas. (One commit group per k-step, waiting for the
+    // previous k-step, left the tensor pipe 60% idle: ncu, 2026-11-22.)
+    auto chunk = [&](int c, uint32_t(&a)[4][TW][4]) {
+      const unsigned it = base + static_cast<unsigned>(c - s.c_begin);
 #pragma unroll
-    for (int s = 0; s < 4; ++s)
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int i = 0; i < TW; ++i)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const uint32_t d = P::sub(and_or(wr[k][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
+            a[k][i][r] = kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1])) : P::mul(d, shi[i][r & 1]);
+          }
+      const uint64_t desc = wgmma::desc_k_sw128(smem_base + it % kStages * St::kBytes);
+      wgmma::fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int i = 0; i < TW; ++i)  // + 32 bytes per k-step, in 16s
+          wgmma::mma_rs<BM, T>(acc[i], a[k][i][0], a[k][i][1], a[k][i][2], a[k][i][3], desc + 2 * k);
+      wgmma::commit();
+      wgmma::wait<1>();
+      // Chunk c - 1's wgmmas have retired (this thread's warpgroup) and its words and scales were read: release its
+      // stage. WS: every consumer thread arrives on its empty barrier for its own loads (one lane per warp after
+      // __syncwarp left compute-sanitizer's racecheck reporting the producer's refill against the other lanes' loads,
+      // tenth session). No proxy fence before the arrive: the loads' values have been used, and the bulk copy that
+      // refills the stage is issued only after the producer's wait on this barrier, as in CUTLASS's TMA pipelines (the
+      // fence was a MEMBAR.ALL.CTA per chunk on the consumers' critical path). Without WS: a block barrier, then
+      // thread 0 refills the stage.
+      if (c > s.c_begin) {
+        if constexpr (WS) {
+          ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
+        } else {
+          __syncthreads();  // both warpgroups have retired chunk c - 1's wgmmas
+          if (tid == 0 && c - 1 + kStages < s.c_end) load_stage(tl, c - 1 + kStages, (it - 1) % kStages);
+        }
+      }
+      if (c + 1 < s.c_end) fetch(c + 1);  // its loads overlap this chunk's wgmmas
+    };
+    int c = s.c_begin;
+    if (c < s.c_end) fetch(c);
+    for (; c + 1 < s.c_end; c += 2) {
+      chunk(c, a0);
+      chunk(c + 1, a1);
+    }
+    if (c < s.c_end) chunk(c, a0);
+    wgmma::wait<0>();
+#pragma unroll
+    for (int i = 0; i < TW; ++i)
+#pragma unroll
+      for (int e = 0; e < BM / 2; ++e) wgmma::fence_operand(acc[i][e]);
+    // The segment's last stage: released here, for the producer's next segments (stream-K).
+    if constexpr (WS)
+      if (s.c_end > s.c_begin) ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
+    base += static_cast<unsigned>(s.c_end - s.c_begin);
+
+    // acc[i][4 j + e]: column 64 cb + 16 (tq TW + i) + g + 8 (e / 2), row m0 + 8 j + 2 t + (e % 2)
+    const int cb = 4 * tl.cbg + warp;
+    const bool cols_ok = cb < nblocks;
+    auto for_each = [&](auto&& f) {
 #pragma unroll
       for (int i = 0; i < TW; ++i)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const uint32_t d = P::sub(and_or(wr[s][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
-          a[s][i][r] = kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1])) : P::mul(d, shi[i][r & 1]);
-        }
-    const uint64_t desc = wgmma::desc_k_sw128(smem_base + it % kStages * St::kBytes);
-    wgmma::fence();
+        for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-      for (int i = 0; i < TW; ++i)  // + 32 bytes per k-step, in 16s
-        wgmma::mma_rs<BM, T>(acc[i], a[s][i][0], a[s][i][1], a[s][i][2], a[s][i][3], desc + 2 * s);
-    wgmma::commit();
-    wgmma::wait<1>();
-    // Chunk c - 1's wgmmas have retired (this thread's warpgroup) and its words and scales were read: release its
-    // stage. WS: every consumer thread arrives on its empty barrier for its own loads (one lane per warp after
-    // __syncwarp left compute-sanitizer's racecheck reporting the producer's refill against the other lanes' loads,
-    // tenth session). No proxy fence before the arrive: the loads' values have been used, and the bulk copy that
-    // refills the stage is issued only after the producer's wait on this barrier, as in CUTLASS's TMA pipelines (the
-    // fence was a MEMBAR.ALL.CTA per chunk on the consumers' critical path). Without WS: a block barrier, then
-    // thread 0 refills the stage.
-    if (it > 0) {
-      if constexpr (WS) {
-        ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
-      } else {
-        __syncthreads();  // both warpgroups have retired chunk c - 1's wgmmas
-        if (tid == 0 && c - 1 + kStages < c_end) load_stage(c - 1 + kStages, (it - 1) % kStages);
-      }
+          for (int e = 0; e < 4; ++e) {
+            const int m = tl.m0 + 8 * j + 2 * t + (e & 1);
+            const int n = 64 * cb + 16 * (tl.tq * TW + i) + g + 8 * (e >> 1);
+            if (cols_ok && m < M) f(acc[i][4 * j + e], m, n);
+          }
+    };
+    // A tile in parts (K slices, or stream-K segments of several blocks): every part writes fp32 partials, and the
+    // last to finish adds them into acc, in part order (deterministic). Stream-K: a block writes at most two parts,
+    // the tail of its first tile (slot 2 b) and the head of its last (slot 2 b + 1); part j of tile pid is block
+    // b_first + j's.
+    int parts = sliced ? splits : 1, my_part = slice, ticket = slot, b_first = 0;
+    if (stream_k) {
+      b_first = block_of(s.pid * chunks);
+      parts = block_of(s.pid * chunks + chunks - 1) - b_first + 1;
+      my_part = bid - b_first;
+      ticket = s.pid;
     }
-    if (c + 1 < c_end) fetch(c + 1);  // its loads overlap this chunk's wgmmas
-  };
-  uint32_t a0[4][TW][4], a1[4][TW][4];
-  int c = c_begin;
-  if (c < c_end) fetch(c);
-  for (; c + 1 < c_end; c += 2) {
-    chunk(c, a0);
-    chunk(c + 1, a1);
-  }
-  if (c < c_end) chunk(c, a0);
-  wgmma::wait<0>();
+    if (parts > 1) {
+      // fp32 partials in the block's own order: part slot, then accumulator, then thread (each store and load
+      // coalesced across the block, and no index math on rows and columns).
+      constexpr int kAcc = TW * (BM / 2);
+      const size_t tile_floats = static_cast<size_t>(kAcc) * kThreads<TW>;
+      auto part = [&](int j) {
+        size_t index = static_cast<size_t>(j) * sliced_tiles + slot;
+        if (stream_k) index = 2 * static_cast<size_t>(b_first + j) + (first_tile(b_first + j) == s.pid ? 0 : 1);
+        return partial + index * tile_floats + tid;
+      };
+      float* mine = part(my_part);
 #pragma unroll
-  for (int i = 0; i < TW; ++i)
+      for (int i = 0; i < TW; ++i)
 #pragma unroll
-    for (int e = 0; e < BM / 2; ++e) wgmma::fence_operand(acc[i][e]);
-
-  // acc[i][4 j + e]: column 64 cb + 16 (tq TW + i) + g + 8 (e / 2), row m0 + 8 j + 2 t + (e % 2)
-  const int cb = 4 * cbg + warp;
-  const bool cols_ok = cb < nblocks;
-  auto for_each = [&](auto&& f) {
+        for (int e = 0; e < BM / 2; ++e) __stcg(mine + (i * (BM / 2) + e) * kThreads<TW>, acc[i][e]);
+      __threadfence();  // this block's partials are visible before its ticket is taken
+      consumer_sync();
+      if (tid == 0) is_last = atomicAdd(&tickets[ticket], 1u) == static_cast<unsigned>(parts - 1);
+      consumer_sync();
+      if (!is_last) continue;
+      __threadfence();
+      // Part order (deterministic), 32 accumulators' loads at once per part: with the parts innermost, every load
+      // waited for the one before (an L2 round trip each, kAcc x parts of them; 11 slices took 0.27 ms on the H100);
+      // all kAcc at once spilled. L2 reads (__ldcg), not a stale L1. This one block reading every part costs about
+      // 2 us per part of 128 x 256 outputs (twelfth session, 12 tiles alone on the GPU): the SM's own L2 bandwidth,
+      // not latency. Bulk copies of the partials into the stages' shared memory (96 KB in flight instead of 32) were
+      // 5-10 us slower per call, not faster.
+      constexpr int kBatch = 32;
+      static_assert(kAcc % kBatch == 0, "accumulators come in batches of 32");
 #pragma unroll
-    for (int i = 0; i < TW; ++i)
+      for (int b = 0; b < kAcc; b += kBatch)
+        for (int j = 0; j < parts; ++j) {
+          const float* p = part(j);
 #pragma unroll
-      for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = m0 + 8 * j + 2 * t + (e & 1);
-          const int n = 64 * cb + 16 * (tq * TW + i) + g + 8 * (e >> 1);
-          if (cols_ok && m < M) f(acc[i][4 * j + e], m, n);
+          for (int q = 0; q < kBatch; ++q) {
+            const int a = b + q, i = a / (BM / 2), e = a % (BM / 2);
+            const float v = __ldcg(p + a * kThreads<TW>);
+            acc[i][e] = j == 0 ? v : acc[i][e] + v;
+          }
         }
-  };
-  // K slices: every slice block writes fp32 partials, and the last of a tile to finish adds them into acc.
-  if (slices > 1) {
-    // fp32 partials in the block's own order: slice, then sliced tile, then accumulator, then thread (each store and
-    // load coalesced across the block, and no index math on rows and columns).
-    constexpr int kAcc = TW * (BM / 2);
-    const size_t tile_floats = static_cast<size_t>(kAcc) * kThreads<TW>;
-    auto part = [&](int sl) { return partial + (static_cast<size_t>(sl) * sliced_tiles + slot) * tile_floats + tid; };
-    float* mine = part(slice);
-#pragma unroll
-    for (int i = 0; i < TW; ++i)
-#pragma unroll
-      for (int e = 0; e < BM / 2; ++e) __stcg(mine + (i * (BM / 2) + e) * kThreads<TW>, acc[i][e]);
-    __threadfence();  // this block's partials are visible before its ticket is taken
-    consumer_sync();
-    if (tid == 0) is_last = atomicAdd(&tickets[slot], 1u) == static_cast<unsigned>(splits - 1);
-    consumer_sync();
-    if (!is_last) return;
-    __threadfence();
-    // Slice order (deterministic), 32 accumulators' loads at once per slice: with the slices innermost, every load
-    // waited for the one before (an L2 round trip each, kAcc x splits of them; 11 slices took 0.27 ms on the H100);
-    // all kAcc at once spilled. L2 reads (__ldcg), not a stale L1. This one block reading every slice costs about
-    // 2 us per slice of 128 x 256 outputs (twelfth session, 12 tiles alone on the GPU): the SM's own L2 bandwidth,
-    // not latency. Bulk copies of the partials into the stages' shared memory (96 KB in flight instead of 32) were
-    // 5-10 us slower per call, not faster.
-    constexpr int kBatch = 32;
-    static_assert(kAcc % kBatch == 0, "accumulators come in batches of 32");
-#pragma unroll
-    for (int b = 0; b < kAcc; b += kBatch)
-      for (int sl = 0; sl < splits; ++sl) {
-        const float* p = part(sl);
-#pragma unroll
-        for (int q = 0; q < kBatch; ++q) {
-          const int a = b + q, i = a / (BM / 2), e = a % (BM / 2);
-          const float v = __ldcg(p + a * kThreads<TW>);
-          acc[i][e] = sl == 0 ? v : acc[i][e] + v;
-        }
-      }
-    if (tid == 0) tickets[slot] = 0u;  // for the next call; every slice of this tile has taken its ticket
-  }
-  if constexpr (GROUPED) {
-    for_each([&](float v, int m, int n) {
-      const int r = __ldg(gp.sorted_rows + m);
-      if (r >= 0 && r < gp.num_rows) partial[static_cast<size_t>(r) * N + n] = v;
-    });
-  } else {
-    for_each([&](float v, int m, int n) {
-      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
-    });
+      if (tid == 0) tickets[ticket] = 0u;  // for the next call; every part of this tile has taken its ticket
+    }
+    if constexpr (GROUPED) {
+      for_each([&](float v, int m, int n) {
+        const int r = __ldg(gp.sorted_rows + m);
+        if (r >= 0 && r < gp.num_rows) partial[static_cast<size_t>(r) * N + n] = v;
+      });
+    } else {
+      for_each([&](float v, int m, int n) {
+        out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
+      });
+    }
   }
 #else
   __trap();  // built without sm_90a (TORCHFORGE_CUDA_ARCH): fail loudly rather than return an unwritten output
@@ -542,9 +642,12 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   // slice still run a whole tile after it, so the slices' partials and reduction stay on the critical path. Two
   // launches (whole tiles, then the slices) measured 2-4 us slower: 0.148 against 0.144-0.146 ms at 256 rows on
   // 18432x7168 (eleventh and twelfth sessions).
+  // splits == 0 (stream-K, WS only): dp_tiles blocks share the tiles' chunks (at most one block per chunk).
+  if (splits == 0 && !WS) return cudaErrorNotSupported;
   const int sliced = splits > 1 ? tiles - dp_tiles : 0;
   const int whole = tiles - sliced;
-  kernel<<<sliced * splits + whole, kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
+  const int blocks = splits == 0 ? std::min(dp_tiles, tiles * (K / 64)) : sliced * splits + whole;
+  kernel<<<blocks, kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
       static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
       reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M,
       N, K, group_size / 64, splits, group_m, sliced, whole, gp);
@@ -586,10 +689,12 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype as in awq_mma.cu. (block_m, tile_set): (64, 4), (64, 2),
 // (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
-// alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 1 <= splits <= K / 64, that the device is an
-// sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; `tickets` holds awq_wgmma_tiles(...) -
-// dp_tiles zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats (splits > 1); producer_warp (WS):
-// see the kernel and producer_pool_ok; dp_tiles: see launch.
+// alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 0 <= splits <= K / 64, that the device is an
+// sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; with splits > 1, `tickets` holds
+// awq_wgmma_tiles(...) - dp_tiles zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats;
+// producer_warp (WS): see the kernel and producer_pool_ok; dp_tiles: see launch. splits == 0: stream-K on dp_tiles
+// blocks (WS only; cudaErrorNotSupported without), `tickets` holds awq_wgmma_tiles(...) zeros and `partial`
+// 2 * dp_tiles * awq_wgmma_block_outputs floats.
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,

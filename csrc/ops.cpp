@@ -421,6 +421,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 // result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
 // group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses);
 // dp_tiles > 0 (with splits > 1): tiles [0, dp_tiles) run whole and only the rest in K slices (their blocks first).
+// splits == 0 (with producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' chunks evenly.
 // Optional `tickets`: int32 zeros, at least as many as the sliced tiles (awq_mma_cuda's kept buffer is enough for
 // every configuration up to 512 rows), left zero; without, a fresh zeroed buffer costs a memset kernel per call.
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -429,7 +430,10 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           int64_t dp_tiles, const c10::optional<at::Tensor>& tickets_in) {
   const std::string op = "awq_wgmma_cuda: ";
   at::Tensor b;
-  const void* bias_ptr = check_mma_dense(op, x, qweight, scales, qzeros, group_size, bias, splits, 1, b);
+  // splits == 0: stream-K (the kernel's own check of the rest is that of splits == 1)
+  const void* bias_ptr = check_mma_dense(op, x, qweight, scales, qzeros, group_size, bias, splits == 0 ? 1 : splits,
+                                         1, b);
+  TORCH_CHECK(splits > 0 || producer_warp, op + "splits == 0 (stream-K) needs producer_warp=True");
   TORCH_CHECK((block_m == 64 && (tile_set == 4 || tile_set == 2)) || (block_m == 128 && tile_set == 2) ||
                   (block_m == 256 && tile_set == 1),
               op + "(block_m, tile_set) must be (64, 4), (64, 2), (128, 2) or (256, 1), got (" + i2s(block_m) + ", " +
@@ -453,21 +457,31 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
   if (M == 0 || N == 0) return out;
   const int64_t tiles = awq_wgmma_tiles(M, N, block_m, tile_set);
   TORCH_CHECK(tiles < (int64_t{1} << 31), op + "too many blocks: " + i2s(tiles));
-  TORCH_CHECK(dp_tiles >= 0 && dp_tiles < tiles,
+  if (splits == 0) {  // stream-K: dp_tiles is the number of blocks (0: one per SM), at most one per chunk of work
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
+    TORCH_CHECK(tiles * (K / 64) < (int64_t{1} << 31), op + "too many chunks of work for stream-K: " +
+                                                            i2s(tiles * (K / 64)) + "; use splits >= 1");
+    dp_tiles = std::min(dp_tiles > 0 ? dp_tiles : sms, tiles * (K / 64));
+  }
+  TORCH_CHECK(splits == 0 || (dp_tiles >= 0 && dp_tiles < tiles),
               op + "dp_tiles must be in [0, " + i2s(tiles) + ") (the blocks of this call), got " + i2s(dp_tiles));
   if (splits == 1) dp_tiles = 0;
-  const int64_t split_tiles = tiles - dp_tiles;
+  const int64_t split_tiles = splits == 0 ? tiles : tiles - dp_tiles;
   TORCH_CHECK(splits == 1 || split_tiles * splits + dp_tiles < (int64_t{1} << 31),
               op + "too many blocks: " + i2s(split_tiles) + " tiles in " + i2s(splits) + " K slices");
+  const bool parts = splits != 1;  // tiles in parts that meet on a ticket: K slices or stream-K
   at::Tensor tickets;
-  if (splits > 1 && tickets_in.has_value() && tickets_in->numel() >= split_tiles) {
+  if (parts && tickets_in.has_value() && tickets_in->numel() >= split_tiles) {
     tickets = *tickets_in;
     TORCH_CHECK(tickets.scalar_type() == at::kInt && tickets.is_contiguous() && tickets.device() == x.device(),
                 op + "tickets must be a contiguous int32 tensor of zeros on x's device");
   } else {
-    tickets = at::zeros({splits > 1 ? split_tiles : 1}, x.options().dtype(at::kInt));
+    tickets = at::zeros({parts ? split_tiles : 1}, x.options().dtype(at::kInt));
   }
-  at::Tensor partial = at::empty({splits > 1 ? splits * split_tiles * awq_wgmma_block_outputs(block_m, tile_set) : 1},
+  // stream-K: a block writes the partials of at most two tiles (the tail of its first, the head of its last)
+  const int64_t part_slots = splits == 0 ? 2 * dp_tiles : splits > 1 ? splits * split_tiles : 0;
+  at::Tensor partial = at::empty({part_slots > 0 ? part_slots * awq_wgmma_block_outputs(block_m, tile_set) : 1},
                                  x.options().dtype(at::kFloat));
   at::Tensor x_image = at::empty({awq_wgmma_image_rows(M, block_m), K}, x.options());
   const cudaError_t err = awq_wgmma_launch(

@@ -170,21 +170,24 @@ def test_wgmma_config_follows_the_sweep():
                                              wgmma_rows_ok)
 
     assert (WGMMA_MIN_ROWS, WGMMA_MAX_M) == (32, 512)
-    # every configuration WS; up to 128 rows every tile in K slices (72 tiles of (64, 2) in 3: 216 blocks)
-    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 3, 8, True, 0)
-    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 3, 8, True, 0)
-    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8, True, 0)
-    # 144 blocks of (128, 2): the 12 past the first round of 132 in 6 K slices each
-    assert wgmma_cuda_config(256, 7168, 18432) == (128, 2, 6, 8, True, 132)
+    # every configuration WS; 72 tiles of (64, 2) at 64 rows: stream-K on one block per SM (splits 0); 7168x7168 at
+    # 64 rows: every tile in 4 K slices (stream-K would cut each tile in 4.7 parts)
+    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 0, 8, True, 0)
+    assert wgmma_cuda_config(64, 7168, 7168) == (64, 2, 4, 8, True, 0)
+    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 0, 8, True, 0)
+    assert wgmma_cuda_config(256, 7168, 7168) == (128, 2, 0, 8, True, 0)
+    # 288 blocks of (128, 2) at 512 rows: the 24 past two rounds of 132 in 4 K slices each
+    assert wgmma_cuda_config(512, 7168, 18432) == (128, 2, 4, 8, True, 264)
     # the rows taken: within WGMMA_MIN_ROWS..WGMMA_MAX_M where the model has the kernel faster
-    assert [wgmma_rows_ok(m, 7168, 18432) for m in (48, 56, 512, 513)] == [False, True, True, False]
-    # 7168x7168: the decode kernel at 72 rows only (a tie in the model), (64, 2) / (128, 2) in 4 K slices at 64 / 128
-    assert ([wgmma_rows_ok(m, 7168, 7168) for m in (64, 72, 128, 129, 384, 512)]
-            == [True, False, True, True, True, True])
+    assert [wgmma_rows_ok(m, 7168, 18432) for m in (32, 48, 512, 513)] == [False, True, True, False]
+    assert ([wgmma_rows_ok(m, 7168, 7168) for m in (48, 64, 72, 128, 129, 384, 512)]
+            == [False, True, True, True, True, True, True])
     assert [wgmma_rows_ok(m, 4096, 4096) for m in (64, 129, 256, 384)] == [False, False, False, False]
     assert not wgmma_rows_ok(31, 64, 1 << 20)  # below WGMMA_MIN_ROWS whatever the model says
     # the SM count enters: on 4x the SMs, (256, 1) blocks no longer need 3 rounds on 18432 columns at 256 rows
-    assert wgmma_cuda_config(256, 7168, 18432, sms=4 * 132)[:2] == (256, 1)
+    from torchforge.ops.awq_wgmma_cost import best_wgmma_shape
+    assert best_wgmma_shape(256, 7168, 18432)[0] == (128, 2)
+    assert best_wgmma_shape(256, 7168, 18432, sms=4 * 132)[0] == (256, 1)
     x = torch.randn(200, 64)
     qw, s, z = awq_quantize(torch.randn(64, 64), 64)
     assert not wgmma_cuda_ok(x, awq_to_mma_layout(qw), s, z, 64, None)  # CPU tensors: never

@@ -3,9 +3,10 @@ blocks on the SMs, and the choices it makes on the swept H100 shapes (BENCHMARKS
 import expecttest
 
 from torchforge.ops.awq_mma_cuda import wgmma_cuda_config, wgmma_rows_ok
-from torchforge.ops.awq_wgmma_cost import (best_wgmma_config, best_wgmma_shape, decode_mma_time_us,
-                                           dequant_cublas_time_us, wgmma_blocks, wgmma_split_time_us,
-                                           wgmma_tail_time_us, wgmma_time_us)
+from torchforge.ops.awq_wgmma_cost import (SPLIT_SPLITS, TAIL_SPLITS, best_wgmma_config, best_wgmma_shape,
+                                           decode_mma_time_us, dequant_cublas_time_us, wgmma_blocks,
+                                           wgmma_split_time_us, wgmma_stream_k_time_us, wgmma_tail_time_us,
+                                           wgmma_time_us)
 
 
 def test_blocks_and_rounds():
@@ -48,15 +49,19 @@ def test_decode_kernel_steps_every_16_rows():
 def test_tail_slices():
     # 144 blocks of (128, 2) on 18432 columns at 256 rows: one full round of 132, then 12 tiles; in 6 slices each
     # they take 72 blocks of 19 chunks, first in the launch (measured: 0.144-0.146 ms against 0.197 with the 12 whole)
-    (bm, tw, splits, dp), t = best_wgmma_config(256, 7168, 18432)
-    assert (bm, tw, splits, dp) == (128, 2, 6, 132)
+    t = wgmma_tail_time_us(256, 7168, 18432, (128, 2), 6)
     assert t < wgmma_time_us(256, 7168, 18432, (128, 2))
+    assert min(wgmma_tail_time_us(256, 7168, 18432, (128, 2), s) for s in TAIL_SPLITS) == t
+    # (stream-K beat it there in the twenty-first session, 0.159 against 0.164 ms, and is dispatched; at 512 rows
+    # the tail slices stay: 0.297 against 0.299)
+    assert best_wgmma_config(256, 7168, 18432)[0] == (128, 2, 0, 0)
+    assert best_wgmma_config(512, 7168, 18432)[0] == (128, 2, 4, 264)
     # no tail to slice: fewer blocks than SMs, a whole number of rounds, or slices that overflow the round
     assert wgmma_tail_time_us(128, 7168, 18432, (128, 2), 2) == float("inf")   # 72 blocks
     assert wgmma_tail_time_us(256, 7168, 16896, (128, 2), 2) == float("inf")   # 66 x 2 = 132 blocks
     assert wgmma_tail_time_us(256, 7168, 18432, (128, 2), 12) == float("inf")  # 12 x 12 = 144 > 132
     # 7168x7168 at 256 rows: 112 blocks of (256, 1), one round, nothing to slice
-    assert best_wgmma_config(256, 7168, 7168)[0] == (256, 1, 1, 0)
+    assert wgmma_tail_time_us(256, 7168, 7168, (256, 1), 2) == float("inf")
 
 
 def test_every_tile_in_slices_at_few_rows():
@@ -64,8 +69,10 @@ def test_every_tile_in_slices_at_few_rows():
     # decode kernel: 18432x7168 3 slices 0.068 (whole 0.077), 7168x7168 4 slices 0.032 (decode kernel 0.038),
     # 14336x4096 2 slices 0.033 (decode kernel 0.041)
     for (n, k), splits in (((18432, 7168), 3), ((7168, 7168), 4), ((14336, 4096), 2)):
-        assert best_wgmma_config(64, k, n)[0] == (64, 2, splits, 0)
-        assert best_wgmma_config(64, k, n)[1] < decode_mma_time_us(64, k, n)
+        best = min(SPLIT_SPLITS, key=lambda s: wgmma_split_time_us(64, k, n, (64, 2), s))
+        assert best == splits and wgmma_split_time_us(64, k, n, (64, 2), splits) < decode_mma_time_us(64, k, n)
+        if n != 18432:  # (18432x7168 takes stream-K since the twenty-first session: test_stream_k)
+            assert best_wgmma_config(64, k, n)[0] == (64, 2, splits, 0)
     assert wgmma_split_time_us(64, 7168, 18432, (64, 2), 3) < wgmma_time_us(64, 7168, 18432, (64, 2))
     # not past 128 rows (unmeasured there), nor more slices than chunks
     assert wgmma_split_time_us(129, 7168, 18432, (128, 2), 2) == float("inf")
@@ -83,20 +90,22 @@ def test_dispatch_takes_a_symbolic_row_count():
         m, n = x.shape[0], w.shape[0] * 64
         return x * wgmma_cuda_config(m, 7168, n)[2] + wgmma_rows_ok(m, 7168, n)
 
-    x, w = torch.ones(64, 2), torch.ones(288, 1)  # 18432 columns
+    x, w = torch.ones(64, 2), torch.ones(112, 1)  # 7168 columns
     graph = make_fx(f, tracing_mode="symbolic")(x, w)
-    assert torch.equal(graph(x, w), f(x, w)) and f(x, w)[0, 0] == 4  # 3 K slices + taken, as for plain ints
+    assert torch.equal(graph(x, w), f(x, w)) and f(x, w)[0, 0] == 5  # 4 K slices + taken, as for plain ints
 
 
 def _cell(config) -> str:
     block_m, tile_set, splits, dp_tiles = config[0], config[1], config[2], config[5]
+    if splits == 0:
+        return f"{block_m}x{tile_set}/sk"
     return f"{block_m}x{tile_set}" + (f"/{splits}" + ("t" if dp_tiles else "") if splits > 1 else "")
 
 
 class TestDispatchTable(expecttest.TestCase):
     def test_dispatch_table(self):
         """The block shape the op takes per matrix and row count; /s: every tile in s K slices, /st: the last round's
-        tiles in s K slices ("-": the decode kernel up to 128 rows, else dequantize + cuBLAS)."""
+        tiles in s K slices, /sk: stream-K ("-": the decode kernel up to 128 rows, else dequantize + cuBLAS)."""
         ms = (32, 48, 56, 64, 72, 96, 128, 129, 160, 192, 256, 384, 512, 513)
         lines = [f"{'rows':>10} " + " ".join(f"{m:>8}" for m in ms)]
         for n, k in ((18432, 7168), (7168, 7168), (14336, 4096), (4096, 14336), (4096, 4096)):
@@ -104,8 +113,22 @@ class TestDispatchTable(expecttest.TestCase):
             lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>8}" for c in cells))
         self.assertExpectedInline("\n".join(lines), """\
       rows       32       48       56       64       72       96      128      129      160      192      256      384      512      513
-18432x7168        -        -   64x2/3   64x2/3  128x2/3  128x2/3  128x2/3 128x2/6t 128x2/6t 128x2/6t 128x2/6t    128x2 128x2/4t        -
- 7168x7168        -        -   64x2/4   64x2/4        -  128x2/4  128x2/4    256x1    256x1    256x1    256x1    128x2    128x2        -
-14336x4096        -        -   64x2/2   64x2/2  128x2/2  128x2/2  128x2/2    128x2    128x2    128x2    128x2 128x2/3t    128x2        -
-4096x14336        -        -        -        -        -   64x2/4   64x2/4        -        -        -        -        -    256x1        -
+18432x7168        -  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/sk  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/4t        -
+ 7168x7168        -        -   64x2/4   64x2/4  64x2/sk  64x2/sk  64x2/sk  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk    128x2        -
+14336x4096        -        -   64x2/2   64x2/2  128x2/2  128x2/2  128x2/2    128x2    128x2    128x2    128x2 128x2/sk    128x2        -
+4096x14336        -        -        -        -        -   64x2/4   64x2/4  64x2/sk  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk        -
  4096x4096        -        -        -        -        -        -        -        -        -        -        -        -    256x1        -""")
+
+
+def test_stream_k():
+    # twenty-first session, H100, weights rotated (ms): 18432x7168 at 64 rows, (64, 2) in stream-K 0.056-0.057 against
+    # 3 K slices 0.065-0.066; 7168x7168 at 64 rows 4.7 parts per tile, 0.035 against 4 slices 0.032; 14336x4096 at 64
+    # rows 27 chunks per SM, 0.035 against 2 slices 0.032-0.033
+    assert best_wgmma_config(64, 7168, 18432)[0] == (64, 2, 0, 0)
+    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 0, 8, True, 0)
+    assert abs(wgmma_stream_k_time_us(64, 7168, 18432, (64, 2)) - 56.5) < 3
+    assert wgmma_stream_k_time_us(64, 7168, 7168, (64, 2)) == float("inf")  # past STREAM_K_MAX_PARTS
+    assert wgmma_stream_k_time_us(64, 4096, 14336, (64, 2)) == float("inf")  # under STREAM_K_MIN_CHUNKS
+    assert wgmma_stream_k_time_us(256, 7168, 18432, (256, 1)) == float("inf")  # no fit for this shape
+    # (128, 2) blocks from 96 rows on 18432x7168: 0.087-0.090 against 3 K slices' 0.105-0.109
+    assert best_wgmma_config(128, 7168, 18432)[0] == (128, 2, 0, 0)

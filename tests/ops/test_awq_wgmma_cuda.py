@@ -315,3 +315,57 @@ def test_contiguous_but_misaligned_x_is_copied(m):
         assert torch.equal(out, ref)
     else:
         assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 4e-3
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("blocks", [0, 5, 37, 10_000])
+def test_stream_k_one_hot_rows_give_the_weights_bit_exact(shape, blocks):
+    """Stream-K (splits 0): the blocks share the tiles' chunks evenly (0: one block per SM; 5: each runs the tail of
+    one tile, whole tiles and the head of another; 10 000, capped at one block per chunk: every tile in one-chunk
+    parts). Each output of one-hot rows is a single weight, however its tile was cut: the bits of the weight, so a
+    part that is lost, added twice or written to another tile's place shows."""
+    k, n, G = 768, 640, 128
+    qw, mma, s, z = _case(k, n, G, sym=False, seed=21)
+    w = dequant_independent(qw, s, z, G)
+    torch.manual_seed(22)
+    m = 2 * shape[0] + 9
+    ks = torch.randint(0, k, (m,), device="cuda")
+    x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+    x[torch.arange(m), ks] = 1
+    tickets = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    out = op(x, mma, s, z, G, None, 0, shape[0], shape[1], 8, True, blocks, tickets)
+    assert torch.equal(out, w[:, ks].T.to(torch.bfloat16))
+    assert not tickets.any()  # the last part of each tile reset its ticket
+
+
+@pytest.mark.parametrize("shape", [(64, 2), (128, 2), (256, 1)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stream_k_matches_dequantized_matmul(shape, dtype):
+    """Random x, a bias and fp16 scales (split with bf16 x), K = 2048 in groups of 64, 320 columns (a partial group
+    of column blocks): within the dtype's tolerance of the float64 product, deterministic (parts are added in block
+    order, not arrival order), and close to the whole-tile result."""
+    k, n, G = 2048, 320, 64
+    qw, mma, s, z = _case(k, n, G, sym=False, seed=23)
+    torch.manual_seed(24)
+    x = torch.randn(shape[0] + 70, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    expected = x.double() @ dequant_independent(qw, s, z, G).T.double() + b.double()
+    for blocks in (0, 3, 11):
+        out = op(x, mma, s, z, G, b, 0, shape[0], shape[1], 8, True, blocks)
+        assert ((out.double() - expected).norm() / expected.norm()) < TOL[dtype], blocks
+        assert torch.equal(out, op(x, mma, s, z, G, b, 0, shape[0], shape[1], 8, True, blocks))
+    whole = op(x, mma, s, z, G, b, 1, shape[0], shape[1], 8, True)
+    assert ((out.float() - whole.float()).norm() / whole.float().norm()) < 1e-2
+
+
+def test_stream_k_errors_and_opcheck():
+    qw, mma, s, z = _case(256, 128, 128)
+    x = torch.randn(70, 256, device="cuda", dtype=torch.bfloat16)
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 0, 64, 2, 8, True, 0))
+    with pytest.raises(RuntimeError, match=r"splits == 0 \(stream-K\) needs producer_warp=True"):
+        op(x, mma, s, z, 128, None, 0, 64, 2, 8, False)
+    with pytest.raises(RuntimeError, match=r"dp_tiles must be >= 0, got -3"):
+        op(x, mma, s, z, 128, None, 0, 64, 2, 8, True, -3)

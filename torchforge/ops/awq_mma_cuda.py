@@ -239,6 +239,7 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
     (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles]), else wgmma_cuda_config. dp_tiles > 0: tiles
     [0, dp_tiles) run whole, only the rest in `splits` K slices (a last round of few tiles; their blocks first).
+    splits 0 (producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' chunks evenly.
     `tickets`: a kept zeroed buffer (`mma_tickets`; None: the op allocates one per call with K slices)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
@@ -249,7 +250,7 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     block_m, tile_set, splits, group_m, ws, *dp = config
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
                                               tile_set, group_m, ws, dp[0] if dp else 0,
-                                              tickets if splits > 1 else None)
+                                              tickets if splits != 1 else None)
     return out.reshape(*x.shape[:-1], n)
 
 
