@@ -74,6 +74,14 @@ def test_batches_must_be_input_ids_and_no_full_logits_are_built():
         collect_router_stats(model, [{"input_ids": ids, "attention_mask": torch.tensor([[0, 0, 0, 0], [1, 1, 1, 0]])}])
 
 
+def test_no_calibration_tokens_is_an_error():
+    # all-zero statistics were returned, and build_expert_map then kept the experts with the lowest ids
+    model = models.build("qwen3_moe")
+    for batches, kw in (([], {}), ([torch.randint(0, 96, (1, 4))], {"max_tokens": 0})):
+        with pytest.raises(ValueError, match="collect_router_stats: no calibration token was run"):
+            collect_router_stats(model, batches, **kw)
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padding_is_not_counted(side):
     """Padding was counted (tokens, picks, mass: a right-padded batch changed the expert ranking) and a tokenizer's

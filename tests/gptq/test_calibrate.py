@@ -137,6 +137,12 @@ def test_bad_inputs():
         torchforge.quantize(model, RECIPE)
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['blocksize'\]"):
         torchforge.quantize(model, RECIPE, calib_data=_ids(), gptq={"blocksize": 64})
+    for bs in (0, -1):  # -1 made no batch: every module saw no token and was quantized round-to-nearest
+        with pytest.raises(ValueError, match=f"GPTQConfig: batch_size={bs} must be a positive int"):
+            torchforge.quantize(model, RECIPE, calib_data=_ids(), gptq={"batch_size": bs})
+    padding_only = {"input_ids": _ids(), "attention_mask": torch.zeros(4, 24, dtype=torch.long)}
+    with pytest.raises(ValueError, match="calib_data holds no real token"):  # was RTN everywhere, logged only
+        torchforge.quantize(model, RECIPE, calib_data=padding_only)
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 60, bias=False)
     with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\.mlp\.down_proj.*out_features=60"):
         torchforge.quantize(model, RECIPE, calib_data=_ids())
@@ -157,6 +163,18 @@ def test_a_nan_weight_is_refused_before_any_swap(where):
     with pytest.raises(ValueError, match=rf"cannot quantize model\.layers\.1\.{name}: gptq: weight contains 1 NaN"):
         torchforge.quantize(model, RECIPE, calib_data=_ids())
     assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_nan_activations_name_the_module(sequential):
+    model = models.build("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] = float("nan")
+    ids = _ids()
+    ids[0, 3] = 5
+    with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\.self_attn\.q_proj: accumulate_hessian: "
+                                         r"the Hessian has NaN/Inf entries"):
+        torchforge.quantize(model, RECIPE, calib_data=ids, gptq={"sequential": sequential})
 
 
 @pytest.mark.cuda
@@ -241,3 +259,67 @@ def test_a_tokenizer_output_is_split_in_batches():
     assert [tuple(b["input_ids"].shape) for b in out] == [(4, 3), (4, 3), (2, 3)]
     assert torch.equal(torch.cat([b["input_ids"] for b in out]), enc["input_ids"])
     assert all(b["attention_mask"].shape == b["input_ids"].shape for b in out)
+
+
+def test_sequential_layers_get_their_own_attention_mask():
+    """transformers passes each decoder layer the mask of its type (here layer 0 full attention, layer 1 a 4-token
+    sliding window); sequential GPTQ used to run every layer with layer 0's mask. Layer 0 is left unquantized, so
+    layer 1's Hessians must be those of the real forward's activations, solved as GPTQ solves them."""
+    model = models.build("qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    ids = _ids(4, 24)
+    names = ("self_attn.o_proj", "mlp.down_proj")  # the inputs that depend on the attention mask
+    layer = model.model.layers[1]
+    xs = {n: [] for n in names}
+    hooks = [layer.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: xs[n].append(a[0].detach().clone()))
+             for n in names]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    want = {}
+    for n in names:
+        w = layer.get_submodule(n).weight.detach().clone()
+        hess, _ = torchforge.gptq.accumulate_hessian(xs[n], w.shape[1])
+        want[n] = torchforge.gptq.solve_batched(w[None], hess[None], group_size=32).dequantize()[0]
+    recipe = {**RECIPE, "ignore": [r"re:model\.layers\.0\..*", "lm_head"]}
+    torchforge.quantize(model, recipe, calib_data=ids)  # sequential (the default)
+    for n in names:
+        assert torch.equal(layer.get_submodule(n).dequantized_weight(), want[n]), n
+
+
+def test_layer_calls_are_captured_when_the_loop_needs_real_layer_outputs():
+    """The capture forward skips the layers (each returns its input); a loop that unpacks a layer's tuple cannot take
+    that, and the layers then run. Either way each layer's own keyword arguments are kept and an instance `forward`
+    (accelerate's hooks set one) is left in place."""
+    from torchforge.gptq.calibrate import _capture_layer_calls
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, h, scale=1.0):
+            return self.lin(h) * scale, None
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList([Layer() for _ in range(3)])
+
+        def forward(self, input_ids, use_cache=False):
+            h = self.emb(input_ids)
+            for i, layer in enumerate(self.layers):
+                h, _ = layer(h, scale=i + 1)  # a [4, ...] tensor cannot be unpacked in two
+            return h
+
+    model = Model()
+    bound = model.layers[1].forward
+    model.layers[1].forward = bound
+    ids = torch.randint(0, 16, (4, 5))
+    with torch.no_grad():
+        hidden, calls = _capture_layer_calls(model, "layers", model.layers, [{"input_ids": ids}], torch.device("cpu"))
+        assert torch.equal(hidden[0], model.emb(ids))
+    assert calls[0] == [((None,), {"scale": 1}), ((None,), {"scale": 2}), ((None,), {"scale": 3})]
+    assert model.layers[1].__dict__["forward"] is bound and "forward" not in model.layers[0].__dict__

@@ -196,4 +196,7 @@ def collect_router_stats(model: nn.Module, batches, *, router_attr: str | None =
     finally:
         for h in handles:
             h.remove()
+    if stats.tokens == 0:  # all-zero statistics would rank the experts by id alone
+        raise ValueError(f"collect_router_stats: no calibration token was run (batches empty or without tokens, "
+                         f"max_tokens={max_tokens}); pass at least one batch of input_ids")
     return stats

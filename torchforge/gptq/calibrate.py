@@ -14,11 +14,12 @@ What is collected, per selected module (recipe targets / ignore, as for RTN):
 
 Modes:
 
-* sequential (default, GPTQ's): the inputs of the first decoder layer are captured once (the forward is
-  stopped there), then layer by layer: run the layer on the stored inputs with hooks, solve and swap its
-  modules, run the now quantized layer again, and its outputs become the next layer's inputs. Later
-  layers are calibrated on what the quantized earlier layers produce. Memory: one layer's Hessians and
-  the hidden states of the calibration set.
+* sequential (default, GPTQ's): the inputs of the first decoder layer, and the arguments the model passes every
+  decoder layer (each layer's own attention mask: sliding-window and full-attention layers get different ones),
+  are captured once by a forward that skips the layers, then layer by layer: run the layer on the stored inputs
+  with hooks, solve and swap its modules, run the now quantized layer again, and its outputs become the next
+  layer's inputs. Later layers are calibrated on what the quantized earlier layers produce. Memory: one layer's
+  Hessians and the hidden states of the calibration set.
 * non-sequential (``GPTQConfig(sequential=False)``): one forward of the unquantized model with hooks on
   every selected module, then everything is solved. Faster, more memory, no error feedback across layers.
 
@@ -78,6 +79,13 @@ class GPTQConfig:
     max_tokens: Optional[int] = None
     chunk_size: Optional[int] = None
     batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        # a batch size <= 0 split the calibration data into no batch at all: every module then saw no token and was
+        # quantized round-to-nearest, with log lines only
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"GPTQConfig: batch_size={self.batch_size!r} must be a positive int (rows of an "
+                             "input_ids tensor per calibration forward)")
 
     @classmethod
     def coerce(cls, x) -> "GPTQConfig":
@@ -249,7 +257,10 @@ def _identity(in_features: int, cfg: GPTQConfig, device) -> torch.Tensor:
 
 
 def _hessian(acc: HessianAccumulator, name: str, cfg: GPTQConfig, device) -> torch.Tensor:
-    h, n = acc.finalize()
+    try:
+        h, n = acc.finalize()
+    except ValueError as err:  # NaN/Inf activations: say whose inputs they were
+        raise ValueError(f"quantize: cannot quantize {name}: {err}") from err
     if n == 0:
         log.info("gptq: %s saw no calibration tokens; quantizing it round-to-nearest (H = I)", name)
         return _identity(acc.in_features, cfg, device)
@@ -362,6 +373,10 @@ def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig
     require_calib_data(calib_data)
     selected = select_and_check_gptq(model, recipe)
     batches = _batches(calib_data, cfg.batch_size)
+    if all(k is not None and not bool(k.any()) for k in map(_kept_tokens, batches)):
+        # else every module saw no token and was quantized round-to-nearest, with log lines only
+        raise ValueError("quantize: calib_data holds no real token (its attention_mask is 0 everywhere); pass "
+                         "calibration text with attention_mask 1 at its tokens")
     device = _model_device(model)
     counts = {"linear": 0, "moe": 0}
     was_training = model.training
@@ -381,40 +396,95 @@ def quantize_gptq(model: nn.Module, recipe, calib_data, cfg: Optional[GPTQConfig
     return counts
 
 
-def _sequential(model, layers_name, layers, selected, batches, device, recipe, cfg, counts) -> None:
-    inputs: List[Tuple[tuple, dict]] = []
+def _with_hidden(call: Tuple[tuple, dict], hs) -> Tuple[tuple, dict]:
+    """A captured layer call with its hidden states replaced by `hs` (positional or keyword, as the model passed
+    them)."""
+    args, kwargs = call
+    return ((hs, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hs})
 
-    def catch(mod, args, kwargs):
-        inputs.append((args, kwargs))
-        raise _StopForward
 
-    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+def _capture_layer_calls(model, layers_name, layers, batches, device) -> Tuple[list, List[list]]:
+    """Per batch: the hidden states entering ``layers[0]`` and, for every layer, the (args, kwargs) the model's own
+    forward calls it with (hidden states set to None). Each layer keeps its own call: transformers gives every layer
+    the attention mask of its type (``causal_mask_mapping[layer_types[i]]``: sliding-window, chunked or full), so
+    layer 0's mask cannot stand in for the others. The layers are skipped while capturing (each returns its input
+    unchanged; a model whose loop cannot take that runs them) and the forward stops at the last one."""
+    n = len(layers)
+    cur: list = [None] * n
+
+    def pre(i):
+        def fn(mod, args, kwargs):
+            cur[i] = (args, kwargs)
+            if i == n - 1:
+                raise _StopForward
+        return fn
+
+    def skip(*args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+    def run(b, skipped: bool) -> None:
+        saved = [layer.__dict__.get("forward") for layer in layers]  # an instance forward (accelerate's hooks)
+        cur[:] = [None] * n
+        try:
+            if skipped:
+                for layer in layers:
+                    layer.forward = skip
+            model(**_to(b, device), use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            if skipped:
+                for layer, f in zip(layers, saved):
+                    if f is None:
+                        del layer.forward
+                    else:
+                        layer.forward = f
+
+    hidden, calls = [], []
+    handles = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         for b in batches:
             try:
-                model(**_to(b, device), use_cache=False)
-            except _StopForward:
-                pass
+                run(b, skipped=True)
+            except Exception:  # noqa: BLE001 - the model's loop needs the layers' real outputs: run them
+                run(b, skipped=False)
+            if cur[0] is None:
+                raise ValueError(f"quantize: the model's forward never called {layers_name}.0; calibrate with "
+                                 "gptq={'sequential': False}")
+            args, kwargs = cur[0]
+            hidden.append(args[0] if args else kwargs["hidden_states"])
+            row, last = [], None
+            for call in cur:
+                last = _with_hidden(call, None) if call is not None else last  # a layer not called: the one before
+                row.append(last)
+            calls.append(row)
     finally:
-        handle.remove()
-    keeps = [_kept_tokens(b) for b in batches]  # one caught input per batch, in order
+        for h in handles:
+            h.remove()
+    return hidden, calls
+
+
+def _sequential(model, layers_name, layers, selected, batches, device, recipe, cfg, counts) -> None:
+    hidden, calls = _capture_layer_calls(model, layers_name, layers, batches, device)
+    keeps = [_kept_tokens(b) for b in batches]  # one captured call per batch, in order
     prefixes = [f"{layers_name}.{i}." for i in range(len(layers))]
     rest = [(n, m) for n, m in selected if not any(n.startswith(p) for p in prefixes)]
     for i, layer in enumerate(layers):
         mods = [(n, m) for n, m in selected if n.startswith(prefixes[i])]
         if mods:
             with _Collector(mods, cfg) as col:
-                for (args, kwargs), keep in zip(inputs, keeps):
+                for hs, row, keep in zip(hidden, calls, keeps):
                     col.set_keep(keep)
+                    args, kwargs = _with_hidden(row[i], hs)
                     layer(*args, **kwargs)
             _quantize_collected(model, col, recipe, cfg, counts)
         if i + 1 < len(layers):
             nxt = []
-            for args, kwargs in inputs:
+            for hs, row in zip(hidden, calls):
+                args, kwargs = _with_hidden(row[i], hs)
                 out = layer(*args, **kwargs)
-                hs = out[0] if isinstance(out, (tuple, list)) else out
-                nxt.append(((hs, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hs}))
-            inputs = nxt
+                nxt.append(out[0] if isinstance(out, (tuple, list)) else out)
+            hidden = nxt
     if rest:
         with _Collector(rest, cfg) as col:
             _forward_all(model, batches, device, col)
