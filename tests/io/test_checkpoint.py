@@ -379,3 +379,82 @@ def test_header_length_over_the_safetensors_limit_is_not_read(tmp_path, monkeypa
                                               r"over safetensors' limit of 100000000 bytes"):
         iter_checkpoint(tmp_path)
     assert reads == [8]
+
+
+def _rewrite_header(path, edit):
+    """Rewrites a safetensors file with `edit(header, data) -> (header, data)` applied."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header, data = edit(json.loads(raw[8:8 + n]), raw[8 + n:])
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(len(h).to_bytes(8, "little") + h + data)
+
+
+def _offsets(name, shift):
+    def edit(header, data):
+        begin, end = header[name]["data_offsets"]
+        header[name]["data_offsets"] = [begin + shift, end + shift]
+        return header, data
+    return edit
+
+
+def _cut(keep):
+    return lambda p: p.write_bytes(p.read_bytes()[:keep(len(p.read_bytes()))])
+
+
+_SHARD = "model-00002-of-00003.safetensors"
+_BAD_SHARDS = {  # damage to the second of 3 shards (t2, t3: 1 KiB each), what the error says about it
+    "missing": (os.remove, r"shard model-00002-of-00003\.safetensors listed in model\.safetensors\.index\.json is "
+                           r"missing from "),
+    "truncated data": (_cut(lambda n: n - 100), r"model-00002-of-00003\.safetensors: tensor 't3' needs data bytes "
+                                                r"\[1024, 2048\) but the file holds only 1948 data bytes"),
+    "truncated header": (_cut(lambda n: 40), r"model-00002-of-00003\.safetensors: the header length field says \d+ "
+                                             r"bytes but the file has only 40 bytes"),
+    "offsets past the end": (lambda p: _rewrite_header(p, _offsets("t3", 64)),
+                             r"model-00002-of-00003\.safetensors: tensor 't3' needs data bytes \[1088, 2112\)"),
+    "overlapping offsets": (lambda p: _rewrite_header(p, _offsets("t3", -512)),
+                            r"model-00002-of-00003\.safetensors: tensor 't3' has data offsets \[512, 1536\] but the "
+                            r"tensor before it ends at 1024: the header's offsets overlap or leave a gap"),
+    "a gap": (lambda p: _rewrite_header(p, lambda h, d: _offsets("t3", 8)(h, d + b"\0" * 8)),
+              r"tensor 't3' has data offsets \[1032, 2056\] but the tensor before it ends at 1024"),
+    "bytes the header does not describe": (lambda p: _rewrite_header(p, lambda h, d: (h, d + b"\0" * 64)),
+                                           r"model-00002-of-00003\.safetensors: its tensors take 2048 data bytes but "
+                                           r"the file holds 2112 after the header"),
+}
+
+
+@pytest.mark.parametrize("damage", list(_BAD_SHARDS))
+def test_a_bad_shard_is_named_with_the_fix_before_anything_is_read(tmp_path, damage):
+    """A header whose offsets overlap, leave a gap or do not cover the file passed the header check: safe_open
+    refused the shard only when the iteration reached it (after every earlier shard was streamed), with
+    safetensors' bare 'invalid offset' and no fix; check_checkpoint_files found nothing wrong."""
+    from torchforge.io import check_checkpoint_files
+
+    save_sharded({f"t{i}": torch.full((256,), float(i)) for i in range(6)}, tmp_path, max_shard_bytes=2048)
+    fn, msg = _BAD_SHARDS[damage]
+    fn(tmp_path / _SHARD)
+    fix = r".*(download|save) (it|the missing files) again"
+    with pytest.raises(CheckpointError, match=msg + fix):
+        iter_checkpoint(tmp_path)  # no next(): nothing of the first shard is yielded before the error
+    with pytest.raises(CheckpointError, match=msg + fix):
+        check_checkpoint_files(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_bad_bin_shard_is_named_with_the_fix(tmp_path, damage):
+    """A truncated pickle shard's error named it but gave no fix."""
+    files = [f"pytorch_model-0000{i}-of-00002.bin" for i in (1, 2)]
+    for i, f in enumerate(files):
+        torch.save({f"w{i}": torch.ones(256)}, tmp_path / f)
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"w0": files[0], "w1": files[1]}}))
+    if damage == "missing":
+        os.remove(tmp_path / files[1])
+        msg = (r"shard pytorch_model-00002-of-00002\.bin listed in pytorch_model\.bin\.index\.json is missing .*"
+               r"download the missing files again")
+    else:
+        _cut(lambda n: n - 100)(tmp_path / files[1])
+        msg = (r"cannot load .*pytorch_model-00002-of-00002\.bin with torch\.load.*; the file is corrupt or truncated "
+               r"\(delete it and download/save it again\)")
+    with pytest.raises(CheckpointError, match=msg):
+        load_state_dict(tmp_path)

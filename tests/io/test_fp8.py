@@ -227,3 +227,58 @@ def test_scales_of_a_wrong_dtype_nan_or_a_1d_weight_name_the_tensor(tmp_path, qu
     with pytest.raises(CheckpointError, match=r"float8 tensor 'b' in model\.safetensors: block-FP8 weights are at "
                                               r"least 2-D, got shape \[200\]"):
         iter_checkpoint(tmp_path / "1d", dequantize_fp8=True)
+
+
+def _bin_shards_with_remote_scales(tmp_path):
+    """3 pickled shards; every FP8 weight's scale lives in the next shard (the last one's in the first)."""
+    qs = {k: _reference_quantize(_weight(300, 200, seed=i)) for i, k in enumerate("abc")}
+    files = [f"pytorch_model-0000{i}-of-00003.bin" for i in (1, 2, 3)]
+    shards = [{}, {}, {}]
+    for i, k in enumerate("abc"):
+        q, s = qs[k]
+        shards[i][f"{k}.weight"] = q
+        shards[(i + 1) % 3][f"{k}.weight_scale_inv"] = s
+        shards[i][f"{k}.norm"] = torch.full((4,), float(i))
+    for f, sd in zip(files, shards):
+        torch.save(sd, tmp_path / f)
+    wm = {n: f for f, sd in zip(files, shards) for n in sd}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": wm}))
+    return files, {k: _reference_dequantize(q, s) for k, (q, s) in qs.items()}
+
+
+def test_bin_shards_are_loaded_once_each_and_released(tmp_path, monkeypatch):
+    """_iter_bin memory-mapped the whole other shard again for every scale (and every scale's weight) found there:
+    9 loads of a 3-shard checkpoint whose scales sit in the next shard, and one more for each per-file pass."""
+    import gc
+    import weakref
+
+    files, refs = _bin_shards_with_remote_scales(tmp_path)
+    loads, alive = [], []
+    real = torch.load
+
+    class StateDict(dict):  # a dict that a weak reference can watch
+        pass
+
+    def spy(path, *a, **kw):
+        loads.append(os.path.basename(path))
+        sd = StateDict(real(path, *a, **kw))
+        alive.append(weakref.ref(sd))
+        return sd
+
+    monkeypatch.setattr(torch, "load", spy)
+    got = load_state_dict(tmp_path, dequantize_fp8=True, dtype=torch.float32)
+    assert sorted(loads) == files
+    assert set(got) == {f"{k}.{t}" for k in "abc" for t in ("weight", "norm")}
+    for i, k in enumerate("abc"):
+        assert torch.equal(got[f"{k}.weight"], refs[k]), k
+        assert torch.equal(got[f"{k}.norm"], torch.full((4,), float(i)))
+    gc.collect()
+    assert not [r for r in alive if r() is not None]  # no shard kept once the iteration is over
+
+    loads.clear()
+    it = iter_checkpoint(tmp_path, dequantize_fp8=True)
+    next(it)
+    assert loads == files[:2]  # a.weight needs its scale from the second shard
+    it.close()  # a caller that stops early
+    gc.collect()
+    assert not [r for r in alive if r() is not None]

@@ -1,13 +1,17 @@
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 import safetensors
 import safetensors.torch
 import torch
 
-from torchforge.io import CheckpointError, iter_checkpoint, load_state_dict, save_sharded
+from torchforge.io import CheckpointError, check_checkpoint_files, iter_checkpoint, load_state_dict, save_sharded
 from torchforge.io.save import atomic_write_json, atomic_write_text
 
 
@@ -322,3 +326,126 @@ def test_shard_writer_abort_after_a_failed_commit_leaves_no_index_temporary(tmp_
         w.close()
     w.abort()
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no .model.safetensors.index.json.tmp.*
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torchforge").__file__)))
+
+
+def _child(code, *args, **kw):
+    """A Python process running `code` with this checkout importable."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kw)
+
+
+# A writer SIGKILLed (as the OOM killer does: no except/finally runs) before its renames, after its first rename,
+# or (a stream) with two shards written: 6 tensors of 1 KiB, 2 per shard.
+_KILLED_WRITER = """
+import os, signal, sys, torch
+from torchforge.io import save_sharded
+from torchforge.io.shard_writer import ShardWriter
+out, when = sys.argv[1:3]
+sd = {f"old.{i}": torch.full((256,), float(i)) for i in range(6)}
+real, renamed = os.replace, []
+def replace(src, dst):
+    if len(renamed) == (when == "mid-commit"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    renamed.append(dst)
+    real(src, dst)
+if when == "stream":
+    w = ShardWriter(out, max_shard_bytes=2048)
+    for k, v in sd.items():
+        w.add(k, v)
+    os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace
+save_sharded(sd, out, max_shard_bytes=2048)
+"""
+
+# Not temporaries of torchforge's checkpoint writers (another file's atomic_write temporary, names that only look
+# alike): a save never removes them.
+_NOT_OURS = [".config.json.tmp.123.abcd1234", ".model.safetensors.tmp.notes", "model.safetensors.tmp.1.abcd1234",
+             ".model-00001-of-00003.safetensors.tmp.1.ABCD1234", ".shard-notes.partial", ".shard-1.safetensors.partial"]
+
+
+@pytest.mark.parametrize("killed, then", [("before-commit", "save"), ("mid-commit", "save"), ("stream", "save"),
+                                          ("before-commit", "stream"), ("stream", "stream")])
+def test_a_save_removes_the_temporaries_of_a_killed_writer(tmp_path, killed, then):
+    """save_sharded's temporaries (`.model-XXXXX-of-YYYYY.safetensors.tmp.<pid>.<hex>`, up to a shard each) stayed
+    forever after a SIGKILL mid-save: no later save into the folder removed them."""
+    from torchforge.io.shard_writer import ShardWriter
+
+    for name in _NOT_OURS:
+        (tmp_path / name).write_text("user file")
+    p = _child(_KILLED_WRITER, tmp_path, killed)
+    assert p.wait(timeout=120) == -signal.SIGKILL, p.stderr.read().decode()
+    stale = sorted(set(_listing(tmp_path)) - set(_NOT_OURS) - {"model-00001-of-00003.safetensors"})
+    assert len(stale) == {"before-commit": 4, "mid-commit": 3, "stream": 2}[killed] and all(
+        n.startswith(".") for n in stale), stale
+    new = _sd(4, offset=10.0)
+    if then == "save":
+        save_sharded(new, tmp_path, max_shard_bytes=2048)
+    else:
+        w = ShardWriter(tmp_path, max_shard_bytes=2048)
+        for k, v in new.items():
+            w.add(k, v)
+        w.close()
+    committed = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert _listing(tmp_path) == sorted(_NOT_OURS + committed)
+    assert all((tmp_path / n).read_text() == "user file" for n in _NOT_OURS)
+    check_checkpoint_files(tmp_path)
+    assert _equal_dicts(load_state_dict(tmp_path), new)
+
+
+# A save that stops before its renames until the file `go` exists (after creating `ready`).
+_PAUSED_SAVE = """
+import os, sys, time, torch
+from torchforge.io import save_sharded
+out, ready, go = sys.argv[1:4]
+real = os.replace
+def replace(src, dst):
+    if not os.path.exists(go):
+        open(ready, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.01)
+    real(src, dst)
+os.replace = replace
+save_sharded({f"live.{i}": torch.full((256,), float(i)) for i in range(4)}, out, max_shard_bytes=2048)
+"""
+
+
+def test_a_live_writers_temporaries_are_never_removed(tmp_path):
+    """Stale temporaries are removed under the folder's flock only: a writer that is still running holds it, and a
+    second save (or stream) into its folder is refused before it touches anything."""
+    from torchforge.io.shard_writer import ShardWriter
+
+    out, ready, go = tmp_path / "out", tmp_path / "ready", tmp_path / "go"
+    out.mkdir()
+    p = _child(_PAUSED_SAVE, out, ready, go)
+    try:
+        while not ready.exists():
+            assert p.poll() is None, p.stderr.read().decode()
+            time.sleep(0.01)
+        live = {n: (out / n).read_bytes() for n in _listing(out)}
+        assert len(live) == 3 and all(n.startswith(".") and ".tmp." in n for n in live)  # 2 shards, the index
+        with pytest.raises(FileExistsError, match="another writer .* is writing a checkpoint into it"):
+            save_sharded(_sd(), out)
+        with pytest.raises(FileExistsError, match="another writer .* is writing a checkpoint into it"):
+            ShardWriter(out)
+        assert {n: (out / n).read_bytes() for n in _listing(out)} == live
+    finally:
+        go.touch()
+        rc = p.wait(timeout=120)
+    assert rc == 0, p.stderr.read().decode()
+    assert _equal_dicts(load_state_dict(out), {f"live.{i}": torch.full((256,), float(i)) for i in range(4)})
+
+    w = ShardWriter(tmp_path / "stream", max_shard_bytes=2048)  # a live stream in this process
+    for k, v in _sd(4).items():
+        w.add(k, v)
+    partials = _listing(tmp_path / "stream")
+    assert partials == [".shard-00001.safetensors.partial"]
+    with pytest.raises(FileExistsError, match="another writer"):
+        save_sharded(_sd(), tmp_path / "stream")
+    assert _listing(tmp_path / "stream") == partials
+    w.close()
+    assert _equal_dicts(load_state_dict(tmp_path / "stream"), _sd(4))
+    save_sharded(_sd(2), tmp_path / "stream")  # the lock went with close()

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import torch
 from torch import nn
 
 from torchforge.io import atomic_write_json
-from torchforge.io.save import _atomic_write
+from torchforge.io.save import _atomic_write, _fsync_dir, _fsync_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -56,6 +57,29 @@ def copy_tokenizer_files(src: str | None, out_dir: str) -> list[str]:
                 _atomic_write(os.path.join(out_dir, f), lambda tmp, p=p: shutil.copyfile(p, tmp))
                 copied.append(f)
     return copied
+
+
+def save_tokenizer(tokenizer, out_dir: str) -> list[str]:
+    """`tokenizer.save_pretrained(out_dir)`, each file atomically: transformers writes straight into the folder, so a
+    crash could leave a half-written tokenizer.json that looks complete. It saves into a private hidden folder of
+    `out_dir` instead, whose files are fsynced and then renamed into place; returns the paths (relative) moved."""
+    tmp_dir = tempfile.mkdtemp(prefix=".tokenizer.tmp.", dir=out_dir)
+    try:
+        tokenizer.save_pretrained(tmp_dir)
+        rel = sorted(os.path.relpath(os.path.join(d, f), tmp_dir) for d, _, files in os.walk(tmp_dir) for f in files)
+        for r in rel:  # all durable before the first rename
+            _fsync_file(os.path.join(tmp_dir, r))
+        dirs = set()
+        for r in rel:
+            dst = os.path.join(out_dir, r)
+            dirs.add(os.path.dirname(dst))
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.replace(os.path.join(tmp_dir, r), dst)
+        for d in sorted(dirs):
+            _fsync_dir(d)
+        return rel
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 # Side files of an earlier export that this one may not write again: a ModelOpt hf_quant_config.json (vLLM reads it
@@ -110,7 +134,7 @@ def write_side_files(model: nn.Module, out_dir: str, meta: dict, *, tokenizer=No
     (the source's, else the model's): what every export writes besides its tensors and config.json."""
     atomic_write_json(os.path.join(out_dir, TORCHFORGE_META), meta)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+        save_tokenizer(tokenizer, out_dir)
     copy_tokenizer_files(tokenizer_source(model, source_dir), out_dir)
     gen = getattr(model, "generation_config", None)
     if gen is not None and not os.path.exists(os.path.join(out_dir, "generation_config.json")):

@@ -9,8 +9,8 @@ Supported layouts, in order of preference when a folder holds several:
 4. ``pytorch_model.bin``.
 
 Safetensors files are read through ``safe_open`` one tensor at a time and one shard at a time; their
-headers are parsed and checked (header length, JSON, data offsets against the file size) before any
-tensor data is read, so truncated downloads fail with a message that names the file instead of a
+headers are parsed and checked (header length, JSON, data offsets against each other and the file size)
+before any tensor data is read, so truncated downloads fail with a message that names the file instead of a
 crash deep inside the reader.
 """
 from __future__ import annotations
@@ -171,7 +171,18 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
                 f"{math.prod(shape) * bits // 8} bytes but its offsets span {end - begin}",
             )
         infos[name] = TensorInfo(name, dtype, shape, begin, end)
-    infos = dict(sorted(infos.items(), key=lambda kv: kv[1].begin))
+    infos = dict(sorted(infos.items(), key=lambda kv: (kv[1].begin, kv[1].end)))
+    # safetensors' own rule: the tensors tile the data section exactly. Checked here, or safe_open would refuse the
+    # file only when the iteration reaches it, with no hint of the fix.
+    stop = 0
+    for name, info in infos.items():
+        if info.begin != stop:
+            raise _corrupt(path, f"tensor {name!r} has data offsets [{info.begin}, {info.end}] but the tensor before "
+                                 f"it ends at {stop}: the header's offsets overlap or leave a gap")
+        stop = info.end
+    if stop != data_size:
+        raise _corrupt(path, f"its tensors take {stop} data bytes but the file holds {data_size} after the header: "
+                             "the header does not describe the file")
     return infos, metadata
 
 
@@ -325,7 +336,7 @@ def _torch_load(path: str) -> dict:
     except Exception as e:
         raise CheckpointError(
             f"cannot load {path} with torch.load(weights_only=True): {type(e).__name__}: {e}; the file is "
-            f"corrupt or truncated, or it is not a plain state dict"
+            f"corrupt or truncated (delete it and download/save it again), or it is not a plain state dict"
         ) from e
     if not isinstance(sd, dict):
         raise CheckpointError(f"{path} does not hold a state dict (got {type(sd).__name__})")
@@ -592,44 +603,71 @@ def _iter_bin(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
     root, weight_map = layout.root, layout.weight_map
     files, names_by_file = _files_to_read(layout, prefixes)
 
-    def other_file_tensor(name: str, fname: str) -> torch.Tensor | None:
-        # pickled shards cannot be read tensor by tensor; memory-map the other shard just for this one
-        other = weight_map.get(name) if weight_map is not None else None
-        if other is None or other == fname:
-            return None
-        t = _torch_load(os.path.join(root, other)).get(name)
-        return t if isinstance(t, torch.Tensor) else None
+    # Pickled shards cannot be read tensor by tensor: each is loaded (memory-mapped where possible) at most once
+    # and kept until the last file whose turn may need one of its tensors (an FP8 weight's scale, or the weight of
+    # a scale, by the index) is done.
+    last_use: dict[str, int] = {}
+    for i, fname in enumerate(files):
+        last_use[fname] = i
+        if not dequantize_fp8 or weight_map is None:
+            continue
+        for name in names_by_file[fname]:
+            if not _wanted(name, prefixes):
+                continue
+            base = name[: -len(_SCALE_INV_SUFFIX)] if name.endswith(_SCALE_INV_SUFFIX) else None
+            for other in (weight_map.get(name + _SCALE_INV_SUFFIX), base and weight_map.get(base)):
+                if other is not None and other != fname:
+                    last_use[other] = i
 
     def gen():
-        for fname in files:
-            sd = _torch_load(os.path.join(root, fname))
-            _check_index_names(layout, names_by_file, fname, {n for n, t in sd.items() if isinstance(t, torch.Tensor)},
-                               prefixes)
-            for name, t in sd.items():
-                if not isinstance(t, torch.Tensor) or not _wanted(name, prefixes):
-                    continue
-                if weight_map is not None and weight_map.get(name, fname) != fname:
-                    continue
-                if dequantize_fp8 and name.endswith(_SCALE_INV_SUFFIX):
-                    base = name[: -len(_SCALE_INV_SUFFIX)]
-                    base_t = sd[base] if isinstance(sd.get(base), torch.Tensor) else other_file_tensor(base, fname)
-                    if base_t is not None and is_fp8_dtype(base_t.dtype):
-                        continue  # applied to its weight
-                if dequantize_fp8 and is_fp8_dtype(t.dtype):
-                    sname = name + _SCALE_INV_SUFFIX
-                    s = sd[sname] if isinstance(sd.get(sname), torch.Tensor) else other_file_tensor(sname, fname)
-                    if s is None:
-                        raise CheckpointError(
-                            f"float8 tensor {name!r} in {fname} has no companion {sname!r} in {root}; "
-                            f"cannot dequantize it: read with dequantize_fp8=False to get the stored tensors"
-                        )
-                    try:
-                        t = dequantize_fp8_block(t.to(device), s.to(device), block, dtype=dtype or torch.bfloat16)
-                    except (TypeError, ValueError) as e:  # CheckpointError too; a wrong dtype, a 1-D weight
-                        raise CheckpointError(f"{sname!r} does not fit {name!r} in {fname}: {e}") from e
-                    yield name, t
-                    continue
-                yield name, _finish(t, name, device, dtype)
-            del sd
+        loaded: dict[str, dict] = {}
+
+        def shard(fname: str) -> dict:
+            if fname not in loaded:
+                loaded[fname] = _torch_load(os.path.join(root, fname))
+            return loaded[fname]
+
+        def other_file_tensor(name: str, fname: str) -> torch.Tensor | None:
+            other = weight_map.get(name) if weight_map is not None else None
+            if other is None or other == fname:
+                return None
+            t = shard(other).get(name)
+            return t if isinstance(t, torch.Tensor) else None
+
+        try:
+            for i, fname in enumerate(files):
+                sd = shard(fname)
+                _check_index_names(layout, names_by_file, fname,
+                                   {n for n, t in sd.items() if isinstance(t, torch.Tensor)}, prefixes)
+                for name, t in sd.items():
+                    if not isinstance(t, torch.Tensor) or not _wanted(name, prefixes):
+                        continue
+                    if weight_map is not None and weight_map.get(name, fname) != fname:
+                        continue
+                    if dequantize_fp8 and name.endswith(_SCALE_INV_SUFFIX):
+                        base = name[: -len(_SCALE_INV_SUFFIX)]
+                        base_t = sd[base] if isinstance(sd.get(base), torch.Tensor) else other_file_tensor(base, fname)
+                        if base_t is not None and is_fp8_dtype(base_t.dtype):
+                            continue  # applied to its weight
+                    if dequantize_fp8 and is_fp8_dtype(t.dtype):
+                        sname = name + _SCALE_INV_SUFFIX
+                        s = sd[sname] if isinstance(sd.get(sname), torch.Tensor) else other_file_tensor(sname, fname)
+                        if s is None:
+                            raise CheckpointError(
+                                f"float8 tensor {name!r} in {fname} has no companion {sname!r} in {root}; "
+                                f"cannot dequantize it: read with dequantize_fp8=False to get the stored tensors"
+                            )
+                        try:
+                            t = dequantize_fp8_block(t.to(device), s.to(device), block, dtype=dtype or torch.bfloat16)
+                        except (TypeError, ValueError) as e:  # CheckpointError too; a wrong dtype, a 1-D weight
+                            raise CheckpointError(f"{sname!r} does not fit {name!r} in {fname}: {e}") from e
+                        yield name, t
+                        continue
+                    yield name, _finish(t, name, device, dtype)
+                del sd
+                for f in [f for f in loaded if last_use.get(f, -1) <= i]:
+                    del loaded[f]
+        finally:  # also where the caller stops early: no shard stays mapped
+            loaded.clear()
 
     return gen()

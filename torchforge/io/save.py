@@ -12,9 +12,14 @@ Crash safety of :func:`save_sharded`:
 3. only after the commit are the files of a previous save that the new checkpoint does not use
    removed (shards named ``model-XXXXX-of-YYYYY.safetensors`` or listed by the old index, and
    ``model.safetensors`` / the old index when the layout changed).
+
+A save holds an exclusive ``flock`` on the folder (as :class:`~torchforge.io.shard_writer.ShardWriter`
+does), so a second writer into it is refused, and temporaries found under the lock are a killed
+writer's (SIGKILL, OOM): the save removes them first (only names of that form, see ``_STALE_TEMP_RE``).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -29,6 +34,14 @@ from .checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 __all__ = ["save_sharded", "atomic_write_text", "atomic_write_json"]
 
 _HF_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# The temporaries of torchforge's checkpoint writers, all made under the folder's flock: save_sharded's and
+# make_checkpoint's `_temp_path` names of the weights and the index, and ShardWriter's hidden shards. Nothing
+# else is removed as stale (another file's `.x.tmp.<pid>.<hex>` may belong to an unlocked atomic_write_*).
+_STALE_TEMP_RE = re.compile(
+    r"\.(?:model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)"
+    r"\.tmp\.\d+\.[0-9a-f]{8}"
+    r"|\.shard-\d{5}\.safetensors\.partial"
+)
 
 
 def _temp_path(path: str) -> str:
@@ -41,6 +54,47 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _lock_folder(out_dir: str) -> int | None:
+    """An exclusive flock on `out_dir` itself (no lock file left behind; the kernel drops it when the process dies),
+    held by every checkpoint writer (save_sharded, ShardWriter): two writers into one folder would commit a mix of
+    each other's shards, or remove the other's temporaries as stale. None where flock is unavailable."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(out_dir, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise FileExistsError(f"{out_dir}: another writer (a torchforge save or quantize --stream, in this "
+                                  "process or another) is writing a checkpoint into it; wait for it to finish or "
+                                  "write into another folder") from None
+        return None  # a file system without flock (some network mounts): unlocked, as before
+    return fd
+
+
+def _unlock_folder(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _remove_stale_temps(out_dir: str) -> list[str]:
+    """Removes what killed writers left in `out_dir` (temporaries of up to a shard each); returns their names.
+    Call only with the folder's lock held: a live writer's temporaries look the same."""
+    removed = []
+    with os.scandir(out_dir) as it:
+        for e in it:
+            if _STALE_TEMP_RE.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                _unlink_quiet(e.path)
+                removed.append(e.name)
+    return sorted(removed)
 
 
 def _fsync_file(path: str) -> None:
@@ -204,7 +258,8 @@ def save_sharded(
     ``save_pretrained``; several as ``model-00001-of-0000N.safetensors`` plus
     ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {...}}``).
     Each shard's header metadata is ``{"format": "pt", **metadata}``. Tensors are made contiguous;
-    tensors sharing memory (tied weights) are cloned. See the module docstring for crash safety.
+    tensors sharing memory (tied weights) are cloned. See the module docstring for crash safety; a
+    ``FileExistsError`` says that another torchforge writer is writing into ``out_dir``.
 
     Returns the paths written: the weight files in order, then the index if there is one.
     """
@@ -227,6 +282,16 @@ def save_sharded(
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
+    lock = _lock_folder(out_dir)
+    try:
+        if lock is not None:  # unlocked (no flock), temporaries may be a live writer's: they stay
+            _remove_stale_temps(out_dir)
+        return _save_locked(state_dict, out_dir, sizes, max_shard_bytes, header_meta)
+    finally:
+        _unlock_folder(lock)
+
+
+def _save_locked(state_dict, out_dir: str, sizes: dict[str, int], max_shard_bytes: int, header_meta) -> list[str]:
     plan = _plan_shards(sizes, max_shard_bytes)
     sharded = len(plan) > 1
     names = (

@@ -7,7 +7,6 @@ files, never a folder that looks complete.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 
@@ -15,47 +14,8 @@ import safetensors.torch
 import torch
 
 from torchforge.io.checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-from torchforge.io.save import _fsync_dir, _fsync_file, _nbytes, _unlink_quiet, _write_temp_text
-
-
-_TEMP_PREFIXES = (".shard-", f".{SAFE_WEIGHTS_INDEX_NAME}.tmp.")
-
-
-def _remove_stale_temps(out_dir: str, present: list[str]) -> None:
-    """A killed run (SIGKILL, OOM: abort() never ran) leaves its hidden shards (`.shard-NNNNN.safetensors.partial`,
-    up to 5 GiB each) and index temporary; the next run into the folder removes them."""
-    for name in present:
-        if (name.startswith(_TEMP_PREFIXES[0]) and name.endswith(".partial")) or name.startswith(_TEMP_PREFIXES[1]):
-            _unlink_quiet(os.path.join(out_dir, name))
-
-
-def _lock_folder(out_dir: str) -> int | None:
-    """An exclusive flock on `out_dir` itself (no lock file left behind; the kernel drops it when the process dies):
-    two writers into one folder would share the `.shard-NNNNN` names and remove each other's shards as stale, and
-    one would commit the other's (maybe half-written) shard under its own index. None where flock is unavailable."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    try:
-        fd = os.open(out_dir, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise FileExistsError(f"{out_dir}: another writer (a torchforge quantize --stream, in this process or "
-                                  "another) is writing a checkpoint into it; wait for it to finish or write into "
-                                  "another folder") from None
-        return None  # a file system without flock (some network mounts): unlocked, as before
-    return fd
-
-
-def _unlock_folder(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)  # closing the descriptor releases the flock
+from torchforge.io.save import (_fsync_dir, _fsync_file, _lock_folder, _nbytes, _remove_stale_temps,
+                                _unlink_quiet, _unlock_folder, _write_temp_text)
 
 
 class ShardWriter:
@@ -75,7 +35,8 @@ class ShardWriter:
             if any(f.endswith(".safetensors") for f in present):
                 raise FileExistsError(f"{self.out_dir} holds .safetensors files but no config.json (an unfinished "
                                       "export, or not a checkpoint): remove them or write into an empty folder")
-            _remove_stale_temps(self.out_dir, present)
+            if self._lock is not None:  # unlocked, temporaries may be a live writer's: they stay
+                _remove_stale_temps(self.out_dir)  # a killed run's (abort() never ran), up to a shard each
         except BaseException:
             _unlock_folder(self._lock)
             self._lock = None  # else __del__ would close the descriptor number again

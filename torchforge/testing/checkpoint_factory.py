@@ -19,7 +19,8 @@ import torch
 
 from torchforge.export.naming import to_checkpoint_name
 from torchforge.io.checkpoint import SAFE_WEIGHTS_INDEX_NAME
-from torchforge.io.save import _fsync_dir, _fsync_file, _plan_shards, _temp_path, _unlink_quiet, atomic_write_json
+from torchforge.io.save import (_fsync_dir, _fsync_file, _lock_folder, _plan_shards, _temp_path, _unlink_quiet,
+                                _unlock_folder, atomic_write_json)
 
 __all__ = ["make_checkpoint", "make_config", "ARCHS", "DEEPSEEK_V3_ATTENTION", "FP8_BLOCK"]
 
@@ -239,24 +240,29 @@ def make_checkpoint(path, arch: str = "deepseek_v3", *, num_layers: int = 8, hid
         config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                          "weight_block_size": list(FP8_BLOCK)}
 
-    temps = []
+    # its temporaries have save_sharded's names, which a save into the folder removes as stale unless locked
+    lock = _lock_folder(path)
     try:
-        for fname, shard in zip(names, plan):
-            shard_entries = [by_name[n] for n in shard]
-            tmp = _temp_path(os.path.join(path, fname))
-            temps.append(tmp)
-            _write_shard(tmp, shard_entries, _values(shard_entries, seed, torch.device(device)))
-            _fsync_file(tmp)
-        for tmp, fname in zip(temps, names):
-            os.replace(tmp, os.path.join(path, fname))
-    except BaseException:
-        for tmp in temps:
-            _unlink_quiet(tmp)
-        raise
-    _fsync_dir(path)
-    index = {"metadata": {"total_size": sum(sizes.values())},
-             "weight_map": {n: fname for fname, shard in zip(names, plan) for n in shard}}
-    atomic_write_json(os.path.join(path, SAFE_WEIGHTS_INDEX_NAME), index, sort_keys=True)
+        temps = []
+        try:
+            for fname, shard in zip(names, plan):
+                shard_entries = [by_name[n] for n in shard]
+                tmp = _temp_path(os.path.join(path, fname))
+                temps.append(tmp)
+                _write_shard(tmp, shard_entries, _values(shard_entries, seed, torch.device(device)))
+                _fsync_file(tmp)
+            for tmp, fname in zip(temps, names):
+                os.replace(tmp, os.path.join(path, fname))
+        except BaseException:
+            for tmp in temps:
+                _unlink_quiet(tmp)
+            raise
+        _fsync_dir(path)
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {n: fname for fname, shard in zip(names, plan) for n in shard}}
+        atomic_write_json(os.path.join(path, SAFE_WEIGHTS_INDEX_NAME), index, sort_keys=True)
+    finally:
+        _unlock_folder(lock)
     atomic_write_json(os.path.join(path, "config.json"), config)  # last, as the exports: a failed write leaves none
     return path
 
