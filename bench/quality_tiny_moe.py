@@ -33,10 +33,10 @@ def variants(calib: torch.Tensor):
         return lambda m: torchforge.quantize(m, {"scheme": "w4a16-gptq", **g64, "symmetric": symmetric},
                                              calib_data=calib, gptq={"mse": mse})
 
-    def nvfp4(w4a4):
+    def nvfp4(w4a4, per_expert=False):
         def fn(m):
             m = torchforge.quantize(m, "nvfp4", calib_data=calib)
-            return emulate_w4a4(m, True) if w4a4 else m
+            return emulate_w4a4(m, True, per_expert_input_scales=per_expert) if w4a4 else m
         return fn
 
     return [
@@ -48,7 +48,8 @@ def variants(calib: torch.Tensor):
         ("w4a16-gptq g64 asym", gptq(False)),
         ("w4a16-gptq g64 sym + mse", gptq(True, mse=True)),
         ("nvfp4 (W4A16 compute)", nvfp4(False)),
-        ("nvfp4 W4A4 emulation", nvfp4(True)),
+        ("nvfp4 W4A4 emulation", nvfp4(True)),  # routed experts: one input scale per layer (vLLM FlashInfer)
+        ("nvfp4 W4A4 emulation, per-expert input scales", nvfp4(True, per_expert=True)),  # vLLM CUTLASS
     ]
 
 

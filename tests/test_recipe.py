@@ -347,6 +347,26 @@ def test_nvfp4_dict_gets_the_scheme_defaults(tmp_path):
         Recipe.from_dict({"scheme": "nvfp4", "group_size": 32})
 
 
+def test_nvfp4_recipe_built_directly_gets_block_16():
+    # Recipe(scheme="nvfp4") was refused on the dataclass defaults (AWQ's group_size 128, then export_format
+    # vllm-awq), which only from_dict replaced; NVFP4 has blocks of 16 only
+    r = Recipe(scheme="nvfp4")
+    assert (r.group_size, r.export_format) == (16, "modelopt-nvfp4") and r == Recipe.from_preset("nvfp4")
+    assert Recipe(scheme="nvfp4", export_format="compressed-tensors") == Recipe.from_preset("nvfp4-ct")
+    assert r.to_dict() == Recipe.from_preset("nvfp4").to_dict() and Recipe.from_dict(r.to_dict()) == r
+    assert Recipe(scheme="nvfp4", group_size=16) == r
+    for gs in (32, 128):  # given explicitly, even AWQ's default, is refused with the field named
+        with pytest.raises(RecipeError, match=rf"Recipe\.group_size: invalid value {gs} .*16 for scheme 'nvfp4'"):
+            Recipe(scheme="nvfp4", group_size=gs)
+    with pytest.raises(RecipeError, match=r"Recipe\.export_format: invalid value 'vllm-awq' .*for scheme 'nvfp4'"):
+        Recipe(scheme="nvfp4", export_format="vllm-awq")
+    for scheme in ("w4a16-rtn", "w4a16-gptq"):  # the other schemes keep AWQ's defaults
+        other = Recipe(scheme=scheme)
+        assert (other.group_size, other.export_format) == (128, "vllm-awq") and other == Recipe.from_preset(scheme)
+    with pytest.raises(RecipeError, match=r"Recipe\.group_size: invalid value None"):
+        Recipe(scheme="nvfp4", group_size=None)  # None is not "the default"
+
+
 def test_a_user_ignore_list_that_selects_a_router_is_reported(caplog):
     # an ignore list replaces DEFAULT_IGNORE: an nn.Linear router (older / remote-code MoE models: mlp.gate) is then
     # selected by "Linear", which the defaults would have kept in bf16

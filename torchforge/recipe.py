@@ -126,16 +126,28 @@ PRESETS["nvfp4"] = {"scheme": "nvfp4", "bits": 4, "group_size": 16, "symmetric":
                     "export_format": "modelopt-nvfp4"}
 PRESETS["nvfp4-ct"] = {**PRESETS["nvfp4"], "export_format": "compressed-tensors"}
 
-# Field defaults that depend on the scheme, filled in by Recipe.from_dict (dicts, recipe files) where the key is not
-# given: the dataclass defaults are AWQ's (group 128, vllm-awq), which {"scheme": "nvfp4"} alone would fail on.
+# Field defaults that depend on the scheme, for a field the recipe does not give (Recipe(...), from_dict, recipe
+# files): AWQ's (group 128, vllm-awq) for the others, which NVFP4 (block 16 only) would refuse.
+BASE_DEFAULTS: dict[str, Any] = {"group_size": 128, "export_format": "vllm-awq"}
 SCHEME_DEFAULTS: dict[str, dict[str, Any]] = {"nvfp4": {"group_size": 16, "export_format": "modelopt-nvfp4"}}
+
+
+class _SchemeDefault:
+    """The default of `Recipe.group_size` / `Recipe.export_format`: the scheme's (SCHEME_DEFAULTS, else
+    BASE_DEFAULTS), filled in by `Recipe.__post_init__`; an instance never holds it."""
+
+    def __repr__(self) -> str:
+        return "<scheme default>"
+
+
+SCHEME_DEFAULT: Any = _SchemeDefault()
 
 
 def _check_nvfp4(recipe: "Recipe") -> None:
     nvfp4 = recipe.scheme == "nvfp4"
     if nvfp4 and recipe.group_size != 16:
-        raise _fail("group_size", recipe.group_size, "16 for scheme 'nvfp4' (NVFP4's block size; Recipe.from_dict "
-                    "and recipe files default to it, the 'nvfp4' preset sets it)")
+        raise _fail("group_size", recipe.group_size, "16 for scheme 'nvfp4' (NVFP4's only block size; the default "
+                    "when group_size is not given)")
     if nvfp4 and not recipe.symmetric:
         raise _fail("symmetric", recipe.symmetric, "True for scheme 'nvfp4' (no zero points)")
     if nvfp4 and recipe.export_format not in NVFP4_EXPORT_FORMATS:
@@ -288,13 +300,15 @@ class Recipe:
         scheme: quantization algorithm + format family, one of :data:`SCHEMES`.
         bits: weight bits (4 for the w4a16 schemes).
         group_size: weights per quantization group along the input dimension; a power of
-            two >= 16. Per-channel quantization (group_size=-1) is not supported.
+            two >= 16. Per-channel quantization (group_size=-1) is not supported. Default: the
+            scheme's (128; 16 for ``nvfp4``, its only block size).
         symmetric: True -> scale only; False -> scale and zero point.
         targets: patterns of the modules to quantize (see :mod:`torchforge.matching`).
         ignore: patterns of modules to leave unquantized, even if targeted.
         quantize_experts: quantize the routed experts of MoE blocks (fused 3-D experts
             modules of transformers 5, or per-expert ``experts.<i>.*`` linears).
         export_format: checkpoint layout written at export, one of :data:`EXPORT_FORMATS`.
+            Default: the scheme's (``vllm-awq``; ``modelopt-nvfp4`` for ``nvfp4``).
         dtype: dtype of the unquantized tensors at export, one of :data:`DTYPES`.
         prune: optional :class:`PruneRecipe` (or its dict): routed experts pruned before quantizing, so
             pruning and quantization compose in one `torchforge.quantize` call.
@@ -302,17 +316,20 @@ class Recipe:
 
     scheme: str
     bits: int = 4
-    group_size: int = 128
+    group_size: int = SCHEME_DEFAULT
     symmetric: bool = True
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     quantize_experts: bool = True
-    export_format: str = "vllm-awq"
+    export_format: str = SCHEME_DEFAULT
     dtype: str = "bfloat16"
     prune: PruneRecipe | None = None
 
     def __post_init__(self) -> None:
         _check_str_choice("scheme", self.scheme, SCHEMES)
+        for name, default in BASE_DEFAULTS.items():
+            if getattr(self, name) is SCHEME_DEFAULT:
+                object.__setattr__(self, name, SCHEME_DEFAULTS.get(self.scheme, {}).get(name, default))
         bits_allowed = _SCHEME_BITS[self.scheme]
         _check_int("bits", self.bits, f"{' or '.join(map(str, bits_allowed))} for scheme {self.scheme!r}")
         if self.bits not in bits_allowed:
@@ -367,8 +384,7 @@ class Recipe:
             )
         if "scheme" not in d:
             raise RecipeError(f"recipe is missing the required key 'scheme' (one of {', '.join(SCHEMES)})")
-        scheme = d["scheme"]
-        return cls(**{**(SCHEME_DEFAULTS.get(scheme, {}) if isinstance(scheme, str) else {}), **d})
+        return cls(**d)  # fields not given get the scheme's defaults (__post_init__)
 
     # ---------------------------------------------------------------- presets
 

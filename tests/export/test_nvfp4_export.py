@@ -197,3 +197,73 @@ def test_incomplete_checkpoint_names_the_missing_tensor(fmt, drop, tmp_path):
     module, _, kind = drop.rpartition(".")
     with pytest.raises(CheckpointError, match=f"{module} has no {kind} in the checkpoint"):
         torchforge.load_quantized(str(tmp_path))
+
+
+def _modelopt_sidecar_only(model, out):
+    """`out` as ModelOpt <= 0.29 leaves it (vllm/transformers_utils/config.py reads hf_quant_config.json where
+    config.json has no quantization_config): ModelOpt's tensors and `{producer, quantization}` file
+    (modelopt/torch/export/quant_utils.py get_quant_config), nothing of torchforge's."""
+    torchforge.save_quantized(model, str(out), format="modelopt-nvfp4")
+    cfg = json.load(open(out / "config.json"))
+    qcfg = cfg.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    os.remove(out / "torchforge.json")
+    hf = {"producer": {"name": "modelopt", "version": "0.29.0"},
+          "quantization": {"quant_algo": qcfg["quant_algo"], "kv_cache_quant_algo": None, "group_size": 16,
+                           "exclude_modules": qcfg["exclude_modules"]}}
+    (out / "hf_quant_config.json").write_text(json.dumps(hf, indent=4))
+    return cfg, hf
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_modelopt_checkpoint_with_only_hf_quant_config(calibrate, tmp_path):
+    """load_quantized read config.json's quantization_config only: such a folder failed as an unquantized 'awq'."""
+    model = _quantized("deepseek_v3", calibrate)
+    _, hf = _modelopt_sidecar_only(model, tmp_path)
+    assert hf["quantization"]["quant_algo"] == ("NVFP4" if calibrate else "W4A16_NVFP4")
+    reloaded = torchforge.load_quantized(str(tmp_path))
+    assert isinstance(reloaded.model.layers[1].mlp.experts, NVFP4Experts)
+    mine, theirs = model.state_dict(), reloaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k, v in mine.items():  # every tensor bit-exact, input scales included (fp8 compared as bytes)
+        assert v.dtype == theirs[k].dtype and torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
+                                                          theirs[k].view(torch.uint8) if v.element_size() == 1
+                                                          else theirs[k]), k
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+        if calibrate:
+            emulate_w4a4(model)
+            emulate_w4a4(reloaded)
+            assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_hf_quant_config_that_disagrees_with_config_json_is_refused(tmp_path):
+    from torchforge.io import CheckpointError
+
+    model = _quantized("deepseek_v3", calibrate=False)
+    cfg, hf = _modelopt_sidecar_only(model, tmp_path)
+    exclude = hf["quantization"]["exclude_modules"]
+    conflicts = [
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": exclude},
+         r"quant_algo='NVFP4' vs 'W4A16_NVFP4'"),
+        ({"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "ignore": exclude[1:]},
+         r"exclude_modules=\[.*\] vs \['lm_head'"),
+        ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
+         r"quant_method='compressed-tensors' vs a ModelOpt W4A16_NVFP4 checkpoint"),
+    ]
+    for qcfg, why in conflicts:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg}))
+        with pytest.raises(CheckpointError, match=r"config\.json's quantization_config and hf_quant_config\.json "
+                                                  rf"disagree \({why}.*vLLM would use config\.json's"):
+            torchforge.load_quantized(str(tmp_path))
+    # the same description in both (torchforge's own export; ModelOpt >= 0.31 writes `ignore` only) loads
+    same = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "ignore": exclude[::-1]}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": same}))
+    assert isinstance(torchforge.load_quantized(str(tmp_path)).model.layers[1].mlp.experts, NVFP4Experts)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for bad, why in ((dict(hf, quantization={**hf["quantization"], "group_size": 32}), "group_size=32; the format "
+                      "has blocks of 16 only"), ({"producer": hf["producer"]}, "has no quantization.quant_algo")):
+        (tmp_path / "hf_quant_config.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=why):
+            torchforge.load_quantized(str(tmp_path))

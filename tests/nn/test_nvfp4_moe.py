@@ -188,9 +188,8 @@ def test_calibration_and_w4a4_emulation():
                                rtol=1e-5, atol=1e-5)
     emulate_w4a4(model, False)
     torch.testing.assert_close(model(ids).logits, w4a16)
-    # uncalibrated models refuse W4A4: when it is switched on (the forward's check is skipped under torch.compile,
-    # where input scales of 0 would quantize every activation to 0), and in an eager forward of a module switched
-    # on by hand
+    # uncalibrated models refuse W4A4 when it is switched on (the forward's check is skipped under torch.compile,
+    # where input scales of 0 would quantize every activation to 0), through emulate_w4a4 and by hand
     torchforge.quantize(ref, "nvfp4")
     with pytest.raises(RuntimeError, match="emulate_w4a4: .* no calibrated input scale .*quantize with calib_data"):
         emulate_w4a4(ref)
@@ -199,16 +198,17 @@ def test_calibration_and_w4a4_emulation():
     assert not any(getattr(m, "w4a4", False) for m in ref.modules())  # nothing switched
     for m in ref.modules():
         if isinstance(m, (NVFP4Experts, NVFP4Linear)):
-            m.w4a4 = True
-    with pytest.raises(RuntimeError, match="W4A4 emulation needs (a )?calibrated input"):  # a linear or the experts
-        ref(ids)
+            with pytest.raises(RuntimeError, match=f"{type(m).__name__}: W4A4 emulation needs calibrated input"):
+                m.w4a4 = True
+    assert not any(getattr(m, "w4a4", False) for m in ref.modules())
 
 
 def test_recipe_validation():
     with pytest.raises(ValueError, match="group_size.*16 for scheme 'nvfp4'"):
         torchforge.Recipe(scheme="nvfp4", group_size=32, export_format="modelopt-nvfp4")
     with pytest.raises(ValueError, match="export_format.*for scheme 'nvfp4'"):
-        torchforge.Recipe(scheme="nvfp4", group_size=16)
+        torchforge.Recipe(scheme="nvfp4", export_format="vllm-awq")
+    assert torchforge.Recipe(scheme="nvfp4") == torchforge.Recipe.from_preset("nvfp4")  # block 16 and ModelOpt
     with pytest.raises(ValueError, match="not NVFP4's"):
         torchforge.Recipe(scheme="w4a16-rtn", export_format="modelopt-nvfp4")
     assert torchforge.Recipe.from_preset("nvfp4-ct").export_format == "compressed-tensors"
@@ -234,8 +234,10 @@ def test_to_dtype_moves_but_never_casts_the_format_buffers():
 
 
 def test_w4a4_without_calibration_is_an_error_not_zeros():
-    m = NVFP4Linear.from_linear(nn.Linear(64, 32, bias=False))
+    lin = nn.Linear(64, 32, bias=False)
+    m = NVFP4Linear.from_linear(lin, input_amax=3.0)
     m.w4a4 = True
+    m.pack_weight(lin.weight)  # new weights, no amax: uncalibrated again with the flag on; the eager forward refuses
     with pytest.raises(RuntimeError, match="NVFP4Linear: W4A4 emulation needs a calibrated input_scale"):
         m(torch.randn(2, 64))
     with pytest.raises(ValueError, match="nvfp4_linear: input_scale must be positive and finite"):
@@ -296,3 +298,70 @@ def test_pack_weights_resets_the_input_scales():
     assert not m.calibrated
     m.set_input_amax(torch.full((E,), 2688.0), torch.full((E,), 26.88))
     assert m.calibrated and torch.equal(m.gate_up_input_scale, torch.ones(E))
+
+
+def _small_nvfp4(kind: str, calibrated: bool):
+    g = torch.Generator().manual_seed(0)
+    if kind == "linear":
+        return NVFP4Linear.from_linear(nn.Linear(64, 32), input_amax=3.0 if calibrated else None)
+    E, H, I = 4, 32, 16
+    m = NVFP4Experts(E, H, I).pack_weights(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g))
+    return m.set_input_amax(torch.full((E,), 3.0), torch.full((E,), 1.0)) if calibrated else m
+
+
+@pytest.mark.parametrize("kind", ["linear", "experts"])
+def test_switching_w4a4_on_by_hand_checks_the_input_scales(kind):
+    # `m.w4a4 = True` skipped emulate_w4a4's check; the forward's own is skipped under torch.compile: zeros
+    m = _small_nvfp4(kind, calibrated=False)
+    with pytest.raises(RuntimeError, match=f"{type(m).__name__}: W4A4 emulation needs calibrated input scales "
+                                           r"\(switching it on is refused.*quantize with calib_data"):
+        m.w4a4 = True
+    assert m.w4a4 is False and "w4a4=False" in repr(m)
+    m.w4a4 = False  # switching off is always allowed
+    ok = _small_nvfp4(kind, calibrated=True)
+    ok.w4a4 = True
+    assert ok.w4a4 is True
+    meta = NVFP4Linear(64, 32, device="meta") if kind == "linear" else NVFP4Experts(4, 32, 16, device="meta")
+    meta.w4a4 = True  # nothing to read on meta yet (load_quantized-style two-phase builds); the eager forward checks
+
+
+@torch.no_grad()
+def test_w4a4_switch_under_torch_compile():
+    lin = nn.Linear(64, 32, bias=False)
+    m = NVFP4Linear.from_linear(lin)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    w4a16 = m(x)
+    with pytest.raises(RuntimeError, match="W4A4 emulation needs calibrated input scales"):
+        m.w4a4 = True
+    compiled = torch.compile(m, backend="eager", fullgraph=True)  # traced: the forward skips its check
+    assert torch.equal(compiled(x), w4a16)  # weight-only, not W4A4 on a scale of 0 (zeros under inductor)
+    m.pack_weight(lin.weight, input_amax=float(x.abs().max()))
+    m.w4a4 = True  # calibrated: the compiled module follows the flag
+    out = compiled(x)
+    assert torch.equal(out, m(x)) and not torch.equal(out, w4a16) and out.abs().max() > 0
+
+
+@torch.no_grad()
+def test_w4a4_experts_emulate_one_input_scale_per_layer_as_vllm():
+    # vLLM's FlashInfer NVFP4 MoE backends (its default on Blackwell) and its emulation backend load one input scale
+    # per layer, the max over experts (flashinfer_fp4_moe.py, fused_moe/oracle/nvfp4.py); torchforge emulated each
+    # expert's own, which only vLLM's CUTLASS backend keeps
+    E, H = 4, 32
+    m = _small_nvfp4("experts", calibrated=True)
+    gu_amax, dn_amax = torch.tensor([1.0, 2.0, 40.0, 8.0]), torch.tensor([0.5, 30.0, 1.0, 2.0])
+    m.set_input_amax(gu_amax, dn_amax)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(8, H, generator=g) * 4, torch.rand(8, 2, generator=g)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3], [0, 3], [2, 1]])
+    m.w4a4 = True
+    out = m(x, ids, w)
+    layer_max = copy.deepcopy(m).set_input_amax(torch.full((E,), 40.0), torch.full((E,), 30.0))
+    layer_max.per_expert_input_scales = True
+    assert torch.equal(out, layer_max(x, ids, w))
+    emulate_w4a4(m, per_expert_input_scales=True)  # vLLM's CUTLASS backend: each expert's own scale
+    assert m.per_expert_input_scales and "per_expert_input_scales=True" in repr(m)
+    per_expert = m(x, ids, w)
+    assert not torch.equal(per_expert, out)
+    torch.testing.assert_close(m.gate_up_input_scale, gu_amax / 2688, rtol=0, atol=0)  # what export writes
+    emulate_w4a4(m)  # None: the setting stays
+    assert m.per_expert_input_scales

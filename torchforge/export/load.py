@@ -34,6 +34,50 @@ def _build_skeleton(path: str, dtype: torch.dtype):
     return model, qcfg if isinstance(qcfg, dict) else (qcfg.to_dict() if qcfg is not None else {})
 
 
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def _modelopt_sidecar(path: str, qcfg: dict) -> dict:
+    """The quantization config: config.json's, or ModelOpt's `hf_quant_config.json` where config.json has none (vLLM
+    reads that file only then: `get_config` in vllm/transformers_utils/config.py). The file is ModelOpt's
+    `{producer, quantization: {quant_algo, kv_cache_quant_algo, group_size, exclude_modules}}` (`get_quant_config`,
+    modelopt/torch/export/quant_utils.py); it comes back in config.json's flat form (`quant_method: modelopt`,
+    `quant_algo`, ...; vLLM's ModelOptQuantConfigBase.from_config reads both). Both present must agree."""
+    side = os.path.join(path, HF_QUANT_CONFIG)
+    if not os.path.isfile(side):
+        return qcfg
+    try:
+        with open(side) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"load_quantized: cannot read {side}: {e}") from None
+    q = hf.get("quantization") if isinstance(hf, dict) else None
+    if not isinstance(q, dict) or not q.get("quant_algo"):
+        raise CheckpointError(f"load_quantized: {side} has no quantization.quant_algo (ModelOpt writes {{producer, "
+                              "quantization: {quant_algo, group_size, exclude_modules, ...}})")
+    flat = {"quant_method": "modelopt", "quant_algo": str(q["quant_algo"]).upper(), "group_size": q.get("group_size"),
+            "kv_cache_quant_algo": q.get("kv_cache_quant_algo"), "exclude_modules": q.get("exclude_modules") or [],
+            "producer": hf.get("producer")}
+    if not qcfg:
+        return flat
+    if not str(qcfg.get("quant_method", "")).lower().startswith("modelopt"):
+        diff = [f"quant_method={qcfg.get('quant_method')!r} vs a ModelOpt {flat['quant_algo']} checkpoint"]
+    else:
+        inner = qcfg.get("quantization") if isinstance(qcfg.get("quantization"), dict) else {}
+        algo = qcfg.get("quant_algo") or inner.get("quant_algo")
+        mine = {"quant_algo": str(algo).upper() if algo else None,
+                "group_size": qcfg.get("group_size", inner.get("group_size")),
+                "exclude_modules": qcfg.get("exclude_modules", qcfg.get("ignore", inner.get("exclude_modules")))}
+        norm = {"exclude_modules": lambda v: sorted(map(str, v))}  # an order of names is no conflict
+        diff = [f"{k}={v!r} vs {flat[k]!r}" for k, v in mine.items() if v is not None and flat[k] is not None
+                and norm.get(k, str)(v) != norm.get(k, str)(flat[k])]
+    if diff:
+        raise CheckpointError(f"load_quantized: {path}/config.json's quantization_config and {HF_QUANT_CONFIG} "
+                              f"disagree ({'; '.join(diff)}); vLLM would use config.json's and ignore the other. "
+                              "Remove the stale one (a file an earlier export left in the folder?)")
+    return qcfg
+
+
 def _swap_quantized_modules(model: nn.Module, names: set[str], group_size: int, symmetric: bool) -> None:
     for name, mod in list(model.named_modules()):
         try:
@@ -98,11 +142,13 @@ def _saved_dtype(path: str) -> torch.dtype:
 
 def load_quantized(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Loads a folder written by `torchforge.save_quantized` (any of its formats: vllm-awq, vllm-gptq,
-    compressed-tensors W4A16 or NVFP4, modelopt-nvfp4) as an HF model with torchforge modules. `dtype`: of the
-    unquantized tensors; default: the checkpoint's (config.json `dtype`), as transformers' `dtype="auto"`."""
+    compressed-tensors W4A16 or NVFP4, modelopt-nvfp4, also a ModelOpt NVFP4 folder whose only quantization config
+    is `hf_quant_config.json`) as an HF model with torchforge modules. `dtype`: of the unquantized tensors;
+    default: the checkpoint's (config.json `dtype`), as transformers' `dtype="auto"`."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"load_quantized: {path} has no config.json (not a checkpoint folder, or an unfinished save)")
     model, qcfg = _build_skeleton(path, dtype or _saved_dtype(path))
+    qcfg = _modelopt_sidecar(path, qcfg)
     from torchforge.export.nvfp4 import is_nvfp4_config, load_nvfp4  # NVFP4 (issue 6): ModelOpt / compressed-tensors
 
     if is_nvfp4_config(qcfg):

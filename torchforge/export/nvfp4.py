@@ -367,6 +367,10 @@ def load_nvfp4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
     from torchforge.export.folder import TORCHFORGE_META
 
     ct = str(qcfg.get("quant_method", "")).lower() == "compressed-tensors"
+    group_size = qcfg.get("group_size", (qcfg.get("quantization") or {}).get("group_size"))
+    if not ct and group_size not in (None, 16):
+        raise CheckpointError(f"load_quantized: {path}: NVFP4 with group_size={group_size!r}; the format has blocks "
+                              "of 16 only")
     _swap_nvfp4_modules(model, set(memory_names(path, model)), ct)
     exact = {}
     meta_path = os.path.join(path, TORCHFORGE_META)

@@ -7,7 +7,7 @@ from torch import nn
 
 from torchforge import ops
 from torchforge.nn.fixed_dtype_buffers import FixedDtypeBuffers
-from torchforge.nn.nvfp4_linear import E2M1_E4M3_MAX
+from torchforge.nn.nvfp4_linear import E2M1_E4M3_MAX, W4A4Switch
 
 
 def _act(name_or_fn):
@@ -18,7 +18,7 @@ def _act(name_or_fn):
     return ACT2FN[name_or_fn]
 
 
-class NVFP4Experts(FixedDtypeBuffers):
+class NVFP4Experts(W4A4Switch, FixedDtypeBuffers):
     """Routed experts stacked along dim 0, every projection in NVFP4 (plain buffers, meta-constructible):
 
       gate_up_weight          uint8  [E, 2I, H/2]   gate rows [0, I), up rows [I, 2I) (HF's fused layout)
@@ -40,7 +40,17 @@ class NVFP4Experts(FixedDtypeBuffers):
     sort into expert blocks and one Triton kernel per projection; no host sync, no loop over experts), then
     SiLU(gate) * up, the down GEMM and the routing-weighted sum in fp32. ``w4a4 = True`` quantizes the
     activations of both GEMMs as Blackwell would (per token, block 16, under the calibrated input scales).
+
+    Input scales in W4A4 emulation: by default one per GEMM for the whole layer, the max over the experts' calibrated
+    scales, as vLLM computes at load with the NVFP4 MoE backends it prefers on Blackwell (FlashInfer TRT-LLM / CUTLASS
+    / CuteDSL: ``a13_scale.max()`` in ``prepare_nvfp4_moe_layer_for_fi_or_cutlass``,
+    ``quantization/utils/flashinfer_fp4_moe.py``) and with its emulation backend (``fused_moe/oracle/nvfp4.py``),
+    for ModelOpt and compressed-tensors checkpoints alike. ``per_expert_input_scales = True`` uses each expert's own
+    scale instead, as vLLM's own CUTLASS backend (``VLLM_CUTLASS``) keeps them. Checkpoints always store the
+    per-expert scales; this only selects what the emulation computes with.
     """
+
+    per_expert_input_scales = False
 
     FIXED_DTYPE_BUFFERS = tuple(f"{p}_{b}" for p in ("gate_up", "down")
                                 for b in ("weight_scale", "weight_scale_2", "input_scale"))  # fp8 / fp32 by the format
@@ -126,7 +136,11 @@ class NVFP4Experts(FixedDtypeBuffers):
         if not torch.compiler.is_compiling() and not self.calibrated:
             raise RuntimeError("NVFP4Experts: W4A4 emulation needs calibrated input scales; quantize with calib_data "
                                "(torchforge.quantize(model, 'nvfp4', calib_data=...)) or load a W4A4 checkpoint")
-        return self.gate_up_input_scale, self.down_input_scale
+        a13, a2 = self.gate_up_input_scale, self.down_input_scale
+        if self.per_expert_input_scales:
+            return a13, a2
+        # one scale per layer (see the class docstring); contiguous: the Triton kernels index it per expert
+        return a13.amax().expand_as(a13).contiguous(), a2.amax().expand_as(a2).contiguous()
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, k = top_k_index.shape
@@ -143,4 +157,5 @@ class NVFP4Experts(FixedDtypeBuffers):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, intermediate_size="
-                f"{self.intermediate_size}, w4a4={self.w4a4}")
+                f"{self.intermediate_size}, w4a4={self.w4a4}"
+                + (", per_expert_input_scales=True" if self.per_expert_input_scales else ""))

@@ -10,7 +10,35 @@ from torchforge.nn.fixed_dtype_buffers import FixedDtypeBuffers
 E2M1_E4M3_MAX = 6.0 * 448.0  # ModelOpt: scale = amax / (E2M1_MAX * E4M3_MAX)
 
 
-class NVFP4Linear(FixedDtypeBuffers):
+def w4a4_ready(m: nn.Module) -> bool:
+    """Whether W4A4 emulation may be switched on: calibrated input scales, or buffers on meta (nothing to read yet;
+    the eager forward checks them once real)."""
+    return any(b.is_meta for b in m.buffers()) or m.calibrated
+
+
+class W4A4Switch:
+    """The ``w4a4`` flag of the NVFP4 modules. Switching it on checks the calibrated input scales right here, by
+    hand (``module.w4a4 = True``) as through ``emulate_w4a4``: the forward's own check reads tensor data, so
+    torch.compile skips it, and an uncalibrated scale of 0 quantizes every activation to 0 (silent zeros)."""
+
+    _w4a4 = False
+
+    @property
+    def w4a4(self) -> bool:
+        return self._w4a4
+
+    @w4a4.setter
+    def w4a4(self, enabled: bool) -> None:
+        enabled = bool(enabled)
+        if enabled and not w4a4_ready(self):
+            raise RuntimeError(f"{type(self).__name__}: W4A4 emulation needs calibrated input scales (switching it "
+                               "on is refused: under torch.compile an input scale of 0 gives zeros); quantize with "
+                               "calib_data (torchforge.quantize(model, 'nvfp4', calib_data=...)) or load a W4A4 "
+                               "checkpoint")
+        self._w4a4 = enabled
+
+
+class NVFP4Linear(W4A4Switch, FixedDtypeBuffers):
     """y = x @ W.T + b with W in NVFP4 (plain buffers named exactly as ModelOpt's checkpoint tensors):
 
       weight          uint8          [N, K/2]   two E2M1 codes per byte, even input channel in the low nibble
@@ -20,7 +48,7 @@ class NVFP4Linear(FixedDtypeBuffers):
 
     Weight-only (W4A16) by default: the Triton kernel dequantizes FP4 x E4M3 in registers (exact in bf16) and
     applies weight_scale_2 to the fp32 accumulator. With ``w4a4 = True`` the activations are NVFP4-quantized
-    first, as a Blackwell GPU would (accuracy studies; needs a calibrated input_scale).
+    first, as a Blackwell GPU would (accuracy studies; switching it on needs a calibrated input_scale).
     Built in two phases (construct on any device, including meta, then `pack_weight`) or with `from_linear`.
     """
 
