@@ -3,6 +3,7 @@ load_quantized with identical logits, pinned configs / tensor layouts, compresse
 as an independent decoder, and the errors."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -10,9 +11,10 @@ from expecttest import assert_expected_inline
 
 import torchforge
 from tests import models
-from torchforge.io import iter_checkpoint
+from torchforge.io import CheckpointError, iter_checkpoint
 from torchforge.nn import ForgeAWQExperts, ForgeAWQLinear
 from torchforge.nn.gptq_linear import ForgeGPTQLinear
+from torchforge.ops.awq import awq_pack, awq_unpack
 
 RECIPE = {"scheme": "w4a16-gptq", "group_size": 32}
 
@@ -181,7 +183,7 @@ def test_quantized_lm_head_sets_lm_head_in_the_gptq_config(tmp_path):
 
 def test_compressed_tensors_weight_g_idx_is_read():
     # actorder "group" (llm-compressor): vLLM and compressed-tensors decode column k with group weight_g_idx[k]
-    from torchforge.export.gptq_export import _to_gptq_linear
+    from torchforge.export.gptq_export import _w4_linear
 
     g = torch.Generator().manual_seed(0)
     oc, ic, gs = 16, 64, 16
@@ -193,7 +195,232 @@ def test_compressed_tensors_weight_g_idx_is_read():
         packed |= codes[:, j::8] << (4 * j)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     t = {"weight_packed": packed, "weight_scale": scale, "weight_shape": torch.tensor([oc, ic]), "weight_g_idx": g_idx}
-    lin = ForgeGPTQLinear(ic, oc, group_size=gs)
-    lin.qweight, lin.qzeros, lin.scales, lin.g_idx = _to_gptq_linear("compressed-tensors", t, True)
+    lin = _w4_linear("compressed-tensors", t, True, gs, torch.nn.Linear(ic, oc, bias=False, device="meta"), "x")
+    assert isinstance(lin, ForgeGPTQLinear)
     ref = (codes.float() - 8) * scale.float()[:, g_idx.long()]
     assert torch.equal(lin.dequantized_weight(), ref)
+
+
+def _head_quantized(scheme):
+    model = models.build("llama")
+    recipe = {"scheme": scheme, "group_size": 32, "ignore": [r"re:.*embed_tokens$"]}
+    torchforge.quantize(model, recipe, **({"calib_data": _ids()} if scheme == "w4a16-gptq" else {}))
+    assert type(model.lm_head).__name__ == ("ForgeGPTQLinear" if scheme == "w4a16-gptq" else "ForgeAWQLinear")
+    return model
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-gptq", "w4a16-rtn"])
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "vllm-awq"])
+def test_quantized_lm_head_refused_where_vllm_builds_the_head_unquantized(tmp_path, scheme, fmt):
+    # compressed_tensors.py and awq.py get_quant_method quantize LinearBase only; ParallelLMHead is not one, so vLLM
+    # expects lm_head.weight and the checkpoint's lm_head.weight_packed / lm_head.qweight fail the load
+    model = _head_quantized(scheme)
+    with pytest.raises(ValueError, match=rf"save_quantized\({fmt}\): the output head 'lm_head' is quantized.*"
+                                         "ignore list.*'vllm-gptq', which sets lm_head: true"):
+        torchforge.save_quantized(model, str(tmp_path / "x"), format=fmt)
+    assert not (tmp_path / "x").exists()
+    torchforge.save_quantized(model, str(tmp_path / "g"), format="vllm-gptq")
+    assert json.load(open(tmp_path / "g" / "config.json"))["quantization_config"]["lm_head"] is True
+
+
+def test_streamed_quantization_refuses_a_quantized_lm_head(tmp_path):
+    from torchforge.export.stream_quantize import quantize_checkpoint
+
+    models.build("llama").save_pretrained(tmp_path / "src")
+    with pytest.raises(ValueError, match=r"output head 'lm_head' is quantized"):
+        quantize_checkpoint(str(tmp_path / "src"), str(tmp_path / "q"),
+                            {"scheme": "w4a16-rtn", "group_size": 32, "ignore": [r"re:.*embed_tokens$"]}, device="cpu")
+    assert not (tmp_path / "q").exists()
+
+
+def test_bf16_solver_scales_are_kept_and_fp16_formats_refuse_what_fp16_cannot_hold(tmp_path):
+    model = models.build("llama")
+    torchforge.quantize(model, RECIPE, calib_data=_ids())
+    name = "model.layers.0.mlp.down_proj"
+    old = model.get_submodule(name)
+    big = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        big.weight.copy_(torch.randn(big.weight.shape, generator=torch.Generator().manual_seed(1)))
+        big.weight[:5, :32] *= 2e5  # group scales ~ 1e5: inf in fp16, fine in bf16
+    new = ForgeGPTQLinear.from_linear(big, group_size=32, scale_dtype=torch.bfloat16)
+    # pack_result keeps the solver's dtype (it was cast to fp16: those scales became inf)
+    assert new.scales.dtype == torch.bfloat16 and bool(new.scales.isfinite().all())
+    assert float(new.scales.max()) > 65504
+    model.set_submodule(name, new)
+    for fmt in ("vllm-gptq", "vllm-awq"):
+        with pytest.raises(ValueError, match=rf"save_quantized\({fmt}\): {re.escape(name)}\.scales: \d+ bfloat16 "
+                                             r"scales are not float16 values \(\d+ above float16's maximum 65504"):
+            torchforge.save_quantized(model, str(tmp_path / fmt), format=fmt)
+        assert not (tmp_path / fmt).exists()
+    # compressed-tensors keeps the dtype (vLLM casts weight_scale to the model dtype at load)
+    torchforge.save_quantized(model, str(tmp_path / "ct"), format="compressed-tensors", dtype=torch.float32)
+    ws = _tensors(str(tmp_path / "ct"))[f"{name}.weight_scale"]
+    assert ws.dtype == torch.bfloat16 and torch.equal(ws.T, new.scales)
+    loaded = torchforge.load_quantized(str(tmp_path / "ct"), dtype=torch.float32)
+    assert torch.equal(loaded.get_submodule(name).dequantized_weight(), new.dequantized_weight())
+    ids = _ids(2, 7)
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))
+    # bf16 scales inside fp16's range are written as fp16, exactly
+    fits = ForgeGPTQLinear.from_linear(torch.nn.Linear(128, 64, bias=False), group_size=32, scale_dtype=torch.bfloat16)
+    assert fits.scales.dtype == torch.bfloat16
+    model.set_submodule(name, fits)
+    torchforge.save_quantized(model, str(tmp_path / "g"), format="vllm-gptq", dtype=torch.float32)
+    s = _tensors(str(tmp_path / "g"))[f"{name}.scales"]
+    assert s.dtype == torch.float16 and torch.equal(s.to(torch.bfloat16), fits.scales)
+
+
+def test_vllm_awq_refuses_awq_scales_fp16_cannot_hold(tmp_path):
+    model = models.build("llama")
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 32})
+    lin = model.model.layers[1].self_attn.o_proj
+    lin.scales = (lin.scales.float() * 2**30).to(torch.bfloat16)  # as a loaded bf16 checkpoint could hold
+    with pytest.raises(ValueError, match=r"vllm-awq export: model\.layers\.1\.self_attn\.o_proj\.scales: \d+ bfloat16 "
+                                         r"scales are not float16 values"):
+        torchforge.save_quantized(model, str(tmp_path / "a"), format="vllm-awq")
+    torchforge.save_quantized(model, str(tmp_path / "ct"), format="compressed-tensors", dtype=torch.float32)
+    loaded = torchforge.load_quantized(str(tmp_path / "ct"), dtype=torch.float32)
+    assert torch.equal(loaded.model.layers[1].self_attn.o_proj.dequantized_weight(), lin.dequantized_weight())
+
+
+def _per_channel_llama(symmetric=True):
+    """Every Linear but the head quantized with one group spanning its K (q_proj K = 64, down_proj K = 128)."""
+    model = models.build("llama")
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+            model.set_submodule(name, ForgeGPTQLinear.from_linear(mod, group_size=mod.in_features, symmetric=symmetric))
+    return model
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_per_channel_group_size_minus_one_round_trips(tmp_path, symmetric):
+    model = _per_channel_llama(symmetric)
+    ids = _ids(2, 7)
+    ref = _logits(model, ids)
+    for fmt in ("vllm-gptq", "compressed-tensors"):
+        out = tmp_path / fmt
+        torchforge.save_quantized(model, str(out), format=fmt, dtype=torch.float32)
+        qcfg = json.load(open(out / "config.json"))["quantization_config"]
+        t = _tensors(str(out))
+        if fmt == "vllm-gptq":  # AutoGPTQ / vLLM: group_size -1, one scale row, g_idx all 0
+            assert qcfg["group_size"] == -1
+            assert tuple(t["model.layers.0.mlp.down_proj.scales"].shape) == (1, 64)
+            assert torch.equal(t["model.layers.0.mlp.down_proj.g_idx"], torch.zeros(128, dtype=torch.int32))
+        else:  # compressed-tensors: strategy "channel", weight_scale [OC, 1]
+            w = qcfg["config_groups"]["group_0"]["weights"]
+            assert (w["strategy"], w["group_size"]) == ("channel", None)
+            assert tuple(t["model.layers.0.mlp.down_proj.weight_scale"].shape) == (64, 1)
+        loaded = torchforge.load_quantized(str(out), dtype=torch.float32)
+        for name, mod in model.named_modules():
+            if isinstance(mod, ForgeGPTQLinear):
+                got = loaded.get_submodule(name)
+                assert isinstance(got, ForgeGPTQLinear) and got.group_size == got.in_features, name
+                assert torch.equal(got.qweight, mod.qweight) and torch.equal(got.qzeros, mod.qzeros), name
+                assert torch.equal(got.dequantized_weight(), mod.dequantized_weight()), name
+        assert torch.equal(_logits(loaded, ids), ref), fmt
+        torchforge.save_quantized(loaded, str(tmp_path / f"{fmt}-again"), format=fmt, dtype=torch.float32)
+        again = _tensors(str(tmp_path / f"{fmt}-again"))
+        assert sorted(again) == sorted(t) and all(torch.equal(again[k], t[k]) for k in t), fmt
+        assert json.load(open(tmp_path / f"{fmt}-again" / "config.json"))["quantization_config"] == qcfg
+    with pytest.raises(ValueError, match=r"per-channel \(group_size -1\) W4 models are written as vllm-gptq"):
+        torchforge.save_quantized(model, str(tmp_path / "awq"), format="vllm-awq")
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_per_channel_compressed_tensors_decoded_by_compressed_tensors(tmp_path, symmetric):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model = _per_channel_llama(symmetric)
+    torchforge.save_quantized(model, str(tmp_path), format="compressed-tensors", dtype=torch.float32)
+    scheme = QuantizationConfig.model_validate(
+        json.load(open(tmp_path / "config.json"))["quantization_config"]).config_groups["group_0"]
+    assert scheme.weights.strategy == "channel"
+    t = _tensors(str(tmp_path))
+    for p in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"):
+        local = {k[len(p) + 1:]: v for k, v in t.items() if k.startswith(p + ".")}
+        out = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+        assert torch.equal(out, model.get_submodule(p).dequantized_weight().half()), p
+
+
+def test_per_channel_routed_experts_load(tmp_path):
+    # mixtral: hidden 64 == intermediate 64, so group 64 is per-channel everywhere; its checkpoint read as -1
+    model = models.build("mixtral")
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 64})
+    ids = _ids(2, 7)
+    for fmt in ("vllm-gptq", "compressed-tensors"):
+        out = tmp_path / fmt
+        torchforge.save_quantized(model, str(out), format=fmt, dtype=torch.float32)
+        cfg = json.load(open(out / "config.json"))
+        if fmt == "vllm-gptq":
+            cfg["quantization_config"]["group_size"] = -1
+        else:
+            weights = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+            weights.update(strategy="channel", group_size=None)
+        json.dump(cfg, open(out / "config.json", "w"))
+        loaded = torchforge.load_quantized(str(out), dtype=torch.float32)
+        assert torch.equal(_logits(loaded, ids), _logits(model, ids)), fmt
+    moe = models.build("qwen3_moe")  # hidden 64, expert intermediate 32: no single group size spans both
+    torchforge.quantize(moe, {"scheme": "w4a16-rtn", "group_size": 32})
+    torchforge.save_quantized(moe, str(tmp_path / "q"), format="vllm-gptq")
+    cfg = json.load(open(tmp_path / "q" / "config.json"))
+    cfg["quantization_config"]["group_size"] = -1
+    json.dump(cfg, open(tmp_path / "q" / "config.json", "w"))
+    with pytest.raises(CheckpointError, match=r"per-channel \(group_size -1\) routed experts need hidden_size == "
+                                              r"intermediate_size \(64 != 32\)"):
+        torchforge.load_quantized(str(tmp_path / "q"))
+
+
+def test_compressed_tensors_zero_points_0_to_15_round_trip(tmp_path):
+    # GPTQ v1 qzeros store z - 1, so a zero point of 0 cannot be a ForgeGPTQLinear: the loader refused the checkpoint
+    # (gptq_pack_zeros); such layers load as ForgeAWQLinear, which holds true zero points
+    model = models.build("llama")
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 32, "symmetric": False})
+    name = "model.layers.0.mlp.down_proj"
+    lin = model.get_submodule(name)
+    ng, oc = lin.scales.shape
+    zeros = (torch.arange(ng * oc) % 16).reshape(ng, oc).to(torch.uint8)  # every zero point 0..15
+    lin.qzeros = awq_pack(zeros)
+    ids = _ids(2, 7)
+    ref = _logits(model, ids)
+    torchforge.save_quantized(model, str(tmp_path / "a"), format="compressed-tensors", dtype=torch.float32)
+    loaded = torchforge.load_quantized(str(tmp_path / "a"), dtype=torch.float32)
+    got = loaded.get_submodule(name)
+    assert isinstance(got, ForgeAWQLinear) and not got.symmetric
+    assert torch.equal(awq_unpack(got.qzeros), zeros) and torch.equal(got.qweight, lin.qweight)
+    assert torch.equal(got.dequantized_weight(), lin.dequantized_weight())
+    assert torch.equal(_logits(loaded, ids), ref)
+    assert isinstance(loaded.model.layers[1].mlp.down_proj, ForgeGPTQLinear)  # no zero point of 0 there
+    torchforge.save_quantized(loaded, str(tmp_path / "b"), format="compressed-tensors", dtype=torch.float32)
+    a, b = _tensors(str(tmp_path / "a")), _tensors(str(tmp_path / "b"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=rf"vllm-gptq\): {re.escape(name)}: gptq_pack_zeros: \d+ zero points are 0"):
+        torchforge.save_quantized(loaded, str(tmp_path / "g"), format="vllm-gptq")
+
+
+def test_compressed_tensors_zero_point_0_with_act_order_is_refused():
+    from torchforge.export.gptq_export import _pack_along_oc, _w4_linear
+
+    oc, ic, gs = 16, 64, 16
+    t = {"weight_packed": torch.zeros(oc, ic // 8, dtype=torch.int32), "weight_scale": torch.ones(oc, ic // gs).half(),
+         "weight_shape": torch.tensor([oc, ic]), "weight_zero_point": _pack_along_oc(torch.zeros(ic // gs, oc)).T,
+         "weight_g_idx": (torch.arange(ic) // gs).flip(0).to(torch.int32)}
+    with pytest.raises(CheckpointError, match=r"x\.proj: act-order \(a permuted weight_g_idx\) with a zero point of 0"):
+        _w4_linear("compressed-tensors", t, False, gs, torch.nn.Linear(ic, oc, bias=False, device="meta"), "x.proj")
+
+
+def test_a_gptq_zero_point_of_16_is_not_written_as_compressed_tensors(tmp_path):
+    # GPTQ v1 stores z - 1, so nibble 15 is a zero point of 16; packed along OC it carried into the next output's
+    # nibble and the checkpoint decoded other weights
+    model = models.build("llama")
+    torchforge.quantize(model, {"scheme": "w4a16-rtn", "group_size": 32, "symmetric": False})
+    torchforge.save_quantized(model, str(tmp_path / "g"), format="vllm-gptq", dtype=torch.float32)
+    loaded = torchforge.load_quantized(str(tmp_path / "g"), dtype=torch.float32)
+    lin = loaded.model.layers[0].mlp.down_proj
+    qz = lin.qzeros.clone()
+    qz[0, 0] |= 0xF
+    lin.qzeros = qz
+    with pytest.raises(ValueError, match=r"compressed-tensors\): model\.layers\.0\.mlp\.down_proj: a stored zero point "
+                                         "of 16"):
+        torchforge.save_quantized(loaded, str(tmp_path / "ct"), format="compressed-tensors")
+    assert not (tmp_path / "ct").exists()

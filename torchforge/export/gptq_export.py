@@ -18,13 +18,27 @@ layouts are exact re-packings of the same numbers (``ForgeGPTQLinear``, ``ForgeA
   ``weight_packed [OC, IC // 8]`` int32 (8 consecutive input columns per word, column ``8r + j`` in bits
   ``4j``, values ``q_signed + 8`` = our unsigned code), ``weight_scale [OC, IC // G]``, ``weight_shape``
   ``[OC, IC]``, and for asymmetric schemes ``weight_zero_point [OC // 8, IC // G]`` (packed along OC,
-  ``z_signed + 8`` = our zero point). Config: one ``config_group`` (int, 4 bits, group strategy).
+  ``z_signed + 8`` = our zero point). Config: one ``config_group`` (int, 4 bits, group strategy; channel for
+  per-channel models).
 * ``vllm-awq``: ``ForgeGPTQLinear`` converted to AWQ tensors (no act-order: a permuted ``g_idx`` has no
   AWQ equivalent and raises); the rest is what ``torchforge.export.vllm_awq`` writes.
 
 Routed experts are written one by one (``...experts.{e}.{gate,up,down}_proj.<tensor>``) in every format.
-Scales are written in the dtype the solver rounded them to (fp16 by default); a server running bf16
-converts them at load, which rounds them again: quantize with ``scale_dtype=torch.bfloat16`` for that.
+
+Scales: ``compressed-tensors`` writes them in the dtype the modules hold (the solver's ``scale_dtype``: fp16 in
+``torchforge.quantize``, bf16 / fp32 through ``solve`` or ``ForgeGPTQLinear.from_linear``; or a loaded
+checkpoint's); ``vllm-gptq`` and ``vllm-awq`` always write fp16, the dtype of the AutoGPTQ / AutoAWQ layouts
+(vLLM's plain ``gptq`` and ``awq`` kernels run fp16 only), and refuse, naming the tensor, a scale that fp16 cannot
+hold exactly (above 65504 it would be written as inf). vLLM creates every scale parameter in the model dtype and
+copies the checkpoint's into it (parameter.py ``_assert_and_load``), so a server running bf16 rounds fp16 scales
+again; bf16 solver scales (``scale_dtype=torch.bfloat16``) avoid that: they convert to fp16 and back exactly
+within fp16's range.
+
+``group_size: -1`` (one group spanning all of K, vLLM / AutoGPTQ; compressed-tensors ``strategy: channel``) is
+held as ``group_size == in_features`` per module, and written as -1 / ``channel`` when the modules' K differ.
+
+A quantized output head (``lm_head``) is written only as ``vllm-gptq`` (``lm_head: true``): vLLM's
+compressed-tensors and AWQ configs build ``ParallelLMHead`` unquantized (see :func:`refuse_quantized_head`).
 """
 from __future__ import annotations
 
@@ -61,9 +75,46 @@ def _w4_modules(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, _W4_MODULES)]
 
 
-# vLLM's Marlin kernels (marlin_utils.py MARLIN_SUPPORTED_GROUP_SIZES; gptq_marlin.py TYPE_MAP: symmetric only for
-# GPTQ) are what runs bf16 checkpoints; outside them vLLM falls back to its plain awq / gptq kernels, float16 only.
-MARLIN_GROUP_SIZES = (32, 64, 128)
+# vLLM's Marlin kernels (marlin_utils.py MARLIN_SUPPORTED_GROUP_SIZES, -1 = channelwise; gptq_marlin.py TYPE_MAP:
+# symmetric only for GPTQ) are what runs bf16 checkpoints; outside them vLLM falls back to its plain awq / gptq
+# kernels, float16 only.
+MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
+
+
+def fp16_scales(key: str, scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` in float16, the dtype of the AutoGPTQ / AutoAWQ layouts (vllm-gptq, vllm-awq): cast where that is
+    exact, else a ValueError naming ``key`` (a bf16 / fp32 scale above 65504 would be written as inf)."""
+    if scales.dtype == torch.float16:
+        return scales
+    half = scales.to(torch.float16)
+    bad = half.to(scales.dtype) != scales
+    if bool(bad.any()):
+        over = int((half.isinf() & scales.isfinite()).sum())
+        raise ValueError(f"{key}: {int(bad.sum())} {str(scales.dtype).replace('torch.', '')} scales are not float16 "
+                         f"values ({over} above float16's maximum 65504, largest {float(scales.abs().max()):.6g}; any "
+                         "other is non-finite or below float16's normal range, where it would be rounded). This "
+                         "format stores float16 scales; export as 'compressed-tensors', which keeps the scales' dtype")
+    return half
+
+
+def output_head_name(model: nn.Module) -> str | None:
+    """The name of the model's output head (``get_output_embeddings``), None where it has none."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in model.named_modules() if head is not None and m is head), None)
+
+
+def refuse_quantized_head(model: nn.Module, mods, format: str) -> None:
+    """A quantized output head is loadable by vLLM only from vllm-gptq (``lm_head: true``, gptq.py /
+    gptq_marlin.py through gptq_utils.get_linear_quant_method). compressed_tensors.py get_quant_method quantizes
+    LinearBase layers only (ParallelLMHead is a VocabParallelEmbedding; the config's "Linear" target does not match
+    it), and awq.py AWQConfig.get_quant_method likewise (awq_marlin.py reads ``lm_head`` but falls back to AWQConfig
+    for a layer Marlin cannot run): the head is built unquantized and its packed tensors fail the load."""
+    head = output_head_name(model)
+    if head is not None and any(n == head for n, _ in mods):
+        raise ValueError(f"save_quantized({format}): the output head {head!r} is quantized, and vLLM builds it "
+                         f"unquantized from a {format} checkpoint (the load fails on {head}'s packed tensors). Add "
+                         f"{head!r} to the recipe's ignore list (torchforge's default ignore has it), or export as "
+                         "'vllm-gptq', which sets lm_head: true (vLLM's gptq and gptq_marlin quantize the head then)")
 
 
 def check_vllm_kernels(mods, format: str) -> None:
@@ -106,6 +157,9 @@ def _unpacked_linear(mod: nn.Module):
 
 def _pack_along_oc(zeros: torch.Tensor) -> torch.Tensor:
     """[NG, OC] values 0..15 -> int32 [NG, OC // 8], output 8c + j in bits 4j (no offset)."""
+    if zeros.numel() and int(zeros.max()) > 15:  # a GPTQ v1 zero point of 16 would carry into the next nibble
+        raise ValueError("a stored zero point of 16 (GPTQ v1 qzeros can hold it) has no compressed-tensors int4 "
+                         "equivalent (zero points are -8..7 there); export this model as vllm-gptq")
     z = zeros.to(torch.int64).reshape(zeros.shape[0], -1, 8) << torch.arange(0, 32, 4, device=zeros.device)
     w = z.sum(-1)
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
@@ -117,19 +171,27 @@ def _unpack_along_oc(words: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(fmt: str, codes, scales, zeros, symmetric: bool) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (local names) of one matrix in ``fmt``."""
+    """Checkpoint tensors (local names) of one matrix in ``fmt``, the scales as held (see :func:`_fp16_scales`)."""
     ic, oc = codes.shape
     if fmt == "vllm-awq":
-        return {"qweight": awq_pack(codes), "qzeros": awq_pack(zeros), "scales": scales.to(torch.float16)}
+        return {"qweight": awq_pack(codes), "qzeros": awq_pack(zeros), "scales": scales}
     if fmt == "vllm-gptq":
         g = ic // scales.shape[0]
-        return {"qweight": gptq_pack(codes), "qzeros": gptq_pack_zeros(zeros), "scales": scales.to(torch.float16),
+        return {"qweight": gptq_pack(codes), "qzeros": gptq_pack_zeros(zeros), "scales": scales,
                 "g_idx": trivial_g_idx(ic, g, device=codes.device)}
     out = {"weight_packed": gptq_pack(codes).T.contiguous(), "weight_scale": scales.T.contiguous(),
            "weight_shape": torch.tensor([oc, ic], dtype=torch.int64)}
     if not symmetric:
         out["weight_zero_point"] = _pack_along_oc(zeros).T.contiguous()
     return out
+
+
+def _fp16_scales(fmt: str, name: str, tensors: dict) -> dict:
+    """``tensors`` of the matrix ``name`` with the scales vllm-gptq / vllm-awq store (fp16, exact or refused);
+    compressed-tensors keeps the dtype held (vLLM creates weight_scale in the model dtype and casts it at load)."""
+    if fmt == "compressed-tensors":
+        return tensors
+    return {**tensors, "scales": fp16_scales(f"save_quantized({fmt}): {name}.scales", tensors["scales"])}
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -139,11 +201,22 @@ def _skip_list(model: nn.Module) -> list[str]:
             if (isinstance(m, nn.Linear) and not isinstance(m, ForgeAWQLinear)) or is_fused_experts(m)]
 
 
+def _k_dims(mod: nn.Module) -> set[int]:
+    """The input dims (K) a W4 module's groups run along."""
+    if isinstance(mod, ForgeAWQExperts):
+        return {mod.hidden_size, mod.intermediate_size}
+    return {mod.in_features}
+
+
 def _group_size(mods) -> int:
+    """The checkpoint's group_size: the modules' one group size, or -1 (per-channel) where each module's only
+    group spans all of its K and the Ks differ."""
     sizes = {m.group_size for _, m in mods}
-    if len(sizes) != 1:
-        raise ValueError(f"a W4 checkpoint holds one group_size; the model mixes {sorted(sizes)}")
-    return sizes.pop()
+    if len(sizes) == 1:
+        return sizes.pop()
+    if all(_k_dims(m) == {m.group_size} for _, m in mods):
+        return -1
+    raise ValueError(f"a W4 checkpoint holds one group_size; the model mixes {sorted(sizes)}")
 
 
 def _symmetric(mods) -> bool:
@@ -159,8 +232,7 @@ def vllm_gptq_config(model: nn.Module) -> dict:
     desc_act = any(isinstance(m, ForgeGPTQLinear) and m.has_act_order() for _, m in mods)
     # vLLM builds ParallelLMHead quantized only when lm_head is true (gptq.py / gptq_marlin.py lm_head_quantized);
     # with false it expects lm_head.weight and a quantized head's lm_head.qweight fails the load
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    lm_head = head is not None and any(m is head for _, m in mods)
+    lm_head = output_head_name(model) in {n for n, _ in mods}
     return {"quant_method": "gptq", "bits": 4, "group_size": _group_size(mods), "desc_act": desc_act,
             "sym": _symmetric(mods), "lm_head": lm_head, "static_groups": False, "true_sequential": True,
             "checkpoint_format": "gptq", "modules_in_block_to_quantize": quantized,
@@ -169,8 +241,12 @@ def vllm_gptq_config(model: nn.Module) -> dict:
 
 def compressed_tensors_config(model: nn.Module) -> dict:
     mods = _w4_modules(model)
+    refuse_quantized_head(model, mods, "compressed-tensors")
     sym = _symmetric(mods)
-    weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": _group_size(mods),
+    g = _group_size(mods)
+    # compressed-tensors' QuantizationArgs: per-channel is strategy "channel" (a "group" strategy needs group_size > 0)
+    strategy = {"strategy": "channel", "group_size": None} if g == -1 else {"strategy": "group", "group_size": g}
+    weights = {"num_bits": 4, "type": "int", "symmetric": sym, **strategy,
                "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}, "block_structure": None}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
@@ -181,6 +257,10 @@ def compressed_tensors_config(model: nn.Module) -> dict:
 
 def _vllm_awq_config(model: nn.Module) -> dict:
     mods = _w4_modules(model)
+    refuse_quantized_head(model, mods, "vllm-awq")
+    if _group_size(mods) == -1:
+        raise ValueError("save_quantized(vllm-awq): per-channel (group_size -1) W4 models are written as vllm-gptq "
+                         "or compressed-tensors; torchforge's AWQ loader reads one positive group size")
     skip = _skip_list(model)
     qnames = set()
     for n, m in mods:
@@ -200,7 +280,7 @@ def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, t
     ``dtype``, experts per expert) with every quantized matrix re-packed."""
     from torchforge.export.vllm_awq import export_state_dict
 
-    state = export_state_dict(model, dtype)
+    state = export_state_dict(model, dtype, fp16_scales=False)  # the quantized tensors are all replaced below
     for name, mod in _w4_modules(model):
         if isinstance(mod, ForgeAWQExperts):
             i = mod.intermediate_size
@@ -215,7 +295,11 @@ def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, t
                     p = f"{name}.{e}.{proj}"
                     for k in ("qweight", "qzeros", "scales"):
                         state.pop(f"{p}.{k}", None)
-                    for k, t in _tensors(fmt, c.contiguous(), s.contiguous(), z.contiguous(), mod.symmetric).items():
+                    try:
+                        tensors = _tensors(fmt, c.contiguous(), s.contiguous(), z.contiguous(), mod.symmetric)
+                    except ValueError as err:
+                        raise ValueError(f"save_quantized({fmt}): {p}: {err}") from err
+                    for k, t in _fp16_scales(fmt, p, tensors).items():
                         state[f"{p}.{k}"] = t
         else:
             for k in ("qweight", "qzeros", "scales", "g_idx"):
@@ -223,14 +307,13 @@ def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, t
             try:
                 if fmt == "vllm-gptq" and isinstance(mod, ForgeGPTQLinear):  # as stored, g_idx included
                     qweight, qzeros = mod.gptq_tensors()
-                    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": mod.scales.to(torch.float16),
-                               "g_idx": mod.g_idx}
+                    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": mod.scales, "g_idx": mod.g_idx}
                 else:
                     c, s, z = _unpacked_linear(mod)
                     tensors = _tensors(fmt, c, s, z, mod.symmetric)
             except ValueError as err:
                 raise ValueError(f"save_quantized({fmt}): {name}: {err}") from err
-            for k, t in tensors.items():
+            for k, t in _fp16_scales(fmt, name, tensors).items():
                 state[f"{name}.{k}"] = t
     return {k: v.contiguous() for k, v in state.items()}
 
@@ -275,25 +358,24 @@ def _ct_weights(qcfg: dict):
     g = next(iter(groups.values()))
     w = g.get("weights") or {}
     fmt = g.get("format") or qcfg.get("format")
-    if fmt != "pack-quantized" or w.get("num_bits") != 4 or w.get("type") != "int" or w.get("strategy") != "group":
+    if fmt != "pack-quantized" or w.get("num_bits") != 4 or w.get("type") != "int":
         return None
-    if g.get("input_activations"):
+    if w.get("strategy") not in ("group", "channel") or g.get("input_activations"):
         return None
     return w
 
 
 def is_w4_config(qcfg: dict) -> bool:
-    """A ``gptq`` config, or a compressed-tensors pack-quantized int4 group config (W4A16)."""
+    """A ``gptq`` config, or a compressed-tensors pack-quantized int4 group / channel config (W4A16)."""
     method = str(qcfg.get("quant_method", "")).lower()
     if method == "gptq":
         return True
     return method == "compressed-tensors" and _ct_weights(qcfg) is not None
 
 
-def _to_gptq_linear(fmt: str, t: dict, symmetric: bool):
-    """Checkpoint tensors of one Linear -> ForgeGPTQLinear buffers (qweight, qzeros, scales, g_idx)."""
-    if fmt == "vllm-gptq":
-        return t["qweight"], t["qzeros"], t["scales"], t["g_idx"].to(torch.int32)
+def _ct_linear(t: dict, symmetric: bool):
+    """compressed-tensors tensors of one Linear -> (qweight [IC // 8, OC] GPTQ-packed, true zero points [NG, OC]
+    uint8, scales [NG, OC], g_idx [IC] int32)."""
     oc, ic = (int(v) for v in t["weight_shape"].tolist())
     qweight = t["weight_packed"].T.contiguous()
     scales = t["weight_scale"].T.contiguous()
@@ -303,7 +385,30 @@ def _to_gptq_linear(fmt: str, t: dict, symmetric: bool):
     # vLLM's CompressedTensorsWNA16 and compressed-tensors' decompressor read: k // G would decode other weights
     g_idx = t.get("weight_g_idx")
     g_idx = trivial_g_idx(ic, ic // scales.shape[0]) if g_idx is None else g_idx.to(torch.int32)
-    return qweight, gptq_pack_zeros(zeros), scales, g_idx
+    return qweight, zeros, scales, g_idx
+
+
+def _w4_linear(fmt: str, t: dict, symmetric: bool, group_size: int, mod: nn.Linear, name: str) -> nn.Module:
+    """The W4 module of the checkpoint Linear ``name`` (``mod``: its meta nn.Linear), buffers as stored (scale dtype
+    too): a ForgeGPTQLinear, or a ForgeAWQLinear where a compressed-tensors zero point is 0, which GPTQ v1 qzeros
+    (``z - 1`` in 4 bits) cannot hold. ``group_size`` -1 (per-channel): one group of ``in_features``."""
+    kw = dict(bias=mod.bias is not None, group_size=mod.in_features if group_size == -1 else group_size,
+              symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
+    if fmt == "vllm-gptq":
+        tensors = t["qweight"], t["qzeros"], t["scales"], t["g_idx"].to(torch.int32)
+    else:
+        qweight, zeros, scales, g_idx = _ct_linear(t, symmetric)
+        if bool((zeros == 0).any()):
+            if not torch.equal(g_idx, trivial_g_idx(g_idx.shape[0], g_idx.shape[0] // scales.shape[0])):
+                raise CheckpointError(f"load_quantized: {name}: act-order (a permuted weight_g_idx) with a zero point "
+                                      "of 0 is not supported (GPTQ v1 qzeros cannot hold 0, the AWQ layout no g_idx)")
+            new = ForgeAWQLinear(mod.in_features, mod.out_features, **kw)
+            new.qweight, new.qzeros, new.scales = awq_pack(gptq_unpack(qweight)), awq_pack(zeros), scales
+            return new
+        tensors = qweight, gptq_pack_zeros(zeros), scales, g_idx
+    new = ForgeGPTQLinear(mod.in_features, mod.out_features, **kw)
+    new.qweight, new.qzeros, new.scales, new.g_idx = tensors
+    return new
 
 
 def _to_awq_expert(fmt: str, t: dict, symmetric: bool):
@@ -329,11 +434,12 @@ def _to_awq_expert(fmt: str, t: dict, symmetric: bool):
 @torch.no_grad()
 def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
     """Fills the meta-device skeleton ``model`` from a vllm-gptq or compressed-tensors W4A16 checkpoint:
-    Linear layers become ForgeGPTQLinear (any g_idx), fused experts ForgeAWQExperts in a ForgeMoE."""
+    Linear layers become ForgeGPTQLinear (any g_idx; ForgeAWQLinear for a zero point of 0, see :func:`_w4_linear`),
+    fused experts ForgeAWQExperts in a ForgeMoE."""
     from torchforge.export.load import _stack_experts, finish_load
 
     if str(qcfg.get("quant_method")).lower() == "gptq":
-        fmt, symmetric, group_size = "vllm-gptq", bool(qcfg.get("sym", True)), int(qcfg["group_size"])
+        fmt, symmetric, group_size = "vllm-gptq", bool(qcfg.get("sym", True)), qcfg["group_size"]
         if int(qcfg.get("bits", 4)) != 4:
             raise CheckpointError(f"load_quantized: {path}: only 4-bit GPTQ checkpoints are supported")
         if qcfg.get("checkpoint_format", "gptq") != "gptq":
@@ -342,8 +448,12 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
         mark = "qweight"
     else:
         w = _ct_weights(qcfg)
-        fmt, symmetric, group_size = "compressed-tensors", bool(w.get("symmetric", True)), int(w["group_size"])
+        # compressed-tensors' QuantizationArgs: strategy "channel" is one group per row (group_size None or -1)
+        group_size = -1 if w["strategy"] == "channel" else w.get("group_size")
+        fmt, symmetric = "compressed-tensors", bool(w.get("symmetric", True))
         mark = "weight_packed"
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size > 0 or group_size == -1):
+        raise CheckpointError(f"load_quantized: {path}: group_size={group_size!r}; a positive int or -1 (per-channel)")
     names = set(memory_names(path, model))
     linears, experts, hf_experts = {}, {}, set()
     for name, mod in list(model.named_modules()):
@@ -371,17 +481,19 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
             state[key] = t
     for name, mod in linears.items():
         try:
-            qweight, qzeros, scales, g_idx = _to_gptq_linear(fmt, per_linear[name], symmetric)
+            model.set_submodule(name, _w4_linear(fmt, per_linear[name], symmetric, group_size, mod, name))
         except KeyError as err:
             raise CheckpointError(f"load_quantized: {name} misses tensor {err} in {path}") from err
-        new = ForgeGPTQLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group_size=group_size,
-                              symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
-        new.qweight, new.qzeros, new.scales, new.g_idx = qweight, qzeros, scales, g_idx  # as stored (scale dtype too)
-        model.set_submodule(name, new)
     for name, mod in experts.items():
         num, two_i, hid = mod.gate_up_proj.shape
-        ex = ForgeAWQExperts(num, hid, two_i // 2, group_size=group_size, symmetric=symmetric, act_fn=mod.act_fn,
-                             device="meta")
+        g = group_size
+        if g == -1:  # per-channel: gate_up's groups span hidden_size, down's intermediate_size
+            if hid != two_i // 2:
+                raise CheckpointError(f"load_quantized: {path}: {name}: per-channel (group_size -1) routed experts "
+                                      f"need hidden_size == intermediate_size ({hid} != {two_i // 2}): "
+                                      "ForgeAWQExperts holds one group size for gate_up and down")
+            g = hid
+        ex = ForgeAWQExperts(num, hid, two_i // 2, group_size=g, symmetric=symmetric, act_fn=mod.act_fn, device="meta")
         block = name.rsplit(".", 1)[0]
         model.set_submodule(block, ForgeMoE.from_hf(model.get_submodule(block), ex))
         for (e, proj), t in per_expert[name].items():
@@ -390,12 +502,13 @@ def load_w4(model: nn.Module, path: str, qcfg: dict, device) -> nn.Module:
     from torchforge.prune.export import restore_pruned
 
     model = restore_pruned(model, path)  # drop-pruned checkpoints: PrunedMoE(drop) over the kept experts
-    quantized = {n: (m.qweight, m.qzeros, m.scales, m.g_idx) for n, m in model.named_modules()
-                 if isinstance(m, ForgeGPTQLinear)}
+    kinds = {ForgeGPTQLinear: ("qweight", "qzeros", "scales", "g_idx"), ForgeAWQLinear: ("qweight", "qzeros", "scales")}
+    quantized = {n: {k: getattr(m, k) for k in kinds[type(m)]} for n, m in model.named_modules() if type(m) in kinds}
     model.to_empty(device=device)
     for n, tensors in quantized.items():  # to_empty dropped the stored values: put them back on `device`
         m = model.get_submodule(n)
-        m.qweight, m.qzeros, m.scales, m.g_idx = (t.to(device) for t in tensors)
+        for k, t in tensors.items():
+            setattr(m, k, t.to(device))
     state.update(_stack_experts(model, stacked_parts))
     # GPTQ buffers were assigned above, not through the state dict
     return finish_load(model, state, device,

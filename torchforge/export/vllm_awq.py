@@ -23,8 +23,10 @@ def _quantized_modules(model: nn.Module):
 
 
 @torch.no_grad()
-def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors: AWQ buffers as stored, per-expert names, everything else in `dtype`."""
+def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
+                      fp16_scales: bool = True) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors: AWQ buffers as stored, per-expert names, everything else in `dtype`. `fp16_scales`:
+    AWQ's fp16 scales (exact, else refused); False keeps their dtype (for a caller that writes its own)."""
     out: dict[str, torch.Tensor] = {}
     expert_prefixes = []
     for name, mod in model.named_modules():
@@ -57,9 +59,12 @@ def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
         if t.is_floating_point() and not key.endswith(".scales"):
             t = t.float() if any(k in key for k in fp32_keys) else t.to(dtype)
         out[key] = t
-    # AWQ's scales are fp16 whatever the model's dtype; after model.to(bf16) they are held in bf16 (for the bf16
-    # kernels), which converts back to fp16 exactly
-    return {k: (v.to(torch.float16) if k.endswith(".scales") else v).contiguous() for k, v in out.items()}
+    # AWQ's scales are fp16 whatever the model's dtype (after model.to(bf16) they are held in bf16, for the bf16
+    # kernels); a value fp16 cannot hold is refused, not written as inf
+    from torchforge.export.gptq_export import fp16_scales as to_fp16
+
+    return {k: (to_fp16(f"vllm-awq export: {k}", v) if fp16_scales and k.endswith(".scales") else v).contiguous()
+            for k, v in out.items()}
 
 
 def _unquantized_linear_prefixes(model: nn.Module) -> list[str]:
@@ -76,6 +81,9 @@ def vllm_awq_quantization_config(model: nn.Module) -> dict:
     quantized = _quantized_modules(model)
     if not quantized:
         raise ValueError("save_quantized: the model has no torchforge quantized modules; call torchforge.quantize first")
+    from torchforge.export.gptq_export import refuse_quantized_head
+
+    refuse_quantized_head(model, quantized, "vllm-awq")
     group_sizes = {m.group_size for _, m in quantized}
     if len(group_sizes) != 1:
         raise ValueError(f"vllm-awq holds one group_size per checkpoint; the model mixes {sorted(group_sizes)}")

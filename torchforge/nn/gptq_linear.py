@@ -23,7 +23,7 @@ class ForgeGPTQLinear(nn.Module):
 
       qweight int32 [IC // 8, OC]       8 consecutive input rows per word, row 8r + j in bits 4j
       qzeros  int32 [IC // G, OC // 8]  zero points minus 1 (v1 convention, see torchforge.ops.gptq_reference)
-      scales  fp16  [IC // G, OC]
+      scales  fp16  [IC // G, OC]       (pack_result: the solver's scale_dtype; a loaded checkpoint's dtype)
       g_idx   int32 [IC]                group of each input row (k // G: torchforge does not reorder columns)
 
     Build: construct (any device, meta included) then :meth:`pack_result` with a
@@ -72,7 +72,9 @@ class ForgeGPTQLinear(nn.Module):
                              f"bits={result.bits}; this layer holds 4-bit codes with group_size={self.group_size}")
         self.qweight = gptq_ops.gptq_pack(result.codes.T.contiguous())
         self.qzeros = gptq_ops.gptq_pack_zeros(result.zeros.T.contiguous())
-        self.scales = result.scales.T.to(torch.float16).contiguous()
+        # the solver's scale_dtype (fp16 by default): an fp16 cast would turn bf16 scales past 65504 into inf; the
+        # fp16 formats (vllm-gptq, vllm-awq) cast at export, exactly or not at all
+        self.scales = result.scales.T.contiguous()
         self.g_idx = gptq_ops.trivial_g_idx(self.in_features, self.group_size, device=self.qweight.device)
         self.weight_layout = "gptq"
         if bias is not None:
