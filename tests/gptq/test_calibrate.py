@@ -323,3 +323,35 @@ def test_layer_calls_are_captured_when_the_loop_needs_real_layer_outputs():
         assert torch.equal(hidden[0], model.emb(ids))
     assert calls[0] == [((None,), {"scale": 1}), ((None,), {"scale": 2}), ((None,), {"scale": 3})]
     assert model.layers[1].__dict__["forward"] is bound and "forward" not in model.layers[0].__dict__
+
+
+def test_asymmetric_zero_point_0_keeps_the_layer_as_true_zero_points(tmp_path):
+    """Asymmetric GPTQ on a layer whose groups have no negative weight: their zero point is 0, which GPTQ v1 qzeros
+    (z - 1 in 4 bits) cannot hold, and quantize used to fail half way (layers before it already swapped). The layer
+    becomes a ForgeAWQLinear with the solver's codes, scales and true zero points; vllm-gptq refuses it by name, and
+    compressed-tensors writes and reads it back with the same logits."""
+    from torchforge.nn.awq_linear import ForgeAWQLinear
+    from torchforge.ops import awq_unpack
+
+    model = models.build("llama")
+    name = "model.layers.0.mlp.up_proj"
+    with torch.no_grad():
+        model.get_submodule(name).weight.abs_()
+    w = model.get_submodule(name).weight.detach().clone()
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+    torchforge.quantize(model, {**RECIPE, "symmetric": False}, calib_data=ids)
+    mod = model.get_submodule(name)
+    assert isinstance(mod, ForgeAWQLinear)
+    assert isinstance(model.get_submodule("model.layers.0.mlp.down_proj"), ForgeGPTQLinear)
+    assert (awq_unpack(mod.qzeros) == 0).any()
+    w_hat = awq_dequantize(mod.qweight, mod.scales.float(), mod.qzeros, 32)
+    assert float((w_hat - w).norm() / w.norm()) < 0.1  # 4-bit codes on the layer's own grid
+    assert _logit_err(model, ref, ids) < 0.3
+    with pytest.raises(ValueError, match=re.escape(name)):
+        torchforge.save_quantized(model, str(tmp_path / "g"), format="vllm-gptq")
+    torchforge.save_quantized(model, str(tmp_path / "ct"), format="compressed-tensors", dtype=torch.float32)
+    loaded = torchforge.load_quantized(str(tmp_path / "ct"), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.float()(ids).logits)

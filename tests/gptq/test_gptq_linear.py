@@ -267,3 +267,13 @@ def test_cuda_mma_layout(m):
     # relative to the fp64 product: elementwise bounds fail near zero, and the kernels round differently (the GPTQ
     # kernel rounds each dequantized weight to bf16, the mma kernel applies scales in fp32)
     assert out.dtype == torch.bfloat16 and ((out.double() - expected).norm() / expected.norm()) < 4e-3
+
+
+def test_from_linear_with_zero_points_of_0_says_what_to_do():
+    """Asymmetric groups with no negative weight get a zero point of 0, which GPTQ v1 qzeros cannot hold: the error
+    says so and names the ways out (torchforge.quantize keeps such layers in the AWQ layout)."""
+    lin = torch.nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        lin.weight.abs_()
+    with pytest.raises(ValueError, match=r"zero points are 0, which GPTQ v1 qzeros .* ForgeAWQLinear"):
+        ForgeGPTQLinear.from_linear(lin, group_size=32, symmetric=False)

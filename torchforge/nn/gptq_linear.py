@@ -70,6 +70,11 @@ class ForgeGPTQLinear(nn.Module):
         if result.group_size != self.group_size or result.bits != 4:
             raise ValueError(f"ForgeGPTQLinear.pack_result: result has group_size={result.group_size}, "
                              f"bits={result.bits}; this layer holds 4-bit codes with group_size={self.group_size}")
+        zeros0 = int((result.zeros == 0).sum())
+        if zeros0:
+            raise ValueError(f"ForgeGPTQLinear.pack_result: {zeros0} zero points are 0, which GPTQ v1 qzeros (z - 1 in "
+                             "4 bits) cannot hold; torchforge.quantize keeps such a layer as a ForgeAWQLinear (true "
+                             "zero points); here, quantize symmetrically or pack the result into a ForgeAWQLinear")
         self.qweight = gptq_ops.gptq_pack(result.codes.T.contiguous())
         self.qzeros = gptq_ops.gptq_pack_zeros(result.zeros.T.contiguous())
         # the solver's scale_dtype (fp16 by default): an fp16 cast would turn bf16 scales past 65504 into inf; the
