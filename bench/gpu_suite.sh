@@ -40,7 +40,8 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, print the tail
 }
 SUITE=${SUITE:-tests bench demo}
 # SHARD=i/n (e.g. 1/2): every n-th test file from the i-th, so the whole suite (over 420 s on the device since the
-# sixteenth session) runs in n calls; --durations names the slowest cases to mark
+# sixteenth session) runs in n calls; --durations names the slowest cases to mark. Twenty-first session: 1/2 took
+# 233 s, but 2/2 ran past 540 s; 2/4 then 4/4 (which together are 2/2) took 395 s and 230 s.
 if [ -n "${SHARD:-}" ] && [ -z "${TESTS:-}" ]; then
   TESTS=$(find tests -name 'test_*.py' | sort | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" '(NR - i) % n == 0' | tr '\n' ' ')
   for t in ${SHARD_EXTRA:-}; do case " $TESTS " in *" $t "*) ;; *) TESTS="$TESTS $t" ;; esac; done  # changed files

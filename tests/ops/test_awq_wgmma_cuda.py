@@ -231,12 +231,14 @@ def test_awq_mma_linear_dispatch(monkeypatch):
         assert expected_calls == 2
 
 
-@pytest.mark.parametrize("m,n,dispatched", [(256, 18432, (128, 2, 6, 8, True, 132)),
-                                            (64, 7168, (64, 2, 4, 8, True, 0))])
+@pytest.mark.parametrize("m,n,dispatched", [(512, 18432, (128, 2, 4, 8, True, 264)),
+                                            (64, 7168, (64, 2, 4, 8, True, 0)),
+                                            (256, 18432, (128, 2, 0, 8, True, 0))])
 def test_dispatched_k_slices_compile_and_graph(m, n, dispatched):
-    """The dispatch's K slices through the op, torch.compile and a CUDA graph, on 132 SMs: for a last round's tiles
-    (18432x7168 at 256 rows: the 12 tiles past the first round in 6 slices, run first in the launch), and for every
-    tile (7168x7168 at 64 rows: 28 tiles in 4 slices)."""
+    """The dispatch's K slices and stream-K through the op, torch.compile and a CUDA graph, on 132 SMs: a last
+    round's tiles in K slices (18432x7168 at 512 rows: the 24 tiles past two rounds in 4 slices, run first in the
+    launch), every tile in K slices (7168x7168 at 64 rows: 28 tiles in 4 slices), and stream-K (18432x7168 at 256
+    rows: 144 tiles' chunks shared by 132 blocks)."""
     from torchforge.ops.awq_mma import awq_mma_linear
     from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
 
