@@ -239,11 +239,12 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   //   order: block b runs units [U b / G, U (b + 1) / G). Its segments are the tail of a tile, whole tiles, and the
   //   head of another. The producer runs on across them, so the ring is filled once per block, not once per tile, and
   //   no SM idles through a last, partial round of tiles.
-  const bool stream_k = !GROUPED && splits == 0;  // (the grouped form runs one segment a block)
-  // 32-bit unit math (ops.cpp checks units < 2^31): u0(b) = U b / G = q b + r b / G, with r b < G^2.
+  const bool stream_k = WS && !GROUPED && splits == 0;  // (launch refuses it without WS; grouped: one segment)
+  // Unit math (ops.cpp checks units < 2^31): u0(b) = U b / G = q b + r b / G. r b < G^2 passes 2^31 from G = 46342
+  // blocks (a caller's dp_tiles may ask for up to one block per unit), so that product is taken in 64 bits.
   const int units = stream_k ? mblocks * ncols * chunks : 1;
   const int uq = units / grid, ur = units % grid;
-  auto block_start = [&](int b) { return uq * b + ur * b / grid; };
+  auto block_start = [&](int b) { return uq * b + static_cast<int>(static_cast<long long>(ur) * b / grid); };
   const int u_begin = stream_k ? block_start(bid) : 0;
   const int u_end = stream_k ? block_start(bid + 1) : 1;
   const int sliced_blocks = sliced_tiles * splits;
@@ -271,12 +272,11 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     }
     return true;
   };
-  // Stream-K: the block that runs unit u (the last b with u0(b) <= u: u / q overshoots by at most G / q + 1), and
-  // the first tile of block b.
+  // Stream-K: the block that runs unit u, the last b with u0(b) = floor(U b / G) <= u, i.e. U b <= (u + 1) G - 1:
+  // b = ((u + 1) G - 1) / U (at most G - 1 for u < U; a search down from u / q took up to G / q steps), and the
+  // first tile of block b.
   auto block_of = [&](int u) {
-    int b = min(grid - 1, u / uq);
-    while (block_start(b) > u) --b;
-    return b;
+    return static_cast<int>((static_cast<long long>(u + 1) * grid - 1) / units);
   };
   auto first_tile = [&](int b) { return block_start(b) / chunks; };
 
@@ -712,8 +712,10 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       if (producer_warp && producer_pool_ok<T, S, BM, TW>())
         return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
                                           gs, s, gm, dp, stream);
+      // Stream-K runs on the producer only: where a build lacks its register pool, whole tiles (the dispatch's
+      // config must not turn into cudaErrorNotSupported; ops.cpp refuses splits 0 without producer_warp itself).
       return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                         gs, s, gm, dp, stream);
+                                         gs, s == 0 ? 1 : s, gm, s == 0 ? 0 : dp, stream);
     };
     using std::integral_constant;
     if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});

@@ -130,5 +130,9 @@ def test_stream_k():
     assert wgmma_stream_k_time_us(64, 7168, 7168, (64, 2)) == float("inf")  # past STREAM_K_MAX_PARTS
     assert wgmma_stream_k_time_us(64, 4096, 14336, (64, 2)) == float("inf")  # under STREAM_K_MIN_CHUNKS
     assert wgmma_stream_k_time_us(256, 7168, 18432, (256, 1)) == float("inf")  # no fit for this shape
+    # no rows, or K under one chunk: no units (launch_awq_wgmma_cuda without a config asks for x of 0 rows too)
+    assert wgmma_stream_k_time_us(0, 7168, 18432, (64, 2)) == float("inf")
+    assert wgmma_stream_k_time_us(64, 32, 18432, (64, 2)) == float("inf")
+    assert best_wgmma_config(0, 7168, 18432)[0][2] != 0
     # (128, 2) blocks from 96 rows on 18432x7168: 0.087-0.090 against 3 K slices' 0.105-0.109
     assert best_wgmma_config(128, 7168, 18432)[0] == (128, 2, 0, 0)

@@ -362,6 +362,24 @@ def test_stream_k_matches_dequantized_matmul(shape, dtype):
     assert ((out.float() - whole.float()).norm() / whole.float().norm()) < 1e-2
 
 
+def test_stream_k_past_46341_blocks():
+    """u0(b) = U b / G = q b + r b / G: r b passes 2^31 from G = 46342 blocks, which dp_tiles may ask for (up to one
+    block per unit). 5879 rows of (64, 2) blocks on 4096x4096 are 92 x 16 tiles x 64 chunks = 94208 units; 50 000
+    blocks give q = 1, r = 44208, r b up to 2.2e9. In 32 bits 2684 units ran on no block and 2681 on two."""
+    k, n, G = 4096, 4096, 128
+    qw, mma, s, z = _case(k, n, G, sym=False, seed=25)
+    w = dequant_independent(qw, s, z, G)
+    torch.manual_seed(26)
+    m = 92 * 64 - 9
+    ks = torch.randint(0, k, (m,), device="cuda")
+    x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+    x[torch.arange(m), ks] = 1
+    tickets = torch.zeros(92 * 16, dtype=torch.int32, device="cuda")
+    out = torch.ops.torchforge.awq_wgmma_cuda(x, mma, s, z, G, None, 0, 64, 2, 8, True, 50_000, tickets)
+    assert torch.equal(out, w[:, ks].T.to(torch.bfloat16))
+    assert not tickets.any()
+
+
 def test_stream_k_errors_and_opcheck():
     qw, mma, s, z = _case(256, 128, 128)
     x = torch.randn(70, 256, device="cuda", dtype=torch.bfloat16)

@@ -129,6 +129,8 @@ def wgmma_stream_k_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: 
         return float("inf")
     chunks = k // 64
     per_sm = wgmma_blocks(m, n, shape) * chunks / sms
+    if per_sm == 0:  # no rows or no chunk of 64 k: no units to share (the other estimates take these)
+        return float("inf")
     parts = chunks / per_sm  # blocks per tile, on average
     if parts > STREAM_K_MAX_PARTS or per_sm < STREAM_K_MIN_CHUNKS:
         return float("inf")
