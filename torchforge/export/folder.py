@@ -83,7 +83,8 @@ def save_tokenizer(tokenizer, out_dir: str) -> list[str]:
 
 
 # Side files of an earlier export that this one may not write again: a ModelOpt hf_quant_config.json (vLLM reads it
-# before config.json's quantization_config) and a drop-pruned model's expert_map.pt (load_quantized would re-prune).
+# where config.json has no quantization_config, and load_quantized checks the two agree) and a drop-pruned model's
+# expert_map.pt (load_quantized would re-prune).
 STALE_SIDE_FILES = ("hf_quant_config.json", "expert_map.pt", TORCHFORGE_META)
 
 
