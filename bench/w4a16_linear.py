@@ -235,7 +235,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
     return out
 
 
-def stream_k_check(shapes: str, ms: str) -> list:
+def stream_k_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
     """The wgmma dispatch with stream-K (awq_wgmma_cost.STREAM_K_US) against the same dispatch without it (every
     stream-K estimate made infinite), bf16 in the same run: what the twenty-first session's dispatch change buys or
     costs on each shape and M, where wgmma_rows_ok sends the call to the kernel either way."""
@@ -258,6 +258,8 @@ def stream_k_check(shapes: str, ms: str) -> list:
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for shape in shapes.split(","):
         OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+        if scale_dtype == "bf16":  # what a bf16 model holds after .to(torch.bfloat16): no hi / lo scale split
+            sc = sc.to(torch.bfloat16)
         mma = awq_to_mma_layout(qw)
         L2Rotation.start(wbytes, w, qw, sc, qz, mma)
         tickets = mma_tickets(OC, mma.device)
@@ -395,6 +397,8 @@ def main() -> int:
                     help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
     ap.add_argument("--stream-k-check", default="",
                     help="M list: the wgmma dispatch with stream-K against the one without, then stop")
+    ap.add_argument("--scale-dtype", default="fp16", choices=("fp16", "bf16"),
+                    help="with --stream-k-check: the scales' dtype (x is bf16)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
@@ -418,10 +422,10 @@ def main() -> int:
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
         return 0
     if args.stream_k_check:
-        srows = stream_k_check(args.shapes, args.stream_k_check)
+        srows = stream_k_check(args.shapes, args.stream_k_check, args.scale_dtype)
         print(f"device: {device_line()}")
-        print("\nwgmma dispatch with stream-K (new) and without (old), CUDA graphs, weights rotated, bf16 x, fp16 "
-              "scales; config = (block_m, tile_set, splits), splits 0 = stream-K:")
+        print(f"\nwgmma dispatch with stream-K (new) and without (old), CUDA graphs, weights rotated, bf16 x, "
+              f"{args.scale_dtype} scales; config = (block_m, tile_set, splits), splits 0 = stream-K:")
         print(markdown_table(["W", "M", "new config", "old config", "new ms", "old ms", "old/new", "bf16 ms",
                               "bf16/new", "bf16/old"], srows))
         return 0
