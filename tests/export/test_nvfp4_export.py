@@ -267,3 +267,18 @@ def test_hf_quant_config_that_disagrees_with_config_json_is_refused(tmp_path):
         (tmp_path / "hf_quant_config.json").write_text(json.dumps(bad))
         with pytest.raises(CheckpointError, match=why):
             torchforge.load_quantized(str(tmp_path))
+
+
+def test_a_quantized_head_is_refused_for_compressed_tensors(tmp_path):
+    """vLLM's compressed-tensors config quantizes LinearBase layers only, so a quantized lm_head loads as an
+    unquantized one and fails; its ModelOpt config quantizes the head, so modelopt-nvfp4 writes it."""
+    model = models.build("llama", dtype=torch.bfloat16)
+    recipe = {"scheme": "nvfp4", "ignore": []}  # the default ignore (lm_head, routers) replaced: the head quantized
+    torchforge.quantize(model, recipe)
+    assert isinstance(model.lm_head, NVFP4Linear)
+    with pytest.raises(ValueError, match=r"output head 'lm_head' is NVFP4-quantized.*'modelopt-nvfp4'"):
+        torchforge.save_quantized(model, str(tmp_path / "ct"), format="compressed-tensors")
+    assert not os.path.exists(tmp_path / "ct" / "config.json")
+    torchforge.save_quantized(model, str(tmp_path / "mo"), format="modelopt-nvfp4")
+    loaded = torchforge.load_quantized(str(tmp_path / "mo"))
+    assert isinstance(loaded.lm_head, NVFP4Linear)

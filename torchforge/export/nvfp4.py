@@ -193,6 +193,21 @@ def modelopt_configs(model: nn.Module) -> tuple[dict, dict]:
     return hf_quant, cfg
 
 
+def _refuse_quantized_head(model: nn.Module) -> None:
+    """vLLM's compressed-tensors config quantizes LinearBase layers only (compressed_tensors.py get_quant_method;
+    ParallelLMHead is a VocabParallelEmbedding), so it builds a quantized output head unquantized and the load fails on
+    its packed tensors. Its ModelOpt config takes ParallelLMHead too (modelopt.py ModelOptQuantConfigBase
+    get_quant_method), so modelopt-nvfp4 can hold one."""
+    from torchforge.export.gptq_export import output_head_name
+
+    head = output_head_name(model)
+    if head is not None and any(n == head for n, _ in _nvfp4_modules(model)):
+        raise ValueError(f"save_quantized(compressed-tensors): the output head {head!r} is NVFP4-quantized, and vLLM "
+                         f"builds it unquantized from a compressed-tensors checkpoint (the load fails on {head}'s "
+                         f"packed tensors). Add {head!r} to the recipe's ignore list (torchforge's default ignore has "
+                         "it), or export as 'modelopt-nvfp4', whose vLLM config quantizes the head")
+
+
 def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, source_dir=None,
                           max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """`save_quantized` for NVFP4 models: tensors, hf_quant_config.json (ModelOpt), torchforge.json, tokenizer
@@ -211,6 +226,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
     if format == "modelopt-nvfp4":
         hf_quant, qcfg = modelopt_configs(model)
     else:
+        _refuse_quantized_head(model)
         hf_quant, qcfg = None, compressed_tensors_config(model)
     from torchforge.prune.export import check_pruned_export, prune_for_save
 
