@@ -422,14 +422,16 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 // group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses);
 // dp_tiles > 0 (with splits > 1): tiles [0, dp_tiles) run whole and only the rest in K slices (their blocks first).
 // splits == 0 (with producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' chunks evenly.
-// Optional `tickets`: int32 zeros, at least as many as the sliced tiles (awq_mma_cuda's kept buffer is enough for
-// every configuration up to 512 rows), left zero; without, a fresh zeroed buffer costs a memset kernel per call.
+// Optional `tickets`: int32 zeros, at least as many as the sliced tiles (stream-K: as the tiles; awq_mma_cuda's kept
+// buffer is enough for every configuration up to 512 rows), left zero; without, a fresh zeroed buffer costs a memset
+// kernel per call.
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                           int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
                           int64_t dp_tiles, const c10::optional<at::Tensor>& tickets_in) {
   const std::string op = "awq_wgmma_cuda: ";
   at::Tensor b;
+  TORCH_CHECK(splits >= 0, op + "splits must be 0 (stream-K) or in [1, K / 64], got " + i2s(splits));
   // splits == 0: stream-K (the kernel's own check of the rest is that of splits == 1)
   const void* bias_ptr = check_mma_dense(op, x, qweight, scales, qzeros, group_size, bias, splits == 0 ? 1 : splits,
                                          1, b);

@@ -389,3 +389,5 @@ def test_stream_k_errors_and_opcheck():
         op(x, mma, s, z, 128, None, 0, 64, 2, 8, False)
     with pytest.raises(RuntimeError, match=r"dp_tiles must be >= 0, got -3"):
         op(x, mma, s, z, 128, None, 0, 64, 2, 8, True, -3)
+    with pytest.raises(RuntimeError, match=r"splits must be 0 \(stream-K\) or in \[1, K / 64\], got -1"):
+        op(x, mma, s, z, 128, None, -1, 64, 2, 8, True)
