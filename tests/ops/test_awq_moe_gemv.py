@@ -147,3 +147,23 @@ def test_awq_moe_gemm_dispatch(monkeypatch, T, k, E, path):
     out = awq_moe.awq_moe_gemm(x, ids, qw, s, z, G, k)
     assert called == [f"launch_awq_moe_{path}"]
     assert _rel(out, _expected(x, ids, qw, s, z, G, k)) < 1e-5
+
+
+@pytest.mark.parametrize("partials", [False, True])
+def test_zero_experts_are_nan_rows(partials):
+    """E = 0: every id is out of range. The per-row kernels read "expert 0" for a bad id, which does not exist
+    here (an empty tensor, data pointer 0: the interpreter segfaulted, a GPU faults); the rows must be NaN."""
+    from torchforge.ops.awq_moe_gemv_triton import launch_awq_moe_gemv
+    from torchforge.ops.awq_triton import launch_awq_grouped_linear
+
+    K, N, G = 32, 16, 32
+    qw = torch.zeros(0, K, N // 8, dtype=torch.int32, device=DEVICE)
+    s = torch.zeros(0, K // G, N, dtype=torch.float16, device=DEVICE)
+    z = torch.zeros(0, K // G, N // 8, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(3, K, device=DEVICE)
+    ids = torch.tensor([0, 1, -1], device=DEVICE)
+    out = launch_awq_moe_gemv(x, ids, qw, s, z, G, partials=partials)
+    assert out.shape == ((1, 3, N) if partials else (3, N)) and bool(out.isnan().all())
+    if not partials:
+        out = launch_awq_grouped_linear(x, ids, qw, s, z, G)
+        assert out.shape == (3, N) and bool(out.isnan().all())

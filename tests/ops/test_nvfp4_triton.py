@@ -89,6 +89,22 @@ def test_grouped_kernel_bad_ids_are_nan_rows_and_empty():
     assert launch_nvfp4_grouped_linear(x[:0], ids[:0], p, s, ws2).shape == (0, 16)
 
 
+def test_grouped_kernel_int64_ids_past_int32_are_bad_ids():
+    """An int64 id of 2**32 + 1 is out of range: the align kernel must not truncate it to int32 (expert 1) before
+    the range check. It was sorted into expert 1's block, so it came out as expert 1's product instead of NaN, and
+    a block that it led was all NaN, the real expert-1 rows included."""
+    x, ids, p, s, ws2 = case(3, 16, 32, 6, seed=14)
+    ids[:] = torch.tensor([1, 1, 0, 2, 1, 0])
+    good = ids.clone()
+    ids[2] = 2**32 + 1  # a row after real expert-1 rows
+    ids[0] = 2**32 + 1  # the first row of its block
+    ref = nvfp4_grouped_linear(x, good, p, s, ws2)
+    out = launch_nvfp4_grouped_linear(*on_device(x, ids, p, s, ws2), block_m=16, block_n=16, block_k=32).cpu()
+    assert out[0].isnan().all() and out[2].isnan().all()
+    rows = [1, 3, 4, 5]
+    torch.testing.assert_close(out[rows], ref[rows], rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 def test_grouped_kernel_x_row_div():
     x, ids, p, s, ws2 = case(4, 32, 64, 12, seed=14)
     ref = nvfp4_grouped_linear(x[:4].repeat_interleave(3, 0), ids, p, s, ws2)

@@ -147,7 +147,7 @@ def moe_gemv_config(num_rows: int, k: int, n: int, group_size: int) -> tuple[int
     bw, warps = 128, 1
     bk = min(2, group_size)
     programs = num_rows * -(-(n // 8) // bw)
-    split = groups // 2 if groups % 2 == 0 and programs * (groups // 2) >= 768 else groups
+    split = groups // 2 if groups % 2 == 0 and programs * (groups // 2) >= 768 else max(groups, 1)  # IC = 0: one
     return bw, bk, split, warps, 5
 
 
@@ -183,6 +183,9 @@ def launch_awq_moe_gemv(x: Tensor, expert_ids: Tensor, qweight: Tensor, scales: 
         part = out
     if R == 0:
         return part if partials else out
+    if E == 0:  # every id is out of range; the kernel would read "expert 0" from an empty tensor
+        out.fill_(float("nan"))
+        return part.fill_(float("nan")) if partials else out
     x = x.contiguous()
     ids = expert_ids.reshape(R).contiguous()
     grid = (R, triton.cdiv(NP, bw), split)

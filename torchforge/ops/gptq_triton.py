@@ -75,7 +75,7 @@ def launch_w4a16_gptq_linear(
     ic = qweight.shape[-2] * 8
     oc = qweight.shape[-1]
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, ic)
+    x2 = x.reshape(lead.numel(), ic)  # not -1: IC = 0 leaves the row count ambiguous
     m = x2.shape[0]
     out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
     if m == 0:

@@ -337,7 +337,7 @@ def _nvfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, weight_scale_2: Ten
                   bias: Optional[Tensor]) -> Tensor:
     n, k = _check_linear_args(x, packed, scales, weight_scale_2, input_scale, bias)
     if use_triton(x):
-        x2 = x.reshape(-1, k)
+        x2 = x.reshape(x.shape[:-1].numel(), k)  # not -1: K = 0 leaves the row count ambiguous
         ids = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
         out = _launch_grouped(x2, ids, packed.unsqueeze(0), scales.unsqueeze(0), weight_scale_2.reshape(1),
                               None if input_scale is None else input_scale.reshape(1))

@@ -196,7 +196,7 @@ def launch_nvfp4_grouped_gemv(
         bk //= 2
     assert bn >= 1 and bk >= 16 and bk & (bk - 1) == 0 and bn & (bn - 1) == 0, \
         "block_n, block_k must be powers of two, block_k >= 16 (and K a multiple of 16)"
-    tiles = k // bk
+    tiles = max(1, k // bk)  # K = 0: one empty slice (the kernel's K loop is empty), not a division by 0
     split = max(1, min(split_k or cfg[2], tiles))
     tiles_per_split = triton.cdiv(tiles, split)
     split = triton.cdiv(tiles, tiles_per_split)  # no empty K slices
@@ -206,7 +206,8 @@ def launch_nvfp4_grouped_gemv(
     packed = packed.contiguous()
     if packed.storage_offset() % 4:  # the kernel reads int32 words
         packed = packed.clone()
-    words = packed.view(torch.int32)  # [E, N, K/8]; little-endian: byte j of a word is bits 8j .. 8j+7
+    # [E, N, K/8]; little-endian: byte j of a word is bits 8j .. 8j+7 (K = 0: no bytes to view as words)
+    words = packed.view(torch.int32) if k else packed.new_empty((num_experts, n, 0), dtype=torch.int32)
     quant_a = input_scale is not None
     if split == 1:
         dst, stride_ds = out, 0

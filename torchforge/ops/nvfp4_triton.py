@@ -69,8 +69,9 @@ if HAS_TRITON:
         for start in range(0, R, BLOCK_R):
             offs = start + tl.arange(0, BLOCK_R)
             m = offs < R
-            e = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-            e = tl.where((e >= 0) & (e < E), e, E)  # out-of-range ids: bucket E, written as NaN rows
+            # range-check before the int32 cast: an int64 id past 2**31 must not wrap into [0, E)
+            e = tl.load(ids_ptr + offs, mask=m, other=0)
+            e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)  # out-of-range ids: bucket E, written as NaN rows
             counts += tl.histogram(e, NB, mask=m).to(tl.int32)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         tl.store(cursor_ptr + tl.arange(0, NB), tl.cumsum(padded, 0) - padded)
@@ -78,8 +79,8 @@ if HAS_TRITON:
         for start in range(0, R, BLOCK_R):
             offs = start + tl.arange(0, BLOCK_R)
             m = offs < R
-            e = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-            e = tl.where((e >= 0) & (e < E), e, E)
+            e = tl.load(ids_ptr + offs, mask=m, other=0)
+            e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
             pos = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK_R,), 1, tl.int32), mask=m)
             tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=m)
 
