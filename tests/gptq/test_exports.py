@@ -424,3 +424,24 @@ def test_a_gptq_zero_point_of_16_is_not_written_as_compressed_tensors(tmp_path):
                                          "of 16"):
         torchforge.save_quantized(loaded, str(tmp_path / "ct"), format="compressed-tensors")
     assert not (tmp_path / "ct").exists()
+
+
+@pytest.mark.parametrize("bad", [-1, "groups"])
+def test_a_g_idx_outside_the_groups_is_refused_at_load(gptq_v3, tmp_path, bad):
+    """The CUDA kernels gather scales by g_idx without a bounds check: a corrupt g_idx is refused when loading,
+    naming the tensor, instead of reading out of bounds on the GPU."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torchforge.save_quantized(gptq_v3, str(tmp_path), format="vllm-gptq")
+    shard = next(os.path.join(tmp_path, f) for f in sorted(os.listdir(tmp_path)) if f.endswith(".safetensors"))
+    with safe_open(shard, "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = next(k for k in tensors if k.endswith(".g_idx"))
+    groups = tensors[key.replace(".g_idx", ".scales")].shape[0]
+    tensors[key][3] = groups if bad == "groups" else bad
+    os.remove(shard)
+    save_file(tensors, shard, metadata=meta)
+    with pytest.raises(CheckpointError, match=re.escape(key) + r" has groups in .* outside \[0, " + str(groups)):
+        torchforge.load_quantized(str(tmp_path))

@@ -388,6 +388,17 @@ def _ct_linear(t: dict, symmetric: bool):
     return qweight, zeros, scales, g_idx
 
 
+def _check_g_idx(g_idx: torch.Tensor, in_features: int, groups: int, key: str) -> None:
+    """Every input column's group must index the scales: the CUDA kernels gather scales and zero points by g_idx
+    without a bounds check, so a corrupt one would read out of bounds on the GPU."""
+    if g_idx.dim() != 1 or g_idx.shape[0] != in_features:
+        raise CheckpointError(f"load_quantized: {key} has shape {tuple(g_idx.shape)}, expected [{in_features}] (one "
+                              "group per input column); the checkpoint is corrupt: export it again")
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise CheckpointError(f"load_quantized: {key} has groups in [{int(g_idx.min())}, {int(g_idx.max())}], outside "
+                              f"[0, {groups}) (the scales' groups); the checkpoint is corrupt: export it again")
+
+
 def _w4_linear(fmt: str, t: dict, symmetric: bool, group_size: int, mod: nn.Linear, name: str) -> nn.Module:
     """The W4 module of the checkpoint Linear ``name`` (``mod``: its meta nn.Linear), buffers as stored (scale dtype
     too): a ForgeGPTQLinear, or a ForgeAWQLinear where a compressed-tensors zero point is 0, which GPTQ v1 qzeros
@@ -396,8 +407,10 @@ def _w4_linear(fmt: str, t: dict, symmetric: bool, group_size: int, mod: nn.Line
               symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
     if fmt == "vllm-gptq":
         tensors = t["qweight"], t["qzeros"], t["scales"], t["g_idx"].to(torch.int32)
+        _check_g_idx(tensors[3], mod.in_features, tensors[2].shape[0], f"{name}.g_idx")
     else:
         qweight, zeros, scales, g_idx = _ct_linear(t, symmetric)
+        _check_g_idx(g_idx, mod.in_features, scales.shape[0], f"{name}.weight_g_idx")
         if bool((zeros == 0).any()):
             if not torch.equal(g_idx, trivial_g_idx(g_idx.shape[0], g_idx.shape[0] // scales.shape[0])):
                 raise CheckpointError(f"load_quantized: {name}: act-order (a permuted weight_g_idx) with a zero point "
