@@ -320,6 +320,9 @@ def main() -> int:
                          "(grouped_mm, switched to batched_mm while decoding on CUDA)")
     ap.add_argument("--skip-guard-eval", action="store_true",
                     help="time the compiled variants under torch.compiler.set_stance(skip_guard_eval_unsafe=True)")
+    ap.add_argument("--pdl-levels", type=int, nargs="*", default=[], choices=(0, 1, 2),
+                    help="time each compiled mma-layout variant again at these levels of programmatic dependent "
+                         "launch (csrc/pdl.cuh; row suffix /pdl-N)")
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.new_tokens < 2:
@@ -357,7 +360,9 @@ def main() -> int:
         cc._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
     gen = Generator(model, device, args.prompt_len, args.new_tokens)
     results, breaks, weights, explain = {}, {}, {}, None
+    shown = []  # variants and their /pdl-off repeats, in the order run
     for v in variants:
+        shown.append(v)
         if v.startswith("w4a16") and not any(k.startswith("w4a16") for k in weights):
             reset_dynamo(model)
             gen.drop_caches()
@@ -382,6 +387,20 @@ def main() -> int:
         if v.endswith("-compile"):
             reset_dynamo(model)
             gen.drop_caches()  # the next variant's cache tensors get fresh static addresses
+        for level in args.pdl_levels if v.startswith("w4a16-mma") and v.endswith("-compile") else ():
+            from torchforge.ops._ext import set_pdl
+
+            again = f"{v}/pdl-{level}"
+            previous = set_pdl(level)
+            weights[again] = weights[v]
+            log(f"{again}: start (the default level: {previous})")
+            try:
+                measure(gen, again, args.batches, args.repeats, cc, results, breaks, args.skip_guard_eval)
+            finally:
+                set_pdl(previous)
+                reset_dynamo(model)
+                gen.drop_caches()
+            shown.append(again)
     if "w4a16" in variants and "w4a16-compile" not in variants:
         log("w4a16: torch._dynamo.explain of one decode step")
         try:
@@ -394,7 +413,7 @@ def main() -> int:
         return f"{results[key]['tok_s'] / b['tok_s']:.2f}x" if b else "-"
 
     rows = []
-    for v in variants:
+    for v in shown:
         for B in args.batches:
             r = results.get((v, B))
             if r is None:

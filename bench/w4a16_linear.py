@@ -278,6 +278,52 @@ def stream_k_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
     return out
 
 
+def pdl_check(shapes: str, ms: str) -> list:
+    """awq_mma_linear as dispatched at the three levels of programmatic dependent launch (csrc/pdl.cuh: 0 off, 1 within
+    an op, 2 every launch), bf16 in the same run. Back to back (each call right after the previous one, as every other
+    table here times it: at level 2 a call overlaps the end of the call before) and after a norm-like kernel (x * g,
+    one torch elementwise kernel without PDL, before every call, as an RMSNorm precedes a projection in a model; at
+    level 2 the call may launch as that kernel's blocks exit and prefetch its first weights while it drains). The
+    norm columns include that kernel's time, for bf16 too. `np`: level 1 with the decode kernel's L2 prefetch at its
+    start turned off (set_start_prefetch). Microseconds."""
+    from torchforge.ops._ext import set_pdl, set_start_prefetch
+    from torchforge.ops.awq_mma import awq_mma_linear
+    from torchforge.ops.awq_mma_cuda import mma_tickets
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+
+    out = []
+    previous = set_pdl(1)
+    us = lambda fn: 1e3 * bench_graph_ms(fn, rep_ms=50)  # noqa: E731
+    for shape in shapes.split(","):
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+        mma = awq_to_mma_layout(qw)
+        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
+        tickets = mma_tickets(OC, mma.device)
+        g = torch.rand(IC, device="cuda", dtype=torch.bfloat16) + 0.5
+        for M in map(int, ms.split(",")):
+            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+            bf16 = us(lambda: torch.nn.functional.linear(x, w))
+            bf16_norm = us(lambda: torch.nn.functional.linear(x * g, w))
+            t, tn = {}, {}
+            for level in (0, 1, 2):
+                set_pdl(level)
+                t[level] = us(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets))
+                tn[level] = us(lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets))
+            set_pdl(1)
+            set_start_prefetch(False)  # the decode kernel's L2 prefetch at its start, off (level 1)
+            t["np"] = us(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets))
+            tn["np"] = us(lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets))
+            set_start_prefetch(True)
+            levels = (0, 1, 2, "np")
+            out.append([shape, M, f"{bf16:.1f}", *(f"{t[v]:.1f}" for v in levels),
+                        *(f"{bf16 / t[v]:.2f}x" for v in levels), f"{bf16_norm:.1f}",
+                        *(f"{tn[v]:.1f}" for v in levels), *(f"{bf16_norm / tn[v]:.2f}x" for v in levels)])
+            print("done", shape, M, flush=True)
+    L2Rotation.stop()
+    set_pdl(previous)
+    return out
+
+
 def gemv_sweep(shapes: str) -> list:
     from torchforge.ops.awq_gemv_triton import gemv_config, launch_w4a16_gemv
     from torchforge.ops.awq_reference import awq_dequantize_ref
@@ -397,6 +443,9 @@ def main() -> int:
                     help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
     ap.add_argument("--stream-k-check", default="",
                     help="M list: the wgmma dispatch with stream-K against the one without, then stop")
+    ap.add_argument("--pdl-check", default="",
+                    help="M list: awq_mma_linear as dispatched at PDL levels 0, 1 and 2, back to back and after a "
+                         "norm kernel, bf16 in the same run (csrc/pdl.cuh)")
     ap.add_argument("--scale-dtype", default="fp16", choices=("fp16", "bf16"),
                     help="with --stream-k-check: the scales' dtype (x is bf16)")
     args = ap.parse_args()
@@ -420,6 +469,16 @@ def main() -> int:
                               "op ms",
                               "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
+        return 0
+    if args.pdl_check:
+        prows = pdl_check(args.shapes, args.pdl_check)
+        print(f"device: {device_line()}")
+        print("\nawq_mma_linear as dispatched at PDL levels 0 (off), 1 (within an op) and 2 (every launch), CUDA "
+              "graphs, weights rotated, bf16 x, fp16 scales, us; np: level 1 without the decode kernel's L2 prefetch at "
+              "its start; `norm`: x * g (one torch kernel) before every call, its time included, bf16 too:")
+        print(markdown_table(["W", "M", "bf16", "L0", "L1", "L2", "np", "bf16/L0", "bf16/L1", "bf16/L2", "bf16/np",
+                              "bf16 norm", "L0 norm", "L1 norm", "L2 norm", "np norm", "bf16/L0 norm", "bf16/L1 norm",
+                              "bf16/L2 norm", "bf16/np norm"], prows))
         return 0
     if args.stream_k_check:
         srows = stream_k_check(args.shapes, args.stream_k_check, args.scale_dtype)

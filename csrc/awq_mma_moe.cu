@@ -3,6 +3,7 @@
 #include <type_traits>
 
 #include "awq_mma.cuh"
+#include "pdl.cuh"
 
 namespace torchforge {
 namespace awq_mma_detail {
@@ -31,6 +32,9 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
   const int b = blockIdx.x;
   const int cb = blockIdx.y;
   const int slice = blockIdx.z;
+  // PDL (pdl.cuh, level 2): the expert ids, the rows and x come from the kernels before this one, so nothing is read
+  // early; only the launch overlaps their end. The next kernel launches as this one's blocks exit.
+  pdl::wait();
   const int e = block_expert[b];
   const bool direct = sorted_rows == nullptr;  // decode: block b is routed row b alone, block_expert its expert ids
   const bool shared = e == E && shared_qw != nullptr;  // expert id E: the shared expert, stored on its own
@@ -85,12 +89,11 @@ cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const i
                        float* partial, int R, int N, int K, int E, int B, int x_row_div, int group_size, int splits,
                        cudaStream_t stream) {
   const dim3 grid(B, N / kCols, splits);
-  awq_mma_moe_kernel<T, S, NT, CPG, W><<<grid, 32 * W, 0, stream>>>(
-      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
-      reinterpret_cast<const uint32_t*>(qz), reinterpret_cast<const uint4*>(sqw), static_cast<const S*>(ssc),
-      reinterpret_cast<const uint32_t*>(sqz), rows, block_expert, partial, R, N, K, E, x_row_div, group_size / 64,
-      splits);
-  return cudaGetLastError();
+  return pdl::launch(awq_mma_moe_kernel<T, S, NT, CPG, W>, true, grid, dim3(32 * W), 0, stream,
+                     static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
+                     reinterpret_cast<const uint32_t*>(qz), reinterpret_cast<const uint4*>(sqw),
+                     static_cast<const S*>(ssc), reinterpret_cast<const uint32_t*>(sqz), rows, block_expert, partial, R,
+                     N, K, E, x_row_div, group_size / 64, splits);
 }
 
 }  // namespace awq_mma_detail

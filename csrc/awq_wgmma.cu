@@ -56,6 +56,7 @@
 #include <type_traits>
 
 #include "awq_mma.cuh"
+#include "pdl.cuh"
 #include "wgmma.cuh"
 
 namespace torchforge {
@@ -239,7 +240,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   //   order: block b runs units [U b / G, U (b + 1) / G). Its segments are the tail of a tile, whole tiles, and the
   //   head of another. The producer runs on across them, so the ring is filled once per block, not once per tile, and
   //   no SM idles through a last, partial round of tiles.
-  const bool stream_k = WS && !GROUPED && splits == 0;  // (launch refuses it without WS; grouped: one segment)
+  // (awq_wgmma_launch runs whole tiles without WS; grouped: one segment)
+  const bool stream_k = WS && !GROUPED && splits == 0;
   // Unit math (ops.cpp checks units < 2^31): u0(b) = U b / G = q b + r b / G. r b < G^2 passes 2^31 from G = 46342
   // blocks (a caller's dp_tiles may ask for up to one block per unit), so that product is taken in 64 bits.
   const int units = stream_k ? mblocks * ncols * chunks : 1;
@@ -325,6 +327,22 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   int first_u = u_begin;
   Segment first;
   if (!next_segment(first_u, first)) return;  // stream-K: more blocks than units
+  // PDL (pdl.cuh): the first tile's words, scales and zero words for the ring's first fills (twice the stages) go to L2
+  // while the x image kernel (and whatever ran before it) finishes; the x image, the grouped form's expert ids, out,
+  // partials and tickets are read or written only after the wait.
+  if constexpr (!GROUPED) {
+    if (tid == 0) {
+      const Tile tl = tile_at(first.pid);
+      const int n = min(first.c_end - first.c_begin, 2 * kStages);
+      for (int i = 0; i < tl.valid_cbs; ++i)
+        pdl::prefetch_l2(tl.qw + (static_cast<size_t>(4 * tl.cbg + i) * chunks + first.c_begin) * 128, n * 2048u);
+      for (int gi = first.c_begin / chunks_per_group; gi <= (first.c_begin + n - 1) / chunks_per_group; ++gi) {
+        pdl::prefetch_l2(tl.sc + static_cast<size_t>(gi) * N + tl.n0, tl.s_bytes);
+        pdl::prefetch_l2(tl.qz + static_cast<size_t>(gi) * (N / 8) + tl.n0 / 8, tl.z_bytes);
+      }
+    }
+  }
+  pdl::wait();
   if constexpr (GROUPED) {  // (one segment) out-of-range ids (moe_align's last bucket) or empty blocks past the end
     const Tile tl = tile_at(first.pid);
     if (!(tl.expert == gp.E && gp.shared_qw != nullptr) && (tl.expert < 0 || tl.expert >= gp.E)) {
@@ -380,6 +398,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
             load_stage(tl, c, it % kStages);
           }
         }
+        pdl::launch_dependents();  // the block's last loads are issued (see the consumers' call)
       }
       return;  // the consumers sync among themselves from here on (consumer_sync)
     }
@@ -501,6 +520,9 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     if constexpr (WS)
       if (s.c_end > s.c_begin) ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
     base += static_cast<unsigned>(s.c_end - s.c_begin);
+    // PDL: the next kernel may launch once every block is past its main loop (as in awq_mma.cu: earlier, a next
+    // GEMM's prefetched weights would be evicted by this one's stream before their use).
+    if (u >= u_end) pdl::launch_dependents();
 
     // acc[i][4 j + e]: column 64 cb + 16 (tq TW + i) + g + 8 (e / 2), row m0 + 8 j + 2 t + (e % 2)
     const int cb = 4 * tl.cbg + warp;
@@ -594,6 +616,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
 template <typename T, int BM>
 __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int M, int K,
                                const int32_t* __restrict__ sorted_rows, int num_rows, int x_row_div) {
+  pdl::wait();  // x (and sorted_rows) come from the kernels before; img may still be read by the previous call's kernel
+  pdl::launch_dependents();
   const int64_t piece = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int chunks = K / 64;
   if (piece >= static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8) return;
@@ -632,8 +656,10 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
     if (dev < 64) attr_set |= 1ull << dev;
   }
   const int64_t pieces = static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8;
-  x_image_kernel<T, BM><<<static_cast<unsigned>((pieces + 255) / 256), 256, 0, stream>>>(
-      static_cast<const T*>(x), static_cast<T*>(x_image), M, K, gp.sorted_rows, gp.num_rows, x_row_div);
+  cudaError_t err = pdl::launch(x_image_kernel<T, BM>, true, dim3(static_cast<unsigned>((pieces + 255) / 256)),
+                                dim3(256), 0, stream, static_cast<const T*>(x), static_cast<T*>(x_image), M, K,
+                                gp.sorted_rows, gp.num_rows, x_row_div);
+  if (err != cudaSuccess) return err;
   const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<TW>));
   const int tiles = ncols * ((M + BM - 1) / BM);
   // With splits > 1, tiles [dp_tiles, tiles) run in `splits` K slices each and tiles [0, dp_tiles) whole, in one
@@ -643,15 +669,13 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   // launches (whole tiles, then the slices) measured 2-4 us slower: 0.148 against 0.144-0.146 ms at 256 rows on
   // 18432x7168 (eleventh and twelfth sessions).
   // splits == 0 (stream-K, WS only): dp_tiles blocks share the tiles' chunks (at most one block per chunk).
-  if (splits == 0 && !WS) return cudaErrorNotSupported;
   const int sliced = splits > 1 ? tiles - dp_tiles : 0;
   const int whole = tiles - sliced;
   const int blocks = splits == 0 ? std::min(dp_tiles, tiles * (K / 64)) : sliced * splits + whole;
-  kernel<<<blocks, kThreads<TW> + (WS ? kProducerThreads<TW> : 0), smem, stream>>>(
-      static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
-      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M,
-      N, K, group_size / 64, splits, group_m, sliced, whole, gp);
-  return cudaGetLastError();
+  return pdl::launch(kernel, false, dim3(blocks), dim3(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)), smem, stream,
+                     static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
+                     reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
+                     tickets, M, N, K, group_size / 64, splits, group_m, sliced, whole, gp);
 }
 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
@@ -693,7 +717,7 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 // sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; with splits > 1, `tickets` holds
 // awq_wgmma_tiles(...) - dp_tiles zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats;
 // producer_warp (WS): see the kernel and producer_pool_ok; dp_tiles: see launch. splits == 0: stream-K on dp_tiles
-// blocks (WS only; cudaErrorNotSupported without), `tickets` holds awq_wgmma_tiles(...) zeros and `partial`
+// blocks (WS only; whole tiles where the WS kernel cannot run), `tickets` holds awq_wgmma_tiles(...) zeros and `partial`
 // 2 * dp_tiles * awq_wgmma_block_outputs floats.
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,

@@ -16,7 +16,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
@@ -61,6 +63,34 @@ cudaError_t awq_wgmma_moe_launch(int dtype, int scale_dtype, const void* x, void
                                  const int32_t* block_expert, float* partial, int64_t num_rows, int64_t x_row_div,
                                  int64_t blocks, int64_t N, int64_t K, int64_t E, int64_t group_size, int64_t block_m,
                                  int64_t tile_set, bool producer_warp, cudaStream_t stream);
+
+// csrc/pdl.cuh: when the launchers use programmatic dependent launch.
+namespace pdl {
+namespace {
+std::atomic<int>& pdl_level() {
+  static std::atomic<int> v{[] {
+    const char* e = std::getenv("TORCHFORGE_PDL");
+    return e != nullptr && (std::string(e) == "0" || std::string(e) == "2") ? e[0] - '0' : 1;
+  }()};
+  return v;
+}
+}  // namespace
+int level() { return pdl_level().load(std::memory_order_relaxed); }
+std::atomic<bool> start_prefetch_flag{true};
+bool start_prefetch() { return start_prefetch_flag.load(std::memory_order_relaxed); }
+}  // namespace pdl
+
+// Sets whether the decode kernel prefetches its first weights into L2 at its start (csrc/awq_mma.cu); returns the
+// previous setting. For benchmarks: on by default.
+bool set_start_prefetch(bool on) { return pdl::start_prefetch_flag.exchange(on); }
+
+// Sets when the CUDA launchers use programmatic dependent launch (csrc/pdl.cuh: 0, 1 or 2); returns the previous
+// level. Launches already captured in a CUDA graph keep the level they were captured with.
+int64_t set_pdl(int64_t level) {
+  TORCH_CHECK(level >= 0 && level <= 2, "set_pdl: level must be 0 (off), 1 (within an op) or 2 (every launch), got ",
+              std::to_string(level));
+  return pdl::pdl_level().exchange(static_cast<int>(level));
+}
 
 namespace {
 // Error messages are assembled with std::to_string: streaming integers into TORCH_CHECK's
@@ -551,6 +581,8 @@ at::Tensor awq_wgmma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, co
 }  // namespace torchforge
 
 TORCH_LIBRARY_FRAGMENT(torchforge, m) {
+  m.def("set_pdl(int level) -> int", &torchforge::set_pdl);
+  m.def("set_start_prefetch(bool on) -> bool", &torchforge::set_start_prefetch);
   m.def(
       "awq_quantize_cuda(Tensor weight, int group_size, bool symmetric) -> (Tensor, Tensor, "
       "Tensor)");

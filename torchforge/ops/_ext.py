@@ -32,3 +32,29 @@ def has_cuda_ext() -> bool:
     register_gemv_fake()
     register_mma_fake()
     return True
+
+
+
+def set_pdl(level: int) -> int:
+    """When the compiled CUDA kernels launch with programmatic dependent launch (csrc/pdl.cuh: a kernel may start
+    while the one before it drains, its first weights prefetched into L2): 0 never; 1 (the default) within an op only
+    (the wgmma kernel after its x image kernel); 2 on every launch, the first kernel of each op too (decode, wgmma and
+    MoE decode kernels after whatever ran before). `TORCHFORGE_PDL=0/1/2` in the environment sets it when the
+    extension loads. Returns the previous level (0, and nothing changes, without the extension). CUDA graphs keep the
+    level they were captured with."""
+    if not has_cuda_ext():
+        return 0
+    import torch
+
+    return int(torch.ops.torchforge.set_pdl(int(level)))
+
+
+def set_start_prefetch(on: bool) -> bool:
+    """Whether the decode kernel (csrc/awq_mma.cu) asks for its first weights into L2 at its start, ahead of its warps'
+    own loads, where its launcher takes it (one row block, whole K per block). On by default; for benchmarks that time
+    both. Returns the previous setting (False without the extension)."""
+    if not has_cuda_ext():
+        return False
+    import torch
+
+    return bool(torch.ops.torchforge.set_start_prefetch(bool(on)))
