@@ -8,7 +8,7 @@
 //
 // Measured (H100, twenty-second session, BENCHMARKS.md; bench/w4a16_linear.py --pdl-check): level 1 makes the wgmma
 // path 1-3% faster (its kernel launches during the x image kernel and prefetches its first stages). Level 2 makes back
-// to back calls 2-20% faster (4096x4096 at M = 16: 7.3 against 9.1 us), but calls after a foreign kernel (a norm) 1-4%
+// to back calls 1-7% faster (4096x4096 at M = 16: 7.8 against 8.3 us), but calls after a foreign kernel (a norm) 0-3%
 // slower, and a model's projections follow foreign kernels; so level 1 is the default.
 #pragma once
 #include <cuda_runtime.h>

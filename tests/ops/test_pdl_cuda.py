@@ -2,6 +2,8 @@
 the call before it, give the same bits with PDL off and at both levels, eagerly and replayed from a CUDA graph. A
 kernel that read x, or wrote its output, partials or tickets, before its griddepcontrol.wait would race with the
 kernel before it."""
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from torchforge.ops.awq_mma_layout import awq_to_mma_layout
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extension (csrc/) and a GPU")]
 STEPS = 12
+# compute-sanitizer runs (bench/gpu_suite.sh) turn the caching allocator off, without which CUDA graphs cannot capture
+NO_CACHING = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1"
 
 
 def _square(n, G=128, seed=0):
@@ -39,16 +43,17 @@ def _same_bits_at_every_level(step, x):
         for level in (1, 2):
             set_pdl(level)
             runs.append(_chain(step, x))
-        graph = torch.cuda.CUDAGraph()
-        x_static = x.clone()
-        with torch.cuda.graph(graph):
-            captured = _chain(step, x_static)
-        graph.replay()
-        torch.cuda.synchronize()
+        if not NO_CACHING:
+            graph = torch.cuda.CUDAGraph()
+            x_static = x.clone()
+            with torch.cuda.graph(graph):
+                runs.append(_chain(step, x_static))
+            graph.replay()
+            torch.cuda.synchronize()
     finally:
         set_pdl(previous)
     assert torch.isfinite(off).all()
-    for run in runs + [captured]:
+    for run in runs:
         assert torch.equal(run, off)
     return off
 
