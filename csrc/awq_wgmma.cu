@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   // while the x image kernel (and whatever ran before it) finishes; the x image, the grouped form's expert ids, out,
   // partials and tickets are read or written only after the wait.
   if constexpr (!GROUPED) {
-    if (tid == 0) {
+    if (tid == 0 && first.c_end > first.c_begin) {  // an empty K slice (e.g. 9 chunks in 6 slices) has no words
       const Tile tl = tile_at(first.pid);
       const int n = min(first.c_end - first.c_begin, 2 * kStages);
       for (int i = 0; i < tl.valid_cbs; ++i)
@@ -398,7 +398,6 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
             load_stage(tl, c, it % kStages);
           }
         }
-        pdl::launch_dependents();  // the block's last loads are issued (see the consumers' call)
       }
       return;  // the consumers sync among themselves from here on (consumer_sync)
     }
@@ -521,7 +520,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       if (s.c_end > s.c_begin) ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
     base += static_cast<unsigned>(s.c_end - s.c_begin);
     // PDL: the next kernel may launch once every block is past its main loop (as in awq_mma.cu: earlier, a next
-    // GEMM's prefetched weights would be evicted by this one's stream before their use).
+    // GEMM's prefetched weights would be evicted by this one's stream before their use). Not from the producer, whose
+    // last loads go out kStages chunks before that: the first call by any thread of a block counts for the block.
     if (u >= u_end) pdl::launch_dependents();
 
     // acc[i][4 j + e]: column 64 cb + 16 (tq TW + i) + g + 8 (e / 2), row m0 + 8 j + 2 t + (e % 2)

@@ -20,13 +20,22 @@ namespace torchforge {
 namespace pdl {
 
 // Waits until the kernels this one depends on have finished and their writes are visible.
-__device__ __forceinline__ void wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// (No-ops in a device pass for an architecture before sm_90, where these instructions do not exist: setup.py's
+// TORCHFORGE_CUDA_ARCH builds for other GPUs, which launch without the attribute anyway.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define TORCHFORGE_PDL_ASM(...)
+#else
+#define TORCHFORGE_PDL_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+__device__ __forceinline__ void wait() { TORCHFORGE_PDL_ASM("griddepcontrol.wait;" ::: "memory"); }
 // Lets the next kernel in the stream launch (if it was launched with PDL) once every block of this one has called it
 // or exited. Safe at any point: the next kernel still waits for this one's completion before touching its data.
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void launch_dependents() {
+  TORCHFORGE_PDL_ASM("griddepcontrol.launch_dependents;" ::: "memory");
+}
 // Asks for `bytes` (a multiple of 16, 16-byte aligned) from global memory into L2; one instruction, no completion.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  TORCHFORGE_PDL_ASM("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // When the launchers below set the attribute (defined in ops.cpp): level 0 never; 1 (the default) only on a kernel

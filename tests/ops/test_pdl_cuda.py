@@ -134,3 +134,82 @@ def test_moe_decode_chain():
 
     x = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
     _same_bits_at_every_level(step, x)
+
+
+# A predecessor that lets the next kernel launch at once (griddepcontrol.launch_dependents at its start) and touches
+# memory only ~50 us later: a kernel of ours that read its input, or wrote its output, before its griddepcontrol.wait
+# sees the stale input or has its output overwritten, deterministically (the chains above race only with the last
+# microseconds of the kernel before).
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
+
+    @triton.jit
+    def _late_copy_kernel(src, dst, n, delay_ns, BLOCK: tl.constexpr):
+        gdc_launch_dependents()
+        t = globaltimer()
+        end = t + delay_ns
+        while t < end:
+            t = globaltimer()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+except ImportError:  # a Triton without griddepcontrol
+    _late_copy_kernel = None
+
+
+def _late_copy(src, dst, delay_ns=50_000):
+    if _late_copy_kernel is None:
+        pytest.skip("needs Triton's gdc_launch_dependents")
+    n = src.numel()
+    torch.cuda._sleep(2_000_000)  # the GPU idles while the host queues the copy and the next op behind it
+    _late_copy_kernel[(triton.cdiv(n, 1024),)](src, dst, n, delay_ns, BLOCK=1024)
+
+
+def _waits_for_a_late_predecessor(step, x):
+    """Level 2 (the op's first kernel launched with PDL) after _late_copy: the same bits as without PDL."""
+    previous = set_pdl(0)
+    try:
+        expected = step(x)
+        set_pdl(2)
+        stale = torch.full_like(x, float("nan"))
+        _late_copy(x, stale)  # read after wait: x; before: NaN
+        assert torch.equal(step(stale), expected)
+        # write after wait: the late copy reads `src` (freed, so the op's output may take its block) before it
+        src = torch.randn_like(expected)
+        keep, ptr, dst = src.clone(), src.data_ptr(), torch.empty_like(src)
+        _late_copy(src, dst)
+        del src
+        out = step(x)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+        if out.data_ptr() == ptr:  # (the caching allocator's choice; otherwise only the read is checked)
+            assert torch.equal(dst, keep)
+    finally:
+        set_pdl(previous)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_decode_kernel_waits_for_a_late_predecessor(m):
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_tickets
+
+    n, G = 1024, 128
+    _, mma, s, z = _square(n, G, seed=m)
+    tickets = mma_tickets(n, mma.device)
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for splits in (1, 4):
+        _waits_for_a_late_predecessor(
+            lambda x: launch_awq_mma_cuda(x, mma, s, z, G, splits=splits, tickets=tickets), x)
+
+
+@pytest.mark.parametrize("config", [(64, 2, 0, 8, True, 0), (128, 2, 3, 8, True, 0), (64, 2, 1, 8, False, 0)])
+def test_wgmma_kernel_waits_for_a_late_predecessor(config):
+    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    n, G = 1024, 128
+    _, mma, s, z = _square(n, G)
+    tickets = mma_tickets(n, mma.device)
+    x = torch.randn(200, n, device="cuda", dtype=torch.bfloat16)
+    _waits_for_a_late_predecessor(lambda x: launch_awq_wgmma_cuda(x, mma, s, z, G, config=config, tickets=tickets), x)

@@ -28,6 +28,13 @@ def _tickets_to_qweight_device(module: nn.Module, incompatible_keys) -> None:
 
 def rezero_mma_tickets(module: nn.Module) -> None:
     t = module._buffers.get("mma_tickets")
-    if t is not None and t.device.type != "meta":
-        # a new tensor, not zero_(): a buffer made under torch.inference_mode cannot be written in place outside it
+    if t is None or t.device.type == "meta":
+        return
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        # a buffer made under torch.inference_mode cannot be written in place outside it: a new one
         module._buffers["mma_tickets"] = torch.zeros_like(t)
+    else:
+        # in place: a no-op move or cast (.to(same device), .float()) keeps the buffer, and a CUDA graph captured
+        # before it keeps a live address (a replaced buffer is freed, and the graph's kernels would count tickets in
+        # whatever memory the allocator hands out next)
+        t.zero_()

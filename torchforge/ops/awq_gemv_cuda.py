@@ -18,6 +18,8 @@ from torchforge.ops._check import check
 __all__ = ["cuda_gemv_config", "cuda_gemv_ok", "launch_awq_gemv_cuda", "register_fake"]
 
 _SMS_H100 = 132
+_MAX_SPLITS = 65535  # ops.cpp: the K slices are grid dimension y
+_MAX_DIM = 1 << 30  # ops.cpp: K and N must be < 2^30
 
 
 def cuda_gemv_config(k: int, n: int, group_size: int) -> tuple[int, int]:
@@ -28,10 +30,10 @@ def cuda_gemv_config(k: int, n: int, group_size: int) -> tuple[int, int]:
     tiles = -(-n // 256)
     for rows in (32, 16):
         if group_size % rows == 0 and k % rows == 0:
-            splits = max(1, -(-(k // rows) // 32))
+            splits = min(_MAX_SPLITS, max(1, -(-(k // rows) // 32)))  # more slices: the op raises
             if tiles * splits >= 2 * _SMS_H100 or rows == 16:
                 return splits, rows
-    return max(1, -(-(k // 16) // 32)), 16
+    return min(_MAX_SPLITS, max(1, -(-(k // 16) // 32))), 16
 
 
 def cuda_gemv_ok(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -43,7 +45,7 @@ def cuda_gemv_ok(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, gro
     from torchforge.ops._ext import has_cuda_ext
 
     k, np_ = qweight.shape
-    if group_size % 16 or np_ % 4:
+    if group_size % 16 or np_ % 4 or not (k < _MAX_DIM and np_ * 8 < _MAX_DIM):  # the op's limits: else it raises
         return False
     splits, _ = cuda_gemv_config(k, np_ * 8, group_size)
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and has_cuda_ext()

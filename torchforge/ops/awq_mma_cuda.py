@@ -100,6 +100,12 @@ def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) ->
 _MAX_X_NUMEL = 1 << 34  # ops.cpp: the kernels address x in 32-bit uint4 offsets
 
 
+def _dense_shape_ok(numel: int, k: int, n: int) -> bool:
+    """ops.cpp check_mma_dense's size limits (x smaller than 2^34 elements, K < 2^30, N < 2^22: grid dimension y is
+    N / 64); a call past them raises there instead of taking the fallback."""
+    return numel < _MAX_X_NUMEL and k < (1 << 30) and n < (1 << 22)
+
+
 def _aligned16(*tensors: Tensor) -> bool:
     """Whether each tensor starts 16 bytes into an allocation's multiple (the kernels' vector loads and bulk copies).
     Storage offsets, not data_ptr(): the body of a triton_op is traced with functional / fake tensors under
@@ -134,7 +140,8 @@ def _dense_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, gr
     from torchforge.ops._ext import has_cuda_ext
 
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0
-            and x.numel() < _MAX_X_NUMEL and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
+            and _dense_shape_ok(x.numel(), x.shape[-1], qweight_mma.shape[0] * 64)
+            and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
             and _scales_ok(x, scales)
             and all(t.is_contiguous() and t.device == x.device for t in (qweight_mma, scales, qzeros))
             and _aligned16(qweight_mma)
