@@ -310,10 +310,10 @@ def pdl_check(shapes: str, ms: str) -> list:
                 t[level] = us(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets))
                 tn[level] = us(lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets))
             set_pdl(1)
-            set_start_prefetch(False)  # the decode kernel's L2 prefetch at its start, off (level 1)
+            set_start_prefetch(0)  # the decode kernel's L2 prefetch at its start, off (level 1)
             t["np"] = us(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets))
             tn["np"] = us(lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets))
-            set_start_prefetch(True)
+            set_start_prefetch(-1)
             levels = (0, 1, 2, "np")
             out.append([shape, M, f"{bf16:.1f}", *(f"{t[v]:.1f}" for v in levels),
                         *(f"{bf16 / t[v]:.2f}x" for v in levels), f"{bf16_norm:.1f}",
@@ -321,6 +321,41 @@ def pdl_check(shapes: str, ms: str) -> list:
             print("done", shape, M, flush=True)
     L2Rotation.stop()
     set_pdl(previous)
+    return out
+
+
+def prefetch_sweep(shapes: str, ms: str) -> list:
+    """awq_mma_linear as dispatched with the decode kernel's L2 prefetch at its start by the launcher's rule and
+    forced to 0, 1 or 2 rounds of items (set_start_prefetch), back to back and after a norm-like kernel (as in
+    pdl_check), bf16 in the same run. Microseconds."""
+    from torchforge.ops._ext import set_start_prefetch
+    from torchforge.ops.awq_mma import awq_mma_linear
+    from torchforge.ops.awq_mma_cuda import mma_tickets
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+
+    out, modes = [], (-1, 0, 1, 2)
+    us = lambda fn: 1e3 * bench_graph_ms(fn, rep_ms=50)  # noqa: E731
+    try:
+        for shape in shapes.split(","):
+            OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+            mma = awq_to_mma_layout(qw)
+            L2Rotation.start(wbytes, w, qw, sc, qz, mma)
+            tickets = mma_tickets(OC, mma.device)
+            g = torch.rand(IC, device="cuda", dtype=torch.bfloat16) + 0.5
+            for M in map(int, ms.split(",")):
+                x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+                bf16 = us(lambda: torch.nn.functional.linear(x, w))
+                t, tn = {}, {}
+                for mode in modes:
+                    set_start_prefetch(mode)
+                    t[mode] = us(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets))
+                    tn[mode] = us(lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets))
+                out.append([shape, M, f"{bf16:.1f}", *(f"{t[v]:.1f}" for v in modes),
+                            *(f"{tn[v]:.1f}" for v in modes), f"{bf16 / min(t.values()):.2f}x"])
+                print("done", shape, M, flush=True)
+    finally:
+        set_start_prefetch(-1)
+        L2Rotation.stop()
     return out
 
 
@@ -443,6 +478,8 @@ def main() -> int:
                     help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
     ap.add_argument("--stream-k-check", default="",
                     help="M list: the wgmma dispatch with stream-K against the one without, then stop")
+    ap.add_argument("--prefetch-sweep", default="",
+                    help="M list: the decode kernel's L2 prefetch at its start by rule and forced to 0, 1, 2 rounds")
     ap.add_argument("--pdl-check", default="",
                     help="M list: awq_mma_linear as dispatched at PDL levels 0, 1 and 2, back to back and after a "
                          "norm kernel, bf16 in the same run (csrc/pdl.cuh)")
@@ -469,6 +506,15 @@ def main() -> int:
                               "op ms",
                               "tinygemm ms", "bf16 ms",
                               "bf16/ms", "tinygemm/ms", "rel err"], crows))
+        return 0
+    if args.prefetch_sweep:
+        rows = prefetch_sweep(args.shapes, args.prefetch_sweep)
+        print(f"device: {device_line()}")
+        print("\nawq_mma_linear as dispatched, the decode kernel's L2 prefetch at its start by rule (-1) and forced to "
+              "0, 1, 2 rounds of items, CUDA graphs, weights rotated, bf16 x, fp16 scales, us; norm: x * g before "
+              "every call, included:")
+        print(markdown_table(["W", "M", "bf16", "rule", "0", "1", "2", "rule norm", "0 norm", "1 norm", "2 norm",
+                              "bf16/best"], rows))
         return 0
     if args.pdl_check:
         prows = pdl_check(args.shapes, args.pdl_check)

@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                    float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                   int chunks_per_group, int splits, bool l2_prefetch) {
+                   int chunks_per_group, int splits, int prefetch_rounds) {
   using Tr = Traits<T>;
   constexpr int kBlockThreads = 32 * W;
   __shared__ float red[W * kRows * kPad];
@@ -89,10 +89,11 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
   // requests at once, ahead of the warps' own loads, and, with PDL (pdl.cuh), while the kernel before this one
   // finishes; x, out, partials and tickets are touched only after the wait. The launcher asks for it with one row
   // block and whole K per block only, where it measured faster (H100, twenty-second session, us with and without:
-  // 7168x7168 11.6 / 12.7 at M = 1 and 14.6 / 15.2 at 16; 18432x7168 27.3 / 28.1 at M = 1). With K slices, whose two
-  // rounds cover 43-100% of the weight, or several row blocks on the same words it was 4-10% slower (18432x7168 at
-  // M = 16 in 3 slices: 36.2 / 33.2; 4096x4096 at 16: 9.1 / 8.2; 2048x7168 at 64: 14.3 / 13.6).
-  if (l2_prefetch && threadIdx.x < 2) {
+  // 7168x7168 11.6 / 12.7 at M = 1 and 14.6 / 15.2 at 16; 18432x7168 27.3 / 28.1 at M = 1), and for at most a third
+  // of the block's items (24576x1536 at M = 1: 12 items per block, 4 warps: 8.8 us with one round, 10.2 with two,
+  // 9.3 with none). With K slices, whose two rounds cover 43-100% of the weight, or several row blocks on the same
+  // words it was 4-10% slower (18432x7168 at M = 16 in 3 slices: 36.2 / 33.2; 4096x4096 at 16: 9.1 / 8.2).
+  if (threadIdx.x < prefetch_rounds) {  // 0, 1 or 2
     const int item = threadIdx.x * workers + slice * W;  // the round's W items are contiguous
     if (item < items)
       pdl::prefetch_l2(qw + (static_cast<size_t>(cb) * chunks + item * CPG) * 128, min(W, items - item) * CPG * 2048u);
@@ -172,10 +173,15 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    cudaStream_t stream) {
   const dim3 grid((M + kRows - 1) / kRows, N / kCols, splits);
+  // The L2 prefetch at the kernel's start (see the kernel): with one row block and whole K per block only, and as many
+  // rounds of items (2 or 1) as stay within a third of the block's items.
+  const int items = K / 64 / CPG;
+  const int rounds = splits == 1 && M <= 16 ? (6 * W <= items ? 2 : 3 * W <= items ? 1 : 0) : 0;
   return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF>, true, grid, dim3(32 * W), 0, stream,
                      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
-                     tickets, M, N, K, group_size / 64, splits, pdl::start_prefetch() && splits == 1 && M <= 16);
+                     tickets, M, N, K, group_size / 64, splits,
+                     pdl::start_prefetch() >= 0 ? pdl::start_prefetch() : rounds);
 }
 
 }  // namespace awq_mma_detail

@@ -76,13 +76,17 @@ std::atomic<int>& pdl_level() {
 }
 }  // namespace
 int level() { return pdl_level().load(std::memory_order_relaxed); }
-std::atomic<bool> start_prefetch_flag{true};
-bool start_prefetch() { return start_prefetch_flag.load(std::memory_order_relaxed); }
+std::atomic<int> start_prefetch_mode{-1};
+int start_prefetch() { return start_prefetch_mode.load(std::memory_order_relaxed); }
 }  // namespace pdl
 
-// Sets whether the decode kernel prefetches its first weights into L2 at its start (csrc/awq_mma.cu); returns the
-// previous setting. For benchmarks: on by default.
-bool set_start_prefetch(bool on) { return pdl::start_prefetch_flag.exchange(on); }
+// Sets how the decode kernel prefetches its first weights into L2 at its start (csrc/awq_mma.cu, pdl.cuh): -1 (the
+// default) by its launcher's rule, else 0, 1 or 2 rounds of items on every launch; returns the previous mode.
+int64_t set_start_prefetch(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 2, "set_start_prefetch: mode must be -1 (the launcher's rule), 0, 1 or 2, got ",
+              std::to_string(mode));
+  return pdl::start_prefetch_mode.exchange(static_cast<int>(mode));
+}
 
 // Sets when the CUDA launchers use programmatic dependent launch (csrc/pdl.cuh: 0, 1 or 2); returns the previous
 // level. Launches already captured in a CUDA graph keep the level they were captured with.
@@ -582,7 +586,7 @@ at::Tensor awq_wgmma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, co
 
 TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def("set_pdl(int level) -> int", &torchforge::set_pdl);
-  m.def("set_start_prefetch(bool on) -> bool", &torchforge::set_start_prefetch);
+  m.def("set_start_prefetch(int mode) -> int", &torchforge::set_start_prefetch);
   m.def(
       "awq_quantize_cuda(Tensor weight, int group_size, bool symmetric) -> (Tensor, Tensor, "
       "Tensor)");

@@ -43,9 +43,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 // on the first kernel of an op, after whatever ran before it. TORCHFORGE_PDL=0/1/2 in the environment sets it when the
 // extension loads; the op torchforge::set_pdl changes it at run time (benchmarks time the levels).
 int level();
-// Whether the decode kernel prefetches its first weights into L2 at its start (default true; the op
-// torchforge::set_start_prefetch turns it off for benchmarks that time both).
-bool start_prefetch();
+// How many rounds of items the decode kernel prefetches into L2 at its start: -1 (the default) its launcher's rule,
+// 0, 1 or 2 on every launch (the op torchforge::set_start_prefetch, for benchmarks that time them).
+int start_prefetch();
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute where the level asks for it; first_of_op:
 // the op's first kernel (its predecessor is another op's).

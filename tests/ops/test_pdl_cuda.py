@@ -86,9 +86,13 @@ def test_decode_kernel_chain(m, dtype):
     out = _same_bits_at_every_level(step, x)
     expected = x.double() @ dequant_independent(qw, s, z, G).T.double()
     assert (out[0].double() - expected).norm() / expected.norm() < 4e-3
-    previous = set_start_prefetch(False)  # the L2 prefetch at the kernel's start is a hint: the same bits without
+    previous = set_start_prefetch(0)  # the L2 prefetch at the kernel's start is a hint: the same bits without
     try:
-        assert torch.equal(_chain(step, x), out)
+        for rounds in (0, 1, 2):  # and with it forced where the launcher's rule leaves it out
+            set_start_prefetch(rounds)
+            assert torch.equal(_chain(step, x), out)
+        with pytest.raises(RuntimeError, match="mode must be -1"):
+            set_start_prefetch(3)
     finally:
         set_start_prefetch(previous)
     # the prefetching loop (one block per SM at most, whole K): its L2 prefetch covers two rounds of items

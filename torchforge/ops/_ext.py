@@ -49,12 +49,13 @@ def set_pdl(level: int) -> int:
     return int(torch.ops.torchforge.set_pdl(int(level)))
 
 
-def set_start_prefetch(on: bool) -> bool:
-    """Whether the decode kernel (csrc/awq_mma.cu) asks for its first weights into L2 at its start, ahead of its warps'
-    own loads, where its launcher takes it (one row block, whole K per block). On by default; for benchmarks that time
-    both. Returns the previous setting (False without the extension)."""
+def set_start_prefetch(mode: int = -1) -> int:
+    """How the decode kernel (csrc/awq_mma.cu) asks for its first weights into L2 at its start, ahead of its warps'
+    own loads: -1 (the default) by its launcher's rule (two rounds of items with one row block and whole K per block,
+    else none), or 0, 1 or 2 rounds on every launch, for benchmarks that time them. Returns the previous mode (0
+    without the extension)."""
     if not has_cuda_ext():
-        return False
+        return 0
     import torch
 
-    return bool(torch.ops.torchforge.set_start_prefetch(bool(on)))
+    return int(torch.ops.torchforge.set_start_prefetch(int(mode)))
