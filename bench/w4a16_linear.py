@@ -278,63 +278,15 @@ def stream_k_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
     return out
 
 
-def pdl_check(shapes: str, ms: str) -> list:
-    """awq_mma_linear as dispatched at the three levels of programmatic dependent launch (csrc/pdl.cuh: 0 off, 1 within
-    an op, 2 every launch), bf16 in the same run. Back to back (each call right after the previous one, as every other
-    table here times it: at level 2 a call overlaps the end of the call before) and after a norm-like kernel (x * g,
-    one torch elementwise kernel without PDL, before every call, as an RMSNorm precedes a projection in a model; at
-    level 2 the call may launch as that kernel's blocks exit and prefetch its first weights while it drains). The
-    norm columns include that kernel's time, for bf16 too. `np`: level 1 with the decode kernel's L2 prefetch at its
-    start turned off (set_start_prefetch). Microseconds."""
-    from torchforge.ops._ext import set_pdl, set_start_prefetch
+def _mma_call_cases(shapes: str, ms: str):
+    """(shape, M, us) for each shape and M, the weights rotated: us(kind) is the CUDA-graph time in microseconds of a
+    bf16 F.linear ("bf16") or awq_mma_linear as dispatched ("op"), each also after a norm-like kernel ("bf16 norm",
+    "op norm": x * g, one torch elementwise kernel without PDL, before every call, its time included), under
+    whatever launch settings the caller has made."""
     from torchforge.ops.awq_mma import awq_mma_linear
     from torchforge.ops.awq_mma_cuda import mma_tickets
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
 
-    out = []
-    previous = set_pdl(1)
-    us = lambda fn: 1e3 * bench_graph_ms(fn, rep_ms=50)  # noqa: E731
-    for shape in shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
-        mma = awq_to_mma_layout(qw)
-        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
-        tickets = mma_tickets(OC, mma.device)
-        g = torch.rand(IC, device="cuda", dtype=torch.bfloat16) + 0.5
-        for M in map(int, ms.split(",")):
-            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
-            bf16 = us(lambda: torch.nn.functional.linear(x, w))
-            bf16_norm = us(lambda: torch.nn.functional.linear(x * g, w))
-            t, tn = {}, {}
-            for level in (0, 1, 2):
-                set_pdl(level)
-                t[level] = us(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets))
-                tn[level] = us(lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets))
-            set_pdl(1)
-            set_start_prefetch(0)  # the decode kernel's L2 prefetch at its start, off (level 1)
-            t["np"] = us(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets))
-            tn["np"] = us(lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets))
-            set_start_prefetch(-1)
-            levels = (0, 1, 2, "np")
-            out.append([shape, M, f"{bf16:.1f}", *(f"{t[v]:.1f}" for v in levels),
-                        *(f"{bf16 / t[v]:.2f}x" for v in levels), f"{bf16_norm:.1f}",
-                        *(f"{tn[v]:.1f}" for v in levels), *(f"{bf16_norm / tn[v]:.2f}x" for v in levels)])
-            print("done", shape, M, flush=True)
-    L2Rotation.stop()
-    set_pdl(previous)
-    return out
-
-
-def prefetch_sweep(shapes: str, ms: str) -> list:
-    """awq_mma_linear as dispatched with the decode kernel's L2 prefetch at its start by the launcher's rule and
-    forced to 0, 1 or 2 rounds of items (set_start_prefetch), back to back and after a norm-like kernel (as in
-    pdl_check), bf16 in the same run. Microseconds."""
-    from torchforge.ops._ext import set_start_prefetch
-    from torchforge.ops.awq_mma import awq_mma_linear
-    from torchforge.ops.awq_mma_cuda import mma_tickets
-    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
-
-    out, modes = [], (-1, 0, 1, 2)
-    us = lambda fn: 1e3 * bench_graph_ms(fn, rep_ms=50)  # noqa: E731
     try:
         for shape in shapes.split(","):
             OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
@@ -344,18 +296,62 @@ def prefetch_sweep(shapes: str, ms: str) -> list:
             g = torch.rand(IC, device="cuda", dtype=torch.bfloat16) + 0.5
             for M in map(int, ms.split(",")):
                 x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
-                bf16 = us(lambda: torch.nn.functional.linear(x, w))
-                t, tn = {}, {}
-                for mode in modes:
-                    set_start_prefetch(mode)
-                    t[mode] = us(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets))
-                    tn[mode] = us(lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets))
-                out.append([shape, M, f"{bf16:.1f}", *(f"{t[v]:.1f}" for v in modes),
-                            *(f"{tn[v]:.1f}" for v in modes), f"{bf16 / min(t.values()):.2f}x"])
+                fns = {"bf16": lambda: torch.nn.functional.linear(x, w),
+                       "bf16 norm": lambda: torch.nn.functional.linear(x * g, w),
+                       "op": lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets),
+                       "op norm": lambda: awq_mma_linear(x * g, mma, sc, qz, G, tickets=tickets)}
+                yield shape, M, lambda kind: 1e3 * bench_graph_ms(fns[kind], rep_ms=50)
                 print("done", shape, M, flush=True)
     finally:
-        set_start_prefetch(-1)
         L2Rotation.stop()
+
+
+def pdl_check(shapes: str, ms: str) -> list:
+    """awq_mma_linear as dispatched at the three levels of programmatic dependent launch (csrc/pdl.cuh: 0 off, 1 within
+    an op, 2 every launch), bf16 in the same run. Back to back (each call right after the previous one, as every other
+    table here times it: at level 2 a call overlaps the end of the call before) and after a norm-like kernel (as an
+    RMSNorm precedes a projection in a model; at level 2 the call may launch as that kernel's blocks exit and prefetch
+    its first weights while it drains). `np`: level 1 with the decode kernel's L2 prefetch at its start turned off
+    (set_start_prefetch). Microseconds."""
+    from torchforge.ops._ext import set_pdl, set_start_prefetch
+
+    out, levels = [], (0, 1, 2, "np")
+    previous = set_pdl(1)
+    try:
+        for shape, M, us in _mma_call_cases(shapes, ms):
+            bf16, bf16_norm = us("bf16"), us("bf16 norm")
+            t, tn = {}, {}
+            for level in levels:
+                set_pdl(1 if level == "np" else level)
+                set_start_prefetch(0 if level == "np" else -1)
+                t[level], tn[level] = us("op"), us("op norm")
+            out.append([shape, M, f"{bf16:.1f}", *(f"{t[v]:.1f}" for v in levels),
+                        *(f"{bf16 / t[v]:.2f}x" for v in levels), f"{bf16_norm:.1f}",
+                        *(f"{tn[v]:.1f}" for v in levels), *(f"{bf16_norm / tn[v]:.2f}x" for v in levels)])
+    finally:
+        set_pdl(previous)
+        set_start_prefetch(-1)
+    return out
+
+
+def prefetch_sweep(shapes: str, ms: str) -> list:
+    """awq_mma_linear as dispatched with the decode kernel's L2 prefetch at its start by the launcher's rule and
+    forced to 0, 1 or 2 rounds of items (set_start_prefetch), back to back and after a norm-like kernel (as in
+    pdl_check), bf16 in the same run. Microseconds."""
+    from torchforge.ops._ext import set_start_prefetch
+
+    out, modes = [], (-1, 0, 1, 2)
+    try:
+        for shape, M, us in _mma_call_cases(shapes, ms):
+            bf16 = us("bf16")
+            t, tn = {}, {}
+            for mode in modes:
+                set_start_prefetch(mode)
+                t[mode], tn[mode] = us("op"), us("op norm")
+            out.append([shape, M, f"{bf16:.1f}", *(f"{t[v]:.1f}" for v in modes),
+                        *(f"{tn[v]:.1f}" for v in modes), f"{bf16 / min(t.values()):.2f}x"])
+    finally:
+        set_start_prefetch(-1)
     return out
 
 
