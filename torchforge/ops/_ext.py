@@ -39,8 +39,8 @@ def set_pdl(level: int) -> int:
     """When the compiled CUDA kernels launch with programmatic dependent launch (csrc/pdl.cuh: a kernel may start
     while the one before it drains, its first weights prefetched into L2): 0 never; 1 (the default) within an op only
     (the wgmma kernel after its x image kernel); 2 on every launch, the first kernel of each op too (decode, wgmma and
-    MoE decode kernels after whatever ran before). `TORCHFORGE_PDL=0/1/2` in the environment sets it when the
-    extension loads. Returns the previous level (0, and nothing changes, without the extension). CUDA graphs keep the
+    MoE decode kernels after whatever ran before). `TORCHFORGE_PDL=0/1/2` in the environment sets it, read once at
+    the first launch or call here (any other value: 1). Returns the previous level (0, and nothing changes, without the extension). CUDA graphs keep the
     level they were captured with."""
     if not has_cuda_ext():
         return 0
