@@ -41,7 +41,7 @@
 //   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
 // * K slices as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for every tile or
 //   only for those of a last, nearly empty round of blocks (dp_tiles, see launch), whose blocks come first in the grid.
-// * Stream-K (splits 0): one block per SM, each on an equal share of the (tile, chunk) units, its producer running on
+// * Stream-K (splits 0): one block per SM, each on an equal share of the (tile, pair of chunks) units, its producer running on
 //   from one tile to the next. At 64 rows on 18432x7168 (72 tiles of (64, 2) for 132 SMs) the K-sliced grid left a
 //   quarter of the SMs' time idle (ncu, twenty-first session: 85k of 113k cycles active) and refilled the ring once
 //   per block; stream-K took 0.056 ms against 0.065 (BENCHMARKS.md, twenty-first session).
@@ -198,7 +198,7 @@ struct Grouped {
   int E;
 };
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
@@ -236,15 +236,21 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   // A block's work is a list of segments: a tile (pid) and its chunks [c_begin, c_end).
   // * K slices (splits >= 1): one segment. The grid's first sliced_tiles x splits blocks run tiles [whole_tiles,
   //   whole_tiles + sliced_tiles) in K slices (slice-major), the rest tiles [0, whole_tiles) whole (see launch).
-  // * Stream-K (splits == 0, WS only): the grid (one block per SM) shares the units (tile, chunk) evenly, in tile-major
-  //   order: block b runs units [U b / G, U (b + 1) / G). Its segments are the tail of a tile, whole tiles, and the
-  //   head of another. The producer runs on across them, so the ring is filled once per block, not once per tile, and
-  //   no SM idles through a last, partial round of tiles.
-  // (awq_wgmma_launch runs whole tiles without WS; grouped: one segment)
-  const bool stream_k = WS && !GROUPED && splits == 0;
+  // * Stream-K (SK: splits == 0, WS, an even number of chunks): the grid (one block per SM) shares the units (tile,
+  //   pair of chunks) evenly, in tile-major order: block b runs units [U b / G, U (b + 1) / G). Its segments are the
+  //   tail of a tile, whole tiles, and the head of another. The producer runs on across them, so the ring is filled
+  //   once per block, not once per tile, and no SM idles through a last, partial round of tiles.
+  //   Units are pairs so that every segment is a whole number of the consumers' two-chunk steps: a lone last chunk
+  //   after that loop, inside the loop over segments, made ptxas serialize every wgmma of (128, 2) for want of
+  //   registers (C7512; the A buffer it reused could not be proven free), which cost its whole-tile and stream-K
+  //   calls 10-20% from the twenty-first session until the twenty-third.
+  // (awq_wgmma_launch runs whole tiles without WS or with an odd number of chunks; grouped: one segment)
+  static_assert(!SK || (WS && !GROUPED), "stream-K is built into the dense warp-specialized kernel only");
+  constexpr bool stream_k = SK;
+  const int pairs = chunks / 2;  // stream-K's units per tile
   // Unit math (ops.cpp checks units < 2^31): u0(b) = U b / G = q b + r b / G. r b < G^2 passes 2^31 from G = 46342
   // blocks (a caller's dp_tiles may ask for up to one block per unit), so that product is taken in 64 bits.
-  const int units = stream_k ? mblocks * ncols * chunks : 1;
+  const int units = stream_k ? mblocks * ncols * pairs : 1;
   const int uq = units / grid, ur = units % grid;
   auto block_start = [&](int b) { return uq * b + static_cast<int>(static_cast<long long>(ur) * b / grid); };
   const int u_begin = stream_k ? block_start(bid) : 0;
@@ -260,10 +266,10 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   auto next_segment = [&](int& u, Segment& s) {
     if (u >= u_end) return false;
     if (stream_k) {
-      s.pid = u / chunks;
-      s.c_begin = u - s.pid * chunks;
-      s.c_end = min(chunks, s.c_begin + (u_end - u));
-      u += s.c_end - s.c_begin;
+      s.pid = u / pairs;
+      s.c_begin = 2 * (u - s.pid * pairs);
+      s.c_end = min(chunks, s.c_begin + 2 * (u_end - u));
+      u += (s.c_end - s.c_begin) / 2;
     } else {  // K slices: possibly empty (then its partials are zeros)
       const int slices = sliced ? splits : 1;
       const int per_split = (chunks + slices - 1) / slices;
@@ -280,7 +286,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   auto block_of = [&](int u) {
     return static_cast<int>((static_cast<long long>(u + 1) * grid - 1) / units);
   };
-  auto first_tile = [&](int b) { return block_start(b) / chunks; };
+  auto first_tile = [&](int b) { return block_start(b) / pairs; };
 
   // What a tile's stages and threads need: row block mb and column block group cbg (row blocks walk in groups of
   // group_m, so that the blocks running together share x and the weight in L2), this warpgroup's tile set tq, the x
@@ -509,7 +515,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       chunk(c, a0);
       chunk(c + 1, a1);
     }
-    if (c < s.c_end) chunk(c, a0);
+    if constexpr (!SK)  // (stream-K segments are whole pairs, see above)
+      if (c < s.c_end) chunk(c, a0);
     wgmma::wait<0>();
 #pragma unroll
     for (int i = 0; i < TW; ++i)
@@ -545,8 +552,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     // b_first + j's.
     int parts = sliced ? splits : 1, my_part = slice, ticket = slot, b_first = 0;
     if (stream_k) {
-      b_first = block_of(s.pid * chunks);
-      parts = block_of(s.pid * chunks + chunks - 1) - b_first + 1;
+      b_first = block_of(s.pid * pairs);
+      parts = block_of(s.pid * pairs + pairs - 1) - b_first + 1;
       my_part = bid - b_first;
       ticket = s.pid;
     }
@@ -641,11 +648,11 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
   reinterpret_cast<uint4*>(img)[piece] = v;
 }
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1) {
-  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED>;
+  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK>;
   constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
   int dev = 0;
@@ -668,10 +675,11 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   // slice still run a whole tile after it, so the slices' partials and reduction stay on the critical path. Two
   // launches (whole tiles, then the slices) measured 2-4 us slower: 0.148 against 0.144-0.146 ms at 256 rows on
   // 18432x7168 (eleventh and twelfth sessions).
-  // splits == 0 (stream-K, WS only): dp_tiles blocks share the tiles' chunks (at most one block per chunk).
-  const int sliced = splits > 1 ? tiles - dp_tiles : 0;
+  // SK (splits == 0): dp_tiles blocks share the tiles' pairs of chunks (at most one block per pair).
+  static_assert(!SK || WS, "stream-K runs on the warp-specialized kernel");
+  const int sliced = !SK && splits > 1 ? tiles - dp_tiles : 0;
   const int whole = tiles - sliced;
-  const int blocks = splits == 0 ? std::min(dp_tiles, tiles * (K / 64)) : sliced * splits + whole;
+  const int blocks = SK ? std::min(dp_tiles, tiles * (K / 128)) : sliced * splits + whole;
   return pdl::launch(kernel, false, dim3(blocks), dim3(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)), smem, stream,
                      static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
@@ -681,14 +689,15 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
 // with a producer warpgroup starts at 168 registers (384 x 168 = 128 x 24 + 256 x 240), as ptxas builds it today.
 // A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
-template <typename T, typename S, int BM, int TW, bool GROUPED = false>
+template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false>
 bool producer_pool_ok() {
   if constexpr (kGroups<TW> == 1) return true;  // a producer warp: no setmaxnreg
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
-    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED>) == cudaSuccess ? attr.numRegs
-                                                                                                 : 0;
+    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK>) == cudaSuccess
+               ? attr.numRegs
+               : 0;
   }
   return regs * (kThreads<TW> + kProducerThreads<TW>) >=
          kProducerThreads<TW> * kProducerRegs + kThreads<TW> * kConsumerRegs;
@@ -733,13 +742,17 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
     using S = decltype(sv);
     auto run = [&](auto bm, auto tw) {
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
+      // Stream-K needs the producer and whole pairs of chunks (see the kernel); otherwise splits 0 runs whole tiles
+      // (the dispatch's config must not turn into an error; ops.cpp refuses splits 0 without producer_warp itself).
+      if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())
+        return launch<T, S, BM, TW, true, false, true>(x, x_image, qweight, scales, qzeros, bias, out, partial,
+                                                       tickets, m, n, k, gs, 0, gm, dp, stream);
+      const int whole_s = s == 0 ? 1 : s, whole_dp = s == 0 ? 0 : dp;
       if (producer_warp && producer_pool_ok<T, S, BM, TW>())
         return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                          gs, s, gm, dp, stream);
-      // Stream-K runs on the producer only: where a build lacks its register pool, whole tiles (the dispatch's
-      // config must not turn into cudaErrorNotSupported; ops.cpp refuses splits 0 without producer_warp itself).
+                                          gs, whole_s, gm, whole_dp, stream);
       return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                         gs, s == 0 ? 1 : s, gm, s == 0 ? 0 : dp, stream);
+                                         gs, whole_s, gm, whole_dp, stream);
     };
     using std::integral_constant;
     if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});

@@ -455,7 +455,8 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 // result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
 // group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses);
 // dp_tiles > 0 (with splits > 1): tiles [0, dp_tiles) run whole and only the rest in K slices (their blocks first).
-// splits == 0 (with producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' chunks evenly.
+// splits == 0 (with producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' pairs of chunks evenly;
+// with an odd K / 64 (group_size 64) the kernel runs whole tiles instead.
 // Optional `tickets`: int32 zeros, at least as many as the sliced tiles (stream-K: as the tiles; awq_mma_cuda's kept
 // buffer is enough for every configuration up to 512 rows), left zero; without, a fresh zeroed buffer costs a memset
 // kernel per call.
@@ -493,12 +494,12 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
   if (M == 0 || N == 0) return out;
   const int64_t tiles = awq_wgmma_tiles(M, N, block_m, tile_set);
   TORCH_CHECK(tiles < (int64_t{1} << 31), op + "too many blocks: " + i2s(tiles));
-  if (splits == 0) {  // stream-K: dp_tiles is the number of blocks (0: one per SM), at most one per chunk of work
+  if (splits == 0) {  // stream-K: dp_tiles is the number of blocks (0: one per SM), at most one per pair of chunks
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
     TORCH_CHECK(tiles * (K / 64) < (int64_t{1} << 31), op + "too many chunks of work for stream-K: " +
                                                             i2s(tiles * (K / 64)) + "; use splits >= 1");
-    dp_tiles = std::min(dp_tiles > 0 ? dp_tiles : sms, tiles * (K / 64));
+    dp_tiles = std::min(dp_tiles > 0 ? dp_tiles : sms, std::max<int64_t>(1, tiles * (K / 128)));
   }
   TORCH_CHECK(splits == 0 || (dp_tiles >= 0 && dp_tiles < tiles),
               op + "dp_tiles must be in [0, " + i2s(tiles) + ") (the blocks of this call), got " + i2s(dp_tiles));

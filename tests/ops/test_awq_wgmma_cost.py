@@ -113,8 +113,8 @@ class TestDispatchTable(expecttest.TestCase):
             lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>8}" for c in cells))
         self.assertExpectedInline("\n".join(lines), """\
       rows       32       48       56       64       72       96      128      129      160      192      256      384      512      513
-18432x7168        -  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/sk  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/4t        -
- 7168x7168        -        -   64x2/4   64x2/4  64x2/sk  64x2/sk  64x2/sk  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk    128x2        -
+18432x7168        -  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/sk 128x2/sk 128x2/sk 128x2/sk 128x2/sk    128x2 128x2/4t        -
+ 7168x7168        -        -   64x2/4   64x2/4        -  128x2/4  128x2/4  64x2/sk  64x2/sk  64x2/sk    256x1 128x2/sk    128x2        -
 14336x4096        -        -   64x2/2   64x2/2  128x2/2  128x2/2  128x2/2    128x2    128x2    128x2    128x2 128x2/sk    128x2        -
 4096x14336        -        -        -        -        -   64x2/4   64x2/4  64x2/sk  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk        -
  4096x4096        -        -        -        -        -        -        -        -        -        -        -        -    256x1        -""")
@@ -130,6 +130,9 @@ def test_stream_k():
     assert wgmma_stream_k_time_us(64, 7168, 7168, (64, 2)) == float("inf")  # past STREAM_K_MAX_PARTS
     assert wgmma_stream_k_time_us(64, 4096, 14336, (64, 2)) == float("inf")  # under STREAM_K_MIN_CHUNKS
     assert wgmma_stream_k_time_us(256, 7168, 18432, (256, 1)) == float("inf")  # no fit for this shape
+    # 111 chunks: stream-K's units are pairs of chunks, so the kernel would run whole tiles
+    assert wgmma_stream_k_time_us(64, 7104, 18432, (64, 2)) == float("inf")
+    assert best_wgmma_config(64, 7104, 18432)[0][2] != 0
     # no rows, or K under one chunk: no units (launch_awq_wgmma_cuda without a config asks for x of 0 rows too)
     assert wgmma_stream_k_time_us(0, 7168, 18432, (64, 2)) == float("inf")
     assert wgmma_stream_k_time_us(64, 32, 18432, (64, 2)) == float("inf")

@@ -322,9 +322,9 @@ def test_contiguous_but_misaligned_x_is_copied(m):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("blocks", [0, 5, 37, 10_000])
 def test_stream_k_one_hot_rows_give_the_weights_bit_exact(shape, blocks):
-    """Stream-K (splits 0): the blocks share the tiles' chunks evenly (0: one block per SM; 5: each runs the tail of
-    one tile, whole tiles and the head of another; 10 000, capped at one block per chunk: every tile in one-chunk
-    parts). Each output of one-hot rows is a single weight, however its tile was cut: the bits of the weight, so a
+    """Stream-K (splits 0): the blocks share the tiles' pairs of chunks evenly (0: one block per SM; 5: each runs the
+    tail of one tile, whole tiles and the head of another; 10 000, capped at one block per pair: every tile in
+    two-chunk parts). Each output of one-hot rows is a single weight, however its tile was cut: the bits of the weight, so a
     part that is lost, added twice or written to another tile's place shows."""
     k, n, G = 768, 640, 128
     qw, mma, s, z = _case(k, n, G, sym=False, seed=21)
@@ -343,11 +343,13 @@ def test_stream_k_one_hot_rows_give_the_weights_bit_exact(shape, blocks):
 
 @pytest.mark.parametrize("shape", [(64, 2), (128, 2), (256, 1)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_stream_k_matches_dequantized_matmul(shape, dtype):
-    """Random x, a bias and fp16 scales (split with bf16 x), K = 2048 in groups of 64, 320 columns (a partial group
-    of column blocks): within the dtype's tolerance of the float64 product, deterministic (parts are added in block
-    order, not arrival order), and close to the whole-tile result."""
-    k, n, G = 2048, 320, 64
+@pytest.mark.parametrize("k", [2048, 1984])
+def test_stream_k_matches_dequantized_matmul(shape, dtype, k):
+    """Random x, a bias and fp16 scales (split with bf16 x), K = 2048 or 1984 in groups of 64, 320 columns (a
+    partial group of column blocks): within the dtype's tolerance of the float64 product, deterministic (parts are
+    added in block order, not arrival order), and close to the whole-tile result. 1984 is 31 chunks: stream-K's units
+    are pairs, so that call runs whole tiles, with the same bits as splits 1."""
+    n, G = 320, 64
     qw, mma, s, z = _case(k, n, G, sym=False, seed=23)
     torch.manual_seed(24)
     x = torch.randn(shape[0] + 70, k, device="cuda", dtype=dtype)
@@ -360,21 +362,23 @@ def test_stream_k_matches_dequantized_matmul(shape, dtype):
         assert torch.equal(out, op(x, mma, s, z, G, b, 0, shape[0], shape[1], 8, True, blocks))
     whole = op(x, mma, s, z, G, b, 1, shape[0], shape[1], 8, True)
     assert ((out.float() - whole.float()).norm() / whole.float().norm()) < 1e-2
+    if k // 64 % 2:
+        assert torch.equal(out, whole)
 
 
 def test_stream_k_past_46341_blocks():
     """u0(b) = U b / G = q b + r b / G: r b passes 2^31 from G = 46342 blocks, which dp_tiles may ask for (up to one
-    block per unit). 5879 rows of (64, 2) blocks on 4096x4096 are 92 x 16 tiles x 64 chunks = 94208 units; 50 000
-    blocks give q = 1, r = 44208, r b up to 2.2e9. In 32 bits 2684 units ran on no block and 2681 on two."""
+    block per unit). 11767 rows of (64, 2) blocks on 4096x4096 are 184 x 16 tiles x 32 pairs of chunks = 94208 units;
+    50 000 blocks give q = 1, r = 44208, r b up to 2.2e9. In 32 bits 2684 units ran on no block and 2681 on two."""
     k, n, G = 4096, 4096, 128
     qw, mma, s, z = _case(k, n, G, sym=False, seed=25)
     w = dequant_independent(qw, s, z, G)
     torch.manual_seed(26)
-    m = 92 * 64 - 9
+    m = 184 * 64 - 9
     ks = torch.randint(0, k, (m,), device="cuda")
     x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
     x[torch.arange(m), ks] = 1
-    tickets = torch.zeros(92 * 16, dtype=torch.int32, device="cuda")
+    tickets = torch.zeros(184 * 16, dtype=torch.int32, device="cuda")
     out = torch.ops.torchforge.awq_wgmma_cuda(x, mma, s, z, G, None, 0, 64, 2, 8, True, 50_000, tickets)
     assert torch.equal(out, w[:, ks].T.to(torch.bfloat16))
     assert not tickets.any()

@@ -246,7 +246,8 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
     (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles]), else wgmma_cuda_config. dp_tiles > 0: tiles
     [0, dp_tiles) run whole, only the rest in `splits` K slices (a last round of few tiles; their blocks first).
-    splits 0 (producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' chunks evenly.
+    splits 0 (producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' pairs of chunks evenly
+    (whole tiles where K / 64 is odd).
     `tickets`: a kept zeroed buffer (`mma_tickets`; None: the op allocates one per call with K slices)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64

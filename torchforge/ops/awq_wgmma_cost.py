@@ -55,19 +55,21 @@ SPLIT_FIXED_US = 2.0
 SPLIT_ROUND_US = 3.0
 SPLIT_US_PER_SLICE = 3.0
 SPLIT_MAX_M = 128
-# Stream-K (splits 0, twenty-first session): one block per SM, each running an equal share of the (tile, chunk) units,
-# so no SM idles through a partial last round; a tile cut between blocks costs fp32 partials and a reduction by its
-# last block, in part order. Per shape (fixed us, us per chunk per SM, us per part of a tile), fitted on 18432x7168 and
-# 7168x7168 at 64-512 rows with the weights rotated through copies (bench/common.py's L2Rotation): within 5%.
-# Those runs measured the K-sliced configurations this model picks 7% under to 25% over their estimates above
-# (fitted on unrotated weights, which 7168x7168 reads from L2), so a stream-K estimate counts as STREAM_K_MARGIN
-# times less. Up to STREAM_K_MAX_PARTS parts per tile: 7168x7168 at 64 rows cuts each tile of (64, 2) in 4.7 parts,
-# whose serial reduction made it 9% slower than 4 K slices (0.035 against 0.032 ms). At least STREAM_K_MIN_CHUNKS
-# chunks per SM: 14336x4096 at 48-64 rows (27 per SM) ran 8% slower than 2 K slices (0.035 against 0.032-0.033).
-STREAM_K_US = {(64, 2): (9.9, 0.70, 1.78), (128, 2): (13.1, 1.12, 4.0)}
+# Stream-K (splits 0, twenty-first session): one block per SM, each running an equal share of the (tile, pair of
+# chunks) units, so no SM idles through a partial last round; a tile cut between blocks costs fp32 partials and a
+# reduction by its last block, in part order. Per shape (fixed us, us per chunk per SM, us per part of a tile), fitted
+# on 18432x7168 and 7168x7168 at 64-512 rows with the weights rotated through copies (bench/common.py's L2Rotation):
+# within 6%. (128, 2) was refitted in the twenty-third session, once its wgmmas were no longer serialized (see
+# csrc/awq_wgmma.cu, "Units are pairs"). That build also brought the whole-tile and K-slice estimates above within
+# 0.91-1.12 of the rotated measurements, so stream-K's estimate is no longer divided by a margin (1.15 before, when
+# they came out 7% over to 25% under; it picked stream-K at 512 rows on 18432x7168, 0.265 ms against the tail
+# slices' 0.255). Up to STREAM_K_MAX_PARTS parts per tile: 7168x7168 at 64 rows cuts each tile of (64, 2) in 4.7
+# parts, whose serial reduction made it 9% slower than 4 K slices (0.035 against 0.032 ms). At least
+# STREAM_K_MIN_CHUNKS chunks per SM: 14336x4096 at 48-64 rows (27 per SM) ran 8% slower than 2 K slices (0.035
+# against 0.032-0.033).
+STREAM_K_US = {(64, 2): (9.9, 0.70, 1.78), (128, 2): (8.7, 1.03, 5.2)}
 STREAM_K_MAX_PARTS = 3.0
 STREAM_K_MIN_CHUNKS = 32
-STREAM_K_MARGIN = 1.15
 # The decode kernel (csrc/awq_mma.cu, up to 128 rows) dequantizes every weight once per 16 rows of x: its time steps
 # up every 16 rows by 0.16-0.18 us per million weights on all five swept shapes (18432x7168: 0.069 ms at 48 rows,
 # 0.086 at 56, 0.105 at 72, 0.135 at 96, 0.175 at 128), and is at least the time to read the int4 weight.
@@ -124,10 +126,11 @@ def wgmma_split_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: 
 
 def wgmma_stream_k_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: int = H100_SMS) -> float:
     """Estimated microseconds of stream-K on `sms` blocks (inf for shapes without a fit, past STREAM_K_MAX_PARTS
-    parts per tile, or under STREAM_K_MIN_CHUNKS chunks per SM)."""
-    if shape not in STREAM_K_US:
-        return float("inf")
+    parts per tile, under STREAM_K_MIN_CHUNKS chunks per SM, or with an odd number of chunks, where the kernel runs
+    whole tiles: its units are pairs of chunks)."""
     chunks = k // 64
+    if shape not in STREAM_K_US or chunks % 2:
+        return float("inf")
     per_sm = wgmma_blocks(m, n, shape) * chunks / sms
     if per_sm == 0:  # no rows or no chunk of 64 k: no units to share (the other estimates take these)
         return float("inf")
@@ -142,12 +145,12 @@ def wgmma_stream_k_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: 
 def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int, int, int], float]:
     """((block_m, tile_set, splits, dp_tiles), estimated us) with the least estimated time: every block shape whole
     (splits 1, dp_tiles 0), with its last round's tiles in TAIL_SPLITS slices (dp_tiles > 0), with every tile in
-    SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows), or stream-K (splits 0, dp_tiles 0: one block per SM;
-    its estimate over STREAM_K_MARGIN). Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads
-    x from L2 the fewest times), then to fewer slices."""
+    SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows), or stream-K (splits 0, dp_tiles 0: one block per SM).
+    Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times), then to
+    fewer slices."""
     options = []
     for shape in WGMMA_US_PER_CHUNK:
-        options.append(((*shape, 0, 0), wgmma_stream_k_time_us(m, k, n, shape, sms) / STREAM_K_MARGIN))
+        options.append(((*shape, 0, 0), wgmma_stream_k_time_us(m, k, n, shape, sms)))
         options.append(((*shape, 1, 0), wgmma_time_us(m, k, n, shape, sms)))
         blocks = wgmma_blocks(m, n, shape)
         for splits in TAIL_SPLITS:
