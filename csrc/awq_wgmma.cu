@@ -726,8 +726,9 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 // sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; with splits > 1, `tickets` holds
 // awq_wgmma_tiles(...) - dp_tiles zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats;
 // producer_warp (WS): see the kernel and producer_pool_ok; dp_tiles: see launch. splits == 0: stream-K on dp_tiles
-// blocks (WS only; whole tiles where the WS kernel cannot run), `tickets` holds awq_wgmma_tiles(...) zeros and `partial`
-// 2 * dp_tiles * awq_wgmma_block_outputs floats.
+// blocks (WS only; whole tiles where the WS kernel cannot run or K / 64 is odd), at most one per pair of chunks (ops.cpp
+// caps dp_tiles at tiles * (K / 128)), `tickets` holds awq_wgmma_tiles(...) zeros and `partial` 2 * dp_tiles *
+// awq_wgmma_block_outputs floats.
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
