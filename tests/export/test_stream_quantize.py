@@ -131,3 +131,25 @@ def test_a_moe_block_forgemoe_cannot_wrap_is_refused_before_any_shard(tmp_path):
     with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\.mlp\.experts.*its router is `router`"):
         quantize_checkpoint(str(src), str(out), "w4a16-rtn")
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_streamed_source_with_experts_its_config_does_not_declare_is_refused(tmp_path):
+    """An expert id beyond config.json's count was skipped as "not a tensor of the model", so the streamed checkpoint
+    silently lacked an expert of the source; from_pretrained (the in-memory path) refuses such a source."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from torchforge.io.checkpoint import CheckpointError
+
+    src = tmp_path / "src"
+    models.build("deepseek_v3", dtype=torch.bfloat16).save_pretrained(src)
+    sd = load_file(src / "model.safetensors")
+    sd.update({k.replace(".experts.7.", ".experts.8."): v.clone() for k, v in sd.items() if ".experts.7." in k})
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError):  # the reference: transformers does not load it either
+        AutoModelForCausalLM.from_pretrained(src)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=r"holds model\.layers\.1\.mlp\.experts\.8\.\w+_proj\.weight, but its "
+                                              r"config\.json gives model\.layers\.1\.mlp\.experts 8 routed experts"):
+        quantize_checkpoint(str(src), str(out), {"scheme": "w4a16-rtn", "group_size": 32}, device="cpu")
+    assert os.listdir(out) == []  # nothing written, not even a temporary shard

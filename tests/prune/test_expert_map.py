@@ -161,3 +161,22 @@ def test_group_balanced_map_keeps_the_best_of_each_group():
         build_expert_map(hits, keep_ratio=0.375, n_group=2)
     with pytest.raises(ValueError, match="positive divisor of the 8"):
         build_expert_map(hits, keep_k=4, n_group=3)
+
+
+def test_a_corrupt_expert_map_file_is_named(tmp_path):
+    """A truncated or foreign expert_map.pt raised torch.load's own error (an UnpicklingError, a struct error) naming
+    no file; the CLI printed a traceback."""
+    from torchforge.cli import main
+
+    m = build_expert_map(torch.rand(2, 8), keep_k=3)
+    save_expert_map(m, tmp_path)
+    data = (tmp_path / EXPERT_MAP_FILE).read_bytes()
+    assert torch.equal(load_expert_map(tmp_path), m)
+    for junk in (data[: len(data) // 2], b"not a torch file"):
+        (tmp_path / EXPERT_MAP_FILE).write_bytes(junk)
+        with pytest.raises(ValueError, match=r"load_expert_map: .*expert_map\.pt cannot be read by torch\.load"):
+            load_expert_map(tmp_path)
+    torch.save(torch.rand(2, 8), tmp_path / "hit.pt")
+    assert main(["plot-hitmap", str(tmp_path / "hit.pt"), "--out", str(tmp_path / "h.png"),
+                 "--expert-map", str(tmp_path)]) == 2
+    assert not (tmp_path / "h.png").exists()

@@ -118,3 +118,14 @@ def test_prune_from_recipe_ranks_by_the_chosen_statistic(tmp_path):
     with pytest.raises(ValueError, match="rank_by='count'.*RouterStats.save.*'topk_counts'"):
         prune_from_recipe(models.build("deepseek_v3"), PruneRecipe(hit_map=str(tmp_path / "bare.pt"), keep_k=2,
                                                                    rank_by="count"))
+
+
+def test_a_corrupt_recipe_hit_map_is_named(tmp_path):
+    """prune.hit_map that torch.load cannot read raised torch's own error naming no file."""
+    from torchforge.nn.pruned_moe import PrunedMoE
+
+    model = models.build("deepseek_v3")
+    (tmp_path / "hits.pt").write_bytes(b"\x80\x02junk")
+    with pytest.raises(ValueError, match=r"recipe prune.hit_map: .*hits\.pt cannot be read by torch\.load"):
+        prune_from_recipe(model, PruneRecipe(hit_map=str(tmp_path / "hits.pt"), keep_k=4))
+    assert not any(isinstance(m, PrunedMoE) for m in model.modules())

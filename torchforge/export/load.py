@@ -100,12 +100,24 @@ def _swap_one(model: nn.Module, name: str, mod: nn.Module, names: set[str], grou
         model.set_submodule(block_name, ForgeMoE.from_hf(model.get_submodule(block_name), experts))
 
 
+def check_expert_ids(module_name: str, num_experts: int, ids) -> None:
+    """Raises where the checkpoint holds routed experts `module_name` does not have (ids >= `num_experts`): they were
+    dropped without a word, so a config.json or expert_map.pt that disagrees with the shards loaded other experts."""
+    extra = sorted(e for e in ids if e >= num_experts)
+    if extra:
+        raise CheckpointError(f"load_quantized: the checkpoint holds {module_name}.{extra[0]} (experts {extra[:8]}) but "
+                              f"the model has {num_experts} routed experts there (config.json's expert count, or "
+                              "expert_map.pt's kept experts for a drop-pruned checkpoint): the config or expert map "
+                              "does not match the shards; export the checkpoint again")
+
+
 def _stack_experts(model: nn.Module, per_expert: dict) -> dict[str, torch.Tensor]:
     """Per-expert checkpoint tensors -> the stacked buffers of ForgeAWQExperts / HF fused experts."""
     out = {}
     for module_name, parts in per_expert.items():
         mod = model.get_submodule(module_name)
         E = mod.num_experts if isinstance(mod, ForgeAWQExperts) else mod.gate_up_proj.shape[0]
+        check_expert_ids(module_name, E, {e for e, *_ in parts})
 
         def stack(proj, kind):
             missing = [e for e in range(E) if (e, proj, kind) not in parts]

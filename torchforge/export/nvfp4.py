@@ -319,7 +319,7 @@ def _shared_gate_up(e: int, gate: tuple, up: tuple, module_name: str, repaired: 
 
 def load_nvfp4_state(model: nn.Module, path: str, ct: bool, exact: dict) -> dict:
     """The state dict of `model` (NVFP4 modules already swapped in) from the checkpoint tensors."""
-    from torchforge.export.load import _stack_experts
+    from torchforge.export.load import _stack_experts, check_expert_ids
 
     nv_linear = {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     nv_experts = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Experts)}
@@ -345,6 +345,7 @@ def load_nvfp4_state(model: nn.Module, path: str, ct: bool, exact: dict) -> dict
     repaired: list[str] = []
     for name, mod in nv_experts.items():
         parts = per_expert.get(name, {})
+        check_expert_ids(name, mod.num_experts, {e for e, *_ in parts})
         cols = defaultdict(list)
         for e in range(mod.num_experts):
             proj = {}

@@ -57,7 +57,14 @@ class _ExpectedTensors:
     def take(self, name: str) -> bool:
         m = EXPERT_KEY.match(name)
         if m and m["module"] in self.fused:
-            if m["kind"] == "weight" and int(m["e"]) < self.fused[m["module"]]:
+            if int(m["e"]) >= self.fused[m["module"]]:
+                # from_pretrained refuses it (the stacked experts do not fit); skipping it would write a checkpoint
+                # missing experts the source has, under a config.json that disagrees with the source's shards
+                raise CheckpointError(f"quantize_checkpoint: the source holds {name}, but its config.json gives "
+                                      f"{m['module']} {self.fused[m['module']]} routed experts (ids 0.."
+                                      f"{self.fused[m['module']] - 1}); fix the config's expert count or the shards; "
+                                      "nothing was written")
+            if m["kind"] == "weight":
                 self.missing.discard((m["module"], int(m["e"]), m["proj"]))
                 return True
         elif name in self.missing:

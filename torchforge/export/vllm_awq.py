@@ -158,9 +158,11 @@ def save_quantized(model: nn.Module, out_dir: str, format: str | None = None, *,
     check_vllm_kernels(_w4_modules(model), format)
 
     check_pruned_export(model)
+    # before begin_folder, as save_w4 does: it refuses scales fp16 cannot hold, and a refused export must leave an
+    # earlier checkpoint in out_dir intact (begin_folder removes its config.json)
+    state = export_state_dict(model, dtype)
     refuse_source_folder(model, out_dir)
     begin_folder(out_dir, tokenizer_source(model, source_dir), tokenizer=tokenizer)  # no config.json before the tensors
-    state = export_state_dict(model, dtype)
     meta = {"format": format, "recipe": recipe.to_dict() if recipe is not None else None,
             "symmetric": sorted({m.symmetric for _, m in _quantized_modules(model)})}
     # MoE expert pruning (no-op without PrunedMoE): reroute -> a standard smaller checkpoint (router rows sliced,

@@ -225,7 +225,11 @@ def load_expert_map(directory: str | os.PathLike) -> torch.Tensor:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_expert_map: {path} does not exist; save one with "
                                 "torchforge.prune.save_expert_map(expert_map, directory)")
-    m = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        m = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file fails with pickle, zip, struct, ... errors
+        raise ValueError(f"load_expert_map: {path} cannot be read by torch.load ({type(e).__name__}: {e}); it is "
+                         "truncated or not an expert map: save it again with torchforge.prune.save_expert_map") from e
     try:
         return validate_expert_map(m)
     except (TypeError, ValueError) as e:

@@ -244,10 +244,19 @@ def restore_pruned(model: nn.Module, path: str) -> nn.Module:
     """For `load_quantized`: when `path` holds a drop-pruned checkpoint (expert_map.pt + torchforge.json
     prune.mode == "drop"), swaps the skeleton's MoE blocks (meta tensors are fine) for PrunedMoE(drop)."""
     map_path = os.path.join(path, EXPERT_MAP_FILE)
+    meta_path = os.path.join(path, "torchforge.json")
     if not os.path.isfile(map_path):
+        if os.path.isfile(meta_path):
+            with open(meta_path) as f:
+                prune = json.load(f).get("prune") or {}
+            if prune.get("mode") == "drop":  # else its compact experts load as experts 0..k-1 of the full router
+                from torchforge.io import CheckpointError
+
+                raise CheckpointError(f"load_quantized: {path}/torchforge.json describes a drop-pruned checkpoint but "
+                                      f"{EXPERT_MAP_FILE} is missing beside it; copy it back from the export (it maps "
+                                      "the router's experts onto the checkpoint's kept ones)")
         return model
     meta = {"mode": "drop"}  # a bare expert_map.pt (no torchforge.json) is a drop checkpoint
-    meta_path = os.path.join(path, "torchforge.json")
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             meta = json.load(f).get("prune") or {}

@@ -23,7 +23,11 @@ def _load_hit_map(path: str, rank_by: str = "probability") -> torch.Tensor:
     the dict `RouterStats.save` writes (any rank_by: its 'topk_counts' / 'routed_weight' for "count" / "weight")."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"recipe prune.hit_map: {path} does not exist")
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file fails with pickle, zip, struct, ... errors
+        raise ValueError(f"recipe prune.hit_map: {path} cannot be read by torch.load ({type(e).__name__}: {e}); save "
+                         "the hit map again (torch.save, or RouterStats.save)") from e
     if rank_by != "probability":
         if not isinstance(obj, dict) or not isinstance(obj.get(RANK_BY[rank_by]), torch.Tensor):
             raise ValueError(f"recipe prune.rank_by={rank_by!r}: {path} must be router statistics saved by "
