@@ -86,6 +86,10 @@ constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, i
 // A ring of kStages stages: the consumers hold two (the chunk whose wgmmas may still be in flight, the next one whose
 // words they have loaded), the producer fills the rest ahead. As many as fit up to 8 (at 64 rows, 8 ran 3-5% faster
 // than 4, fourteenth session); 4 for blocks of 256 rows, where 5 ran 6% slower (7168x7168, 256 rows).
+#ifndef TORCHFORGE_WGMMA_MAX_STAGES  // (a build flag for sweeps of the ring size)
+#define TORCHFORGE_WGMMA_MAX_STAGES 8
+#endif
+constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
 template <int BM>
 struct Stage {
   static constexpr int kX = BM * 128;   // BM rows x 64 k of x
@@ -94,7 +98,7 @@ struct Stage {
   static constexpr int kZ = kBlockCols / 8 * 4;  // zero words
   static constexpr int kBytes = (kX + kW + kS + kZ + 1023) / 1024 * 1024;  // x stays 1024-byte aligned
   static constexpr int kFit = (kMaxSmem - 1024 - kStaticSmem) / kBytes;
-  static constexpr int kStages = BM == 256 ? 4 : kFit < 8 ? kFit : 8;
+  static constexpr int kStages = BM == 256 ? 4 : kFit < kMaxStages ? kFit : kMaxStages;
   static constexpr int kSmem = kStages * kBytes + 1024;  // + room to align the dynamic base
   static_assert(kStages >= 3 && kStages <= kFit, "the ring needs the consumers' two stages and one ahead, and fits");
 };
