@@ -20,6 +20,27 @@ def _act(name_or_fn):
     return ACT2FN[name_or_fn]
 
 
+def check_routing_args(owner: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> None:
+    """HF's experts call: `top_k_index` and `top_k_weights` both [T, k] for hidden_states [T, H]. A weights tensor of
+    another shape ([T, 1], [T]) broadcast in the weighted sum over the picks and gave a wrong output, no error."""
+    if hidden_states.dim() != 2:
+        raise ValueError(f"{owner}: hidden_states must be [T, H] (tokens flattened, as the MoE block passes them), got "
+                         f"shape {tuple(hidden_states.shape)}")
+    if top_k_index.dim() != 2:
+        raise ValueError(f"{owner}: top_k_index must be [T, k] (the router's expert ids per token), got shape "
+                         f"{tuple(top_k_index.shape)}")
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"{owner}: top_k_weights has shape {tuple(top_k_weights.shape)} but top_k_index has "
+                         f"{tuple(top_k_index.shape)}; pass one routing weight per pick, [T, k]")
+    if not top_k_weights.is_floating_point():
+        raise TypeError(f"{owner}: top_k_weights must be floating point (the router's weights), got "
+                        f"{top_k_weights.dtype}")
+    if top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"{owner}: top_k_index has {top_k_index.shape[0]} rows but hidden_states has "
+                         f"{hidden_states.shape[0]} tokens; flatten the tokens to [T, H] and route each once")
+
+
 def _is_silu(act_fn) -> bool:
     """nn.SiLU or transformers' SiLUActivation (ACT2FN["silu"]), both F.silu."""
     return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
@@ -131,6 +152,7 @@ class ForgeAWQExperts(nn.Module):
                 shared: tuple | None = None) -> torch.Tensor:
         """HF's experts call. `shared` (mma path only, see ForgeMoE.use_fused_decode): ((qweight, scales, qzeros) of
         a shared expert's gate_up, the same of its down), routed as expert id E by `top_k_index`."""
+        check_routing_args("ForgeAWQExperts", hidden_states, top_k_index, top_k_weights)
         T, k = top_k_index.shape
         G = self.group_size
         flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.nn._bias import check_pack_bias
 from torchforge.nn._group_size import check_group_size
 from torchforge.nn.mma_tickets import add_mma_tickets, rezero_mma_tickets
 from torchforge.ops.awq_mma import awq_mma_linear
@@ -57,12 +58,11 @@ class ForgeAWQLinear(nn.Module):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"ForgeAWQLinear.pack_weight: weight has shape {tuple(weight.shape)}, expected "
                              f"[out_features, in_features] = [{self.out_features}, {self.in_features}]")
+        check_pack_bias("ForgeAWQLinear.pack_weight", self, bias)
         qweight, scales, qzeros = ops.awq_quantize(weight, group_size=self.group_size, symmetric=self.symmetric)
         self.qweight, self.scales, self.qzeros = qweight, scales, qzeros
         self.weight_layout = "awq"
         if bias is not None:
-            if self.bias is None:
-                raise ValueError("ForgeAWQLinear.pack_weight: got a bias but the module was built with bias=False")
             self.bias = bias.detach().to(device=qweight.device, dtype=self.bias.dtype)
         return self
 

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from torchforge.nn._bias import check_pack_bias
 from torchforge.nn._group_size import check_group_size
 from torchforge.nn.mma_tickets import add_mma_tickets, rezero_mma_tickets
 from torchforge.ops import gptq as gptq_ops
@@ -70,6 +71,7 @@ class ForgeGPTQLinear(nn.Module):
         if result.group_size != self.group_size or result.bits != 4:
             raise ValueError(f"ForgeGPTQLinear.pack_result: result has group_size={result.group_size}, "
                              f"bits={result.bits}; this layer holds 4-bit codes with group_size={self.group_size}")
+        check_pack_bias("ForgeGPTQLinear.pack_result", self, bias)
         zeros0 = int((result.zeros == 0).sum())
         if zeros0:
             raise ValueError(f"ForgeGPTQLinear.pack_result: {zeros0} zero points are 0, which GPTQ v1 qzeros (z - 1 in "
@@ -83,8 +85,6 @@ class ForgeGPTQLinear(nn.Module):
         self.g_idx = gptq_ops.trivial_g_idx(self.in_features, self.group_size, device=self.qweight.device)
         self.weight_layout = "gptq"
         if bias is not None:
-            if self.bias is None:
-                raise ValueError("ForgeGPTQLinear.pack_result: got a bias but the module was built with bias=False")
             self.bias = bias.detach().to(device=self.qweight.device, dtype=self.bias.dtype)
         return self
 

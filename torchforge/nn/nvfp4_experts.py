@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.nn.awq_experts import check_routing_args
 from torchforge.nn.fixed_dtype_buffers import FixedDtypeBuffers
 from torchforge.nn.nvfp4_linear import E2M1_E4M3_MAX, W4A4Switch
 
@@ -99,6 +100,11 @@ class NVFP4Experts(W4A4Switch, FixedDtypeBuffers):
     def set_input_amax(self, gate_up_amax: torch.Tensor, down_amax: torch.Tensor) -> "NVFP4Experts":
         """Calibrated per-expert activation amax (inputs of gate_up and of down) -> input scales (ModelOpt:
         ``amax / (6 * 448)``)."""
+        E = self.num_experts
+        for name, amax in (("gate_up_amax", gate_up_amax), ("down_amax", down_amax)):
+            if tuple(amax.shape) != (E,):
+                raise ValueError(f"NVFP4Experts.set_input_amax: {name} has shape {tuple(amax.shape)}, expected [E] = "
+                                 f"[{E}] (one calibrated activation amax per expert)")
         dev = self.gate_up_input_scale.device
         # divide by a device tensor: CUDA computes `t / python_float` as t * fp32(1 / float), not the IEEE quotient
         div = torch.full((), E2M1_E4M3_MAX, dtype=torch.float32, device=dev)
@@ -143,6 +149,7 @@ class NVFP4Experts(W4A4Switch, FixedDtypeBuffers):
         return a13.amax().expand_as(a13).contiguous(), a2.amax().expand_as(a2).contiguous()
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        check_routing_args("NVFP4Experts", hidden_states, top_k_index, top_k_weights)
         T, k = top_k_index.shape
         flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick
         a13, a2 = self._input_scales()

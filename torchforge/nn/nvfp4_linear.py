@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from torchforge import ops
+from torchforge.nn._bias import check_pack_bias
 from torchforge.nn.fixed_dtype_buffers import FixedDtypeBuffers
 
 E2M1_E4M3_MAX = 6.0 * 448.0  # ModelOpt: scale = amax / (E2M1_MAX * E4M3_MAX)
@@ -77,13 +78,12 @@ class NVFP4Linear(W4A4Switch, FixedDtypeBuffers):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"NVFP4Linear.pack_weight: weight has shape {tuple(weight.shape)}, expected "
                              f"[out_features, in_features] = [{self.out_features}, {self.in_features}]")
+        check_pack_bias("NVFP4Linear.pack_weight", self, bias)
         self.weight, self.weight_scale, self.weight_scale_2 = ops.nvfp4_quantize(weight, weight_scale_2)
         # without an amax: not calibrated (0), on the weight's device (a module built on meta kept a meta scale)
         scale = float(input_amax) / E2M1_E4M3_MAX if input_amax is not None else 0.0
         self.input_scale = torch.tensor(scale, dtype=torch.float32, device=self.weight.device)
         if bias is not None:
-            if self.bias is None:
-                raise ValueError("NVFP4Linear.pack_weight: got a bias but the module was built with bias=False")
             self.bias = bias.detach().to(device=self.weight.device, dtype=self.bias.dtype)
         return self
 

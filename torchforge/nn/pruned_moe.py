@@ -159,15 +159,20 @@ class PrunedMoE(ForgeMoE):
         self.kept = None
         if mode == "reroute":
             self.kept = KeptExperts(row >= 0, self._n_group).to(_device_of(gate))
+        # load_state_dict(..., assign=True) moves no buffer: a block built on meta would keep meta map buffers
+        self.register_load_state_dict_post_hook(_map_buffers_follow_gate)
+
+    def _restore_map_buffers(self, device: torch.device) -> None:
+        self.expert_map_row = self._row_host.to(device)
+        self.slot_map = slot_map(self._row_host, self.mode).to(device)
+        if self.kept is not None:
+            self.kept = KeptExperts(self._row_host >= 0, self._n_group).to(device)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         device = self.expert_map_row.device
         if device.type != "meta":  # to_empty() leaves uninitialized memory: restore the map-derived buffers
-            self.expert_map_row = self._row_host.to(device)
-            self.slot_map = slot_map(self._row_host, self.mode).to(device)
-            if self.kept is not None:
-                self.kept = KeptExperts(self._row_host >= 0, self._n_group).to(device)
+            self._restore_map_buffers(device)
         return self
 
     @classmethod
@@ -225,6 +230,14 @@ class PrunedMoE(ForgeMoE):
     def extra_repr(self) -> str:
         extra = f", renormalize={self.renormalize}" if self.mode == "drop" else ""
         return f"mode={self.mode!r}, kept={self.num_kept}/{self.num_original_experts}{extra}"
+
+
+def _map_buffers_follow_gate(module: PrunedMoE, incompatible_keys) -> None:
+    """load_state_dict post-hook: the map-derived buffers (not in the state dict) follow the router's device, which
+    `load_state_dict(..., assign=True)` sets on a block built on meta."""
+    device = _device_of(module.gate)
+    if device.type != "meta" and module.expert_map_row.device != device:
+        module._restore_map_buffers(device)
 
 
 def _device_of(module: nn.Module) -> torch.device:
