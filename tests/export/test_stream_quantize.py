@@ -153,3 +153,26 @@ def test_streamed_source_with_experts_its_config_does_not_declare_is_refused(tmp
                                               r"config\.json gives model\.layers\.1\.mlp\.experts 8 routed experts"):
         quantize_checkpoint(str(src), str(out), {"scheme": "w4a16-rtn", "group_size": 32}, device="cpu")
     assert os.listdir(out) == []  # nothing written, not even a temporary shard
+
+
+def test_streamed_export_removes_an_earlier_exports_side_files(tmp_path):
+    """A folder an export died in before its first shard may hold that export's side files: a stale expert_map.pt
+    made load_quantized read the streamed (unpruned) checkpoint as drop-pruned. They go, as with save_quantized; a
+    folder with shards is still refused."""
+    src = tmp_path / "src"
+    models.build("deepseek_v3", dtype=torch.bfloat16).save_pretrained(src)
+    recipe = {"scheme": "w4a16-rtn", "group_size": 32}
+    ref = quantize_checkpoint(str(src), str(tmp_path / "ref"), recipe, device="cpu")
+    ids = torch.randint(0, 96, (1, 8))
+    with torch.no_grad():
+        expected = torchforge.load_quantized(ref)(ids).logits
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save(torch.tensor([[0, 1, -1, -1] * 4] * 2), out / "expert_map.pt")  # a drop-pruned export's map
+    (out / "hf_quant_config.json").write_text("{}")
+    got = quantize_checkpoint(str(src), str(out), recipe, device="cpu")
+    assert not (out / "expert_map.pt").exists() and not (out / "hf_quant_config.json").exists()
+    with torch.no_grad():
+        assert torch.equal(torchforge.load_quantized(got)(ids).logits, expected)
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        quantize_checkpoint(str(src), str(src), recipe, device="cpu")

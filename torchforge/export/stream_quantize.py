@@ -15,7 +15,7 @@ import os
 import torch
 from torch import nn
 
-from torchforge.export.folder import finish_folder, keep_fp32
+from torchforge.export.folder import begin_folder, finish_folder, keep_fp32
 from torchforge.export.gptq_export import _w4_modules, check_vllm_kernels
 from torchforge.export.load import _build_skeleton, _swap_quantized_modules
 from torchforge.export.naming import EXPERT_KEY, from_checkpoint_name, to_checkpoint_name
@@ -107,8 +107,11 @@ def quantize_checkpoint(src: str, out: str, recipe: Recipe | str | dict = "w4a16
     mt = model.config.model_type
     fp32_keys = keep_fp32(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    writer = ShardWriter(out, max_shard_bytes, metadata={"torchforge": "vllm-awq"})
+    writer = ShardWriter(out, max_shard_bytes, metadata={"torchforge": "vllm-awq"})  # refuses a folder with shards
     try:
+        # what a killed earlier export may have left beside no shards: its side files (a stale expert_map.pt made
+        # load_quantized read this checkpoint as drop-pruned), generation config and tokenizer files
+        begin_folder(out, src)
         # FP8 weights are dequantized straight to bf16 only for a bf16 recipe: another dtype reads them in fp32 and
         # casts once, as from_pretrained(dtype=...) holds them (bf16 first would round them twice)
         read_dtype = None if dtype == torch.bfloat16 else torch.float32
