@@ -127,3 +127,20 @@ def test_nvfp4_experts_set_input_amax_needs_one_amax_per_expert():
     torch.testing.assert_close(m.gate_up_input_scale, gu / (6.0 * 448.0), rtol=0, atol=0)
     torch.testing.assert_close(m.down_input_scale, dn / (6.0 * 448.0), rtol=0, atol=0)
     assert m.calibrated
+
+
+def test_nvfp4_amax_must_be_finite_and_not_negative():
+    """A NaN or negative calibrated amax was stored as the input scale; W4A4 then refused the module as "not
+    calibrated", which sends the user looking for a missing calibration instead of a broken one."""
+    lin = nn.Linear(64, 32, bias=False)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="input_amax must be a finite amax >= 0"):
+            NVFP4Linear.from_linear(lin, input_amax=bad)
+    good = NVFP4Linear.from_linear(lin, input_amax=3.0)
+    assert float(good.input_scale) == float(torch.tensor(3.0 / (6.0 * 448.0))) and good.calibrated  # stored in fp32
+    E = 4
+    m = NVFP4Experts(E, 64, 32).pack_weights(torch.randn(E, 64, 64), torch.randn(E, 64, 32))
+    for bad in (torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.tensor([1.0, -2.0, 1.0, 1.0])):
+        with pytest.raises(ValueError, match="down_amax holds NaN, Inf or negative values"):
+            m.set_input_amax(torch.ones(E), bad)
+    assert not m.calibrated  # nothing was stored

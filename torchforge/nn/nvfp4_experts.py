@@ -105,6 +105,9 @@ class NVFP4Experts(W4A4Switch, FixedDtypeBuffers):
             if tuple(amax.shape) != (E,):
                 raise ValueError(f"NVFP4Experts.set_input_amax: {name} has shape {tuple(amax.shape)}, expected [E] = "
                                  f"[{E}] (one calibrated activation amax per expert)")
+            if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
+                raise ValueError(f"NVFP4Experts.set_input_amax: {name} holds NaN, Inf or negative values; each must be "
+                                 "a finite calibrated amax >= 0 (0: an expert calibration never routed to)")
         dev = self.gate_up_input_scale.device
         # divide by a device tensor: CUDA computes `t / python_float` as t * fp32(1 / float), not the IEEE quotient
         div = torch.full((), E2M1_E4M3_MAX, dtype=torch.float32, device=dev)

@@ -1,6 +1,8 @@
 """NVFP4Linear: a Linear whose weight is stored in NVIDIA ModelOpt's NVFP4 checkpoint layout."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -79,6 +81,9 @@ class NVFP4Linear(W4A4Switch, FixedDtypeBuffers):
             raise ValueError(f"NVFP4Linear.pack_weight: weight has shape {tuple(weight.shape)}, expected "
                              f"[out_features, in_features] = [{self.out_features}, {self.in_features}]")
         check_pack_bias("NVFP4Linear.pack_weight", self, bias)
+        if input_amax is not None and not (math.isfinite(float(input_amax)) and float(input_amax) >= 0):
+            raise ValueError(f"NVFP4Linear.pack_weight: input_amax must be a finite amax >= 0 (the calibrated largest "
+                             f"|activation|), got {float(input_amax)}; recalibrate, or pass None for weight-only")
         self.weight, self.weight_scale, self.weight_scale_2 = ops.nvfp4_quantize(weight, weight_scale_2)
         # without an amax: not calibrated (0), on the weight's device (a module built on meta kept a meta scale)
         scale = float(input_amax) / E2M1_E4M3_MAX if input_amax is not None else 0.0
