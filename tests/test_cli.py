@@ -212,6 +212,9 @@ def test_cli_input_errors_are_named_not_tracebacks(tmp_path, capsys, monkeypatch
         main(["plot-hitmap", str(tmp_path / "hit.pt"), "--cell", "0", "--out", png])
     assert "0 is not positive" in capsys.readouterr().err
     assert not (tmp_path / "h.png").exists() and not (tmp_path / "out").exists()
+    # --out in a folder that does not exist: named, not the atomic write's hidden temporary file
+    assert f"the folder {tmp_path / 'nodir'} of" in err("plot-hitmap", str(tmp_path / "hit.pt"), "--out",
+                                                        str(tmp_path / "nodir" / "h.png"))
 
 
 def test_quantize_command_points_an_unloadable_fp8_source_to_stream(tmp_path, capsys, monkeypatch):

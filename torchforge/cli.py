@@ -86,7 +86,8 @@ def _plot_hitmap(args) -> int:
                 if isinstance(obj, dict) else f"a {type(obj).__name__}")
         raise ValueError(f"{args.hit_map} holds {what}; pass a torch-saved [L, E] tensor or a dict with a "
                          "'hit_map' tensor (RouterStats.save writes one)")
-    hit = hit.float()  # hit counts rank and plot as their float values
+    # hit counts rank and plot as their float values: float64, exact for integer counts past 2^24, as the library ranks
+    hit = hit if hit.is_floating_point() else hit.double()
     if args.expert_map:
         emap = load_expert_map(args.expert_map)
     elif args.keep_k is not None or args.keep_ratio is not None:  # --keep-k 0 is an error, not "mark nothing"

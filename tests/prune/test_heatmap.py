@@ -24,3 +24,23 @@ def test_kept_marks_land_in_their_cells(cell):
 def test_a_cell_under_one_pixel_is_refused(cell):
     with pytest.raises(ValueError, match="cell must be an integer >= 1"):
         hitmap_image(torch.rand(2, 4), cell=cell)
+
+
+def test_plot_hitmap_ranks_integer_counts_past_2_24_exactly(tmp_path):
+    """Counts as int64: 2^24 + 1 and 2^24 are equal in float32, so the CLI (which ranked in float32) could keep the
+    wrong expert of the two; the library ranks in float64."""
+    from torchforge.cli import main
+    from torchforge.prune import build_expert_map
+
+    hit = torch.tensor([[2 ** 24, 2 ** 24 + 1, 5, 7]])
+    torch.save(hit, tmp_path / "hit.pt")
+    assert torch.equal(build_expert_map(hit.double(), keep_k=1)[0] >= 0, torch.tensor([False, True, False, False]))
+    main(["plot-hitmap", str(tmp_path / "hit.pt"), "--out", str(tmp_path / "h.png"), "--keep-k", "1"])
+    from torchforge.prune.heatmap import hitmap_image
+
+    marked = hitmap_image(hit.double(), build_expert_map(hit.double(), keep_k=1))
+    unmarked_wrong = hitmap_image(hit.double(), build_expert_map(hit.float(), keep_k=1))
+    assert not torch.equal(marked, unmarked_wrong)  # float32 ranking picks the other expert: the test can fail
+    from torchforge.prune.heatmap import png_bytes
+
+    assert (tmp_path / "h.png").read_bytes() == png_bytes(marked)

@@ -2,6 +2,7 @@
 the PNG (8-bit RGB, one IDAT chunk) is written directly with zlib."""
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 
@@ -65,6 +66,9 @@ def png_bytes(img: torch.Tensor) -> bytes:
 
 
 def save_hitmap_png(path: str, hit_map, expert_map=None, cell: int = 8) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # else the error named the atomic write's hidden temporary file
+        raise FileNotFoundError(f"save_hitmap_png: the folder {folder} of {path} does not exist; create it first")
     data = png_bytes(hitmap_image(hit_map, expert_map, cell))
     from torchforge.io.save import atomic_write_bytes
 
