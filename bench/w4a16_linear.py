@@ -448,6 +448,14 @@ def mma_sweep(shapes: str, ms: str) -> list:
     return rows
 
 
+def _report(rows: list, title: str, columns: list) -> int:
+    """A sweep's table: the device line, the title, the rows (what every table-printing mode of main ends with)."""
+    print(f"device: {device_line()}")
+    print("\n" + title)
+    print(markdown_table(columns, rows))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,4,16,64,256,1024,4096")
@@ -486,70 +494,57 @@ def main() -> int:
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
         return 0
     if args.cuda_gemv_sweep:
-        crows = cuda_gemv_sweep(args.shapes)
-        print(f"device: {device_line()}")
-        print("\nCUDA batch-1 GEMV (csrc/awq_gemv.cu) sweep, CUDA graph, bf16; * = default; Triton GEMV, tinygemm and "
-              "bf16 in the same run:")
-        print(markdown_table(["W", "rows", "splits", "default", "ms", "int4 GB/s", "Triton GEMV ms", "tinygemm ms",
-                              "bf16 ms", "bf16/ms", "rel err"], crows))
-        return 0
+        return _report(cuda_gemv_sweep(args.shapes),
+                       "CUDA batch-1 GEMV (csrc/awq_gemv.cu) sweep, CUDA graph, bf16; * = default; Triton GEMV, tinygemm and "
+                       "bf16 in the same run:",
+                       ["W", "rows", "splits", "default", "ms", "int4 GB/s", "Triton GEMV ms", "tinygemm ms",
+                        "bf16 ms", "bf16/ms", "rel err"])
     if args.mma_cuda_sweep:
-        crows = mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits)
-        print(f"device: {device_line()}")
-        print("\nCUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
-              "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:")
-        print(markdown_table(["W", "M", "scales", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s",
-                              "op ms",
-                              "tinygemm ms", "bf16 ms",
-                              "bf16/ms", "tinygemm/ms", "rel err"], crows))
-        return 0
+        return _report(mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits),
+                       "CUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
+                       "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:",
+                       ["W", "M", "scales", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s",
+                        "op ms",
+                        "tinygemm ms", "bf16 ms",
+                        "bf16/ms", "tinygemm/ms", "rel err"])
     if args.prefetch_sweep:
-        rows = prefetch_sweep(args.shapes, args.prefetch_sweep)
-        print(f"device: {device_line()}")
-        print("\nawq_mma_linear as dispatched, the decode kernel's L2 prefetch at its start by rule (-1) and forced to "
-              "0, 1, 2 rounds of items, CUDA graphs, weights rotated, bf16 x, fp16 scales, us; norm: x * g before "
-              "every call, included:")
-        print(markdown_table(["W", "M", "bf16", "rule", "0", "1", "2", "rule norm", "0 norm", "1 norm", "2 norm",
-                              "bf16/best"], rows))
-        return 0
+        return _report(prefetch_sweep(args.shapes, args.prefetch_sweep),
+                       "awq_mma_linear as dispatched, the decode kernel's L2 prefetch at its start by rule (-1) and forced to "
+                       "0, 1, 2 rounds of items, CUDA graphs, weights rotated, bf16 x, fp16 scales, us; norm: x * g before "
+                       "every call, included:",
+                       ["W", "M", "bf16", "rule", "0", "1", "2", "rule norm", "0 norm", "1 norm", "2 norm",
+                        "bf16/best"])
     if args.pdl_check:
-        prows = pdl_check(args.shapes, args.pdl_check)
-        print(f"device: {device_line()}")
-        print("\nawq_mma_linear as dispatched at PDL levels 0 (off), 1 (within an op) and 2 (every launch), CUDA "
-              "graphs, weights rotated, bf16 x, fp16 scales, us; np: level 1 without the decode kernel's L2 prefetch at "
-              "its start; `norm`: x * g (one torch kernel) before every call, its time included, bf16 too:")
-        print(markdown_table(["W", "M", "bf16", "L0", "L1", "L2", "np", "bf16/L0", "bf16/L1", "bf16/L2", "bf16/np",
-                              "bf16 norm", "L0 norm", "L1 norm", "L2 norm", "np norm", "bf16/L0 norm", "bf16/L1 norm",
-                              "bf16/L2 norm", "bf16/np norm"], prows))
-        return 0
+        return _report(pdl_check(args.shapes, args.pdl_check),
+                       "awq_mma_linear as dispatched at PDL levels 0 (off), 1 (within an op) and 2 (every launch), CUDA "
+                       "graphs, weights rotated, bf16 x, fp16 scales, us; np: level 1 without the decode kernel's L2 prefetch at "
+                       "its start; `norm`: x * g (one torch kernel) before every call, its time included, bf16 too:",
+                       ["W", "M", "bf16", "L0", "L1", "L2", "np", "bf16/L0", "bf16/L1", "bf16/L2", "bf16/np",
+                        "bf16 norm", "L0 norm", "L1 norm", "L2 norm", "np norm", "bf16/L0 norm", "bf16/L1 norm",
+                        "bf16/L2 norm", "bf16/np norm"])
     if args.stream_k_check:
-        srows = stream_k_check(args.shapes, args.stream_k_check, args.scale_dtype)
-        print(f"device: {device_line()}")
-        print(f"\nwgmma dispatch with stream-K (new) and without (old), CUDA graphs, weights rotated, bf16 x, "
-              f"{args.scale_dtype} scales; config = (block_m, tile_set, splits), splits 0 = stream-K:")
-        print(markdown_table(["W", "M", "new config", "old config", "new ms", "old ms", "old/new", "bf16 ms",
-                              "bf16/new", "bf16/old"], srows))
-        return 0
+        return _report(stream_k_check(args.shapes, args.stream_k_check, args.scale_dtype),
+                       f"wgmma dispatch with stream-K (new) and without (old), CUDA graphs, weights rotated, bf16 x, "
+                       f"{args.scale_dtype} scales; config = (block_m, tile_set, splits), splits 0 = stream-K:",
+                       ["W", "M", "new config", "old config", "new ms", "old ms", "old/new", "bf16 ms",
+                        "bf16/new", "bf16/old"])
     if args.wgmma_sweep:
         wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws, args.wgmma_only,
                             args.wgmma_splits, args.wgmma_tail)
         if args.best:
             wrows = [r for i, r in enumerate(wrows) if i == 0 or r[:2] != wrows[i - 1][:2] or r[6] == "*"]
-        print(f"device: {device_line()}")
-        print("\nHopper W4A16 kernel on the mma layout (csrc/awq_wgmma.cu), CUDA graph, bf16 x, fp16 scales; * = default; "
-              "bf16, the decode kernel (csrc/awq_mma.cu), dequantize + cuBLAS and tinygemm in the same run:")
-        print(markdown_table(["W", "M", "block_m", "tile_set", "splits", "kernel", "default", "ms", "model ms", "TFLOP/s",
-                              "int4 GB/s",
-                              "bf16 ms", "decode kernel ms", "dequant+cuBLAS ms", "tinygemm ms", "bf16/ms", "rel err"],
-                             wrows))
-        return 0
+        return _report(wrows,
+                       "Hopper W4A16 kernel on the mma layout (csrc/awq_wgmma.cu), CUDA graph, bf16 x, fp16 scales; "
+                       "* = default; bf16, the decode kernel (csrc/awq_mma.cu), dequantize + cuBLAS and tinygemm in the "
+                       "same run:",
+                       ["W", "M", "block_m", "tile_set", "splits", "kernel", "default", "ms", "model ms", "TFLOP/s",
+                        "int4 GB/s", "bf16 ms", "decode kernel ms", "dequant+cuBLAS ms", "tinygemm ms", "bf16/ms",
+                        "rel err"])
     if args.mma_sweep:
-        mrows = mma_sweep(args.shapes, args.mma_sweep)
-        print(f"device: {device_line()}")
-        print("\ntensor-core kernel (awq_mma_triton.py) sweep, CUDA graph, bf16; ratio = bf16 / config:")
-        print(markdown_table(["W", "M", "BM", "BN", "BK", "split", "swap", "fact", "prefetch", "warps", "stages", "ms", "bf16/ms",
-                              "op ms", "int4 GB/s", "rel err"], mrows))
-        return 0
+        return _report(mma_sweep(args.shapes, args.mma_sweep),
+                       "tensor-core kernel (awq_mma_triton.py) sweep, CUDA graph, bf16; ratio = bf16 / config:",
+                       ["W", "M", "BM", "BN", "BK", "split", "swap", "fact", "prefetch", "warps", "stages", "ms", "bf16/ms",
+                        "op ms", "int4 GB/s", "rel err"])
     import torchforge
     from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
     from torchforge.ops.awq_reference import awq_dequantize_ref
