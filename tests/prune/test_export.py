@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from expecttest import assert_expected_inline
 from safetensors import safe_open
 
 import torchforge
@@ -13,6 +14,7 @@ from tests import models
 from torchforge.nn import ForgeMoE
 from torchforge.nn.pruned_moe import PrunedMoE
 from torchforge.prune import EXPERT_MAP_FILE, load_expert_map, pruned_config_changes, save_pruned
+from torchforge.prune.export import _prune_meta
 
 RECIPE = {"scheme": "w4a16-rtn", "group_size": 32}
 
@@ -79,6 +81,50 @@ def test_unequal_groups_fall_back_to_plain_top_k(tmp_path, caplog):
     cfg = json.load(open(tmp_path / "config.json"))
     assert (cfg["n_routed_experts"], cfg["n_group"], cfg["topk_group"]) == (4, 1, 1)
     assert "n_group 2 -> 1" in json.load(open(tmp_path / "torchforge.json"))["prune"]["group_routing"]
+
+
+@torch.no_grad()
+def test_fallback_config_with_more_than_32_kept_experts_in_one_group(tmp_path):
+    """DeepSeek-V3's routing shape (256 experts in 8 groups of 32, topk_group 4, top_k 8) pruned to 200 experts in
+    unequal groups: the export writes n_group = topk_group = 1, ONE group of 200 experts. vLLM runs that as plain
+    top-k (no per-group size limit in its grouped_topk, fused or not: module docstring); so does transformers,
+    checked here on the exported checkpoint. Equal groups of 25 keep n_group=8 (25 <= 32, the original's size)."""
+    from transformers import AutoModelForCausalLM
+
+    def build():
+        return models.build("deepseek_v3", n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8)
+
+    uniform = torchforge.prune_experts(build(), _map([[e for g in range(8) for e in range(32 * g, 32 * g + 25)]],
+                                                     E=256), mode="reroute")
+    model = build()
+    kept = [e for g in range(8) for e in range(32 * g, 32 * g + (32 if g < 4 else 18))]  # 4 x 32 + 4 x 18
+    torchforge.prune_experts(model, _map([kept], E=256), mode="reroute")
+    save_pruned(model, str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    written = {k: cfg[k] for k in ("n_routed_experts", "n_group", "topk_group", "num_experts_per_tok")}
+    assert_expected_inline("\n".join([
+        f"uniform: {pruned_config_changes(uniform)}, {_prune_meta(uniform)['group_routing']}",
+        f"unequal: {pruned_config_changes(model)}",
+        f"config.json: {written}",
+        f"group_routing: {json.load(open(tmp_path / 'torchforge.json'))['prune']['group_routing']}",
+    ]), """\
+uniform: {'n_routed_experts': 200}, preserved: n_group=8, topk_group=4, 25 experts per group
+unequal: {'n_routed_experts': 200, 'n_group': 1, 'topk_group': 1}
+config.json: {'n_routed_experts': 200, 'n_group': 1, 'topk_group': 1, 'num_experts_per_tok': 8}
+group_routing: groups keep unequal expert counts [(32, 32, 32, 32, 18, 18, 18, 18)]; n_group 8 -> 1, topk_group 4 -> 1 (routing is no longer group-limited)""")
+
+    # the exported router is plain top-k over the 200 experts: sigmoid, + bias for the choice, top 8, unbiased
+    # weights renormalized and scaled
+    gate = models.moe_blocks(AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32))[0][1].gate
+    x = torch.randn(64, model.config.hidden_size)
+    _, weights, ids = gate(x)
+    scores = (x @ gate.weight.T).sigmoid()
+    want_ids = (scores + gate.e_score_correction_bias).topk(8, dim=-1).indices.sort(dim=-1).values
+    want = scores.gather(1, want_ids)
+    want = want / (want.sum(-1, keepdim=True) + 1e-20) * model.config.routed_scaling_factor
+    ids, order = ids.sort(dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights.gather(1, order), want)
 
 
 @torch.no_grad()

@@ -25,6 +25,39 @@ torchforge.json records it (`prune.group_routing`). We do not try to pick a diff
 divides k: a group of the new config would mix experts of different original groups (devices/nodes),
 which is not the original routing either, and is no closer to it than plain top-k.
 
+What vLLM runs for these configs (read in vllm-project/vllm: models/deepseek_v2.py and
+layers/fused_moe/config.py @ 002d6073, fused_moe/router/router_factory.py @ 033da35c,
+fused_moe/router/grouped_topk_router.py @ 055e47c2, csrc/moe/grouped_topk_kernels.cu @ e35e4874). Both configs the
+export writes run correctly, the n_group = 1 fallback for any kept count k >= 2; tests/prune/test_export.py pins
+the fallback for 200 kept experts (one group of 200):
+
+* `DeepseekV2MoE` (V2 and V3) always builds FusedMoE with `use_grouped_topk=True`, `num_expert_group=n_group`,
+  `topk_group=topk_group`. `create_fused_moe_router` keeps `GroupedTopKRouter` when `get_routing_method_type`
+  names the layer (sigmoid + `e_score_correction_bias` + renormalize -> DeepSeekV3: `num_expert_group` 1 > 0) or
+  when n_group / topk_group > 1, else it falls back to `FusedTopKBiasRouter` / `FusedTopKRouter` (plain top-k).
+* `GroupedTopKRouter._compute_routing`: `valid_grouping()` (E > n_group, E % n_group == 0) holds for k >= 2, so
+  `grouped_topk` runs. On CUDA with a correction bias (`VLLM_USE_FUSED_MOE_GROUPED_TOPK`, n_group <= 32,
+  top_k <= 32) that is the fused `ops.grouped_topk`, else the torch code (group score = top-2 sum over
+  `view(T, n_group, -1)`, top `topk_group` groups, mask, top-k): any group size >= 2, and with one group the mask
+  keeps every expert, i.e. plain top-k.
+* The fused kernel (`grouped_topk` in grouped_topk_kernels.cu) checks only E % n_group == 0, n_group <= 32 and
+  top_k <= 32. It has no limit on experts per group: `topk_with_k2` walks a group with a lane stride of 32 keeping
+  a per-lane top-2 and reduces over the warp, and `group_idx_and_topk_idx_kernel` streams every expert of the
+  chosen groups through a `WarpSelect` of capacity 32 (a bound on top_k, not on the group). One group of k experts
+  is chosen whenever its score is finite and the kernel returns the top-k biased scores: plain top-k.
+* "<= 32 experts per group" limits exist elsewhere and do not bite here. vLLM PR #34206 (description read) sends
+  small configs (one group with E <= 512, or several with E <= 256) to `grouped_topk_fused_small_expert_count_kernel`
+  and the rest to the kernel above: a dispatch, not an error. FlashInfer's TRT-LLM-gen DeepSeek routing (vLLM's
+  monolithic FP8 / NVFP4 MoE on Blackwell; flashinfer csrc/fused_moe/trtllm_backend/
+  trtllm_fused_moe_routing_deepseek.cu, `run`) refuses more than 32 experts per group only when n_group > 1: a
+  kept n_group has m <= E / n_group of the original model, so the export adds no violation the original did not
+  have, and one group takes the kernel's non-grouped top-k path.
+* Not about groups, for deployment: FlashInfer's TRT-LLM MoE launchers also want E % 4 == 0, E > top_k and
+  top_k < topk_group * E / n_group (strict: a kept n_group with m * topk_group == top_k, exact in transformers and
+  vLLM's grouped_topk, is refused there), and ROCm AITER's `moe_fused_gate` refuses more than 32 experts per group
+  at large token counts (as for stock one-group models such as GLM-5; ROCm/aiter#2369). Pick k accordingly, or
+  another MoE backend, when serving on those.
+
 `drop` models keep the original router and config; the compact experts are written with their compact
 ids and `expert_map.pt` goes beside the checkpoint (`torchforge.load_quantized` restores PrunedMoE(drop)).
 """
