@@ -76,7 +76,10 @@ def mma_cuda_prefetch(blocks: int, sms: int, warps: int, item_chunks: int, split
     against 20.6), and within noise or up to 0.4 us slower with 4 K slices (1536x4096, 2048x7168).
     Also tried (nineteenth session) and dropped: each warp's words, scales and zeros through its own ring of 2-8
     shared-memory stages filled by bulk copies. It was 0.5-5 us slower than this dispatch on every shape and M = 1-16
-    with the weights rotated out of L2 (7168x7168 at M = 1: 13.6 against 12.5 us)."""
+    with the weights rotated out of L2 (7168x7168 at M = 1: 13.6 against 12.5 us).
+    And (twenty-fourth session) each warp asking L2 for its own words 1, 2 or 3 items ahead (prefetch.global.L2, one
+    line per lane, in both loops): slower at every ahead and M tried, 1-20% (18432x7168 at M = 16: 33.1 us without,
+    36.9 / 39.6 / 38.5 with), and the instructions alone, turned off at run time, cost 1 us at M = 1 there."""
     return item_chunks == 2 and warps == 8 and splits == 1 and blocks <= sms
 
 
