@@ -108,6 +108,27 @@ def test_streamed_source_with_extra_missing_or_bad_tensors(tmp_path):
         quantize_checkpoint(str(src), str(tmp_path / "g128"), {"scheme": "w4a16-rtn", "group_size": 128}, device="cpu")
 
 
+def test_streamed_source_whose_index_does_not_list_a_tensor_is_refused(tmp_path):
+    """A model tensor its shard holds but the index does not list was read and exported anyway, while the rest of
+    torchforge (checkpoint_tensor_names, the calibration streamer) took the index as the list of tensors."""
+    from torchforge.io.checkpoint import CheckpointError
+
+    src = tmp_path / "src"
+    models.build("llama", dtype=torch.bfloat16).save_pretrained(src, max_shard_size="20KB")
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = list(index["weight_map"].values())
+    name = next(k for k, f in index["weight_map"].items() if "layernorm" in k and shards.count(f) > 1)
+    shard = index["weight_map"].pop(name)
+    index_path.write_text(json.dumps(index))
+    with pytest.warns(UserWarning, match=rf"{shard} holds 1 tensor\(s\) that model\.safetensors\.index\.json does "
+                                         rf"not list \('{name}'\)"):
+        with pytest.raises(CheckpointError, match=rf"lacks 1 tensors of the model, e\.g\. {name}; the checkpoint is "
+                                                  r"incomplete \(a missing shard or an index that does not list it\)"):
+            quantize_checkpoint(str(src), str(tmp_path / "q"), {"scheme": "w4a16-rtn", "group_size": 32},
+                                device="cpu")
+
+
 def test_streamed_export_warns_outside_vllms_marlin_kernels(tmp_path, caplog):
     """save_quantized warns that group 16 needs vLLM's --dtype float16; the streamed export of the same recipe
     was silent."""

@@ -458,3 +458,57 @@ def test_a_bad_bin_shard_is_named_with_the_fix(tmp_path, damage):
                r"\(delete it and download/save it again\)")
     with pytest.raises(CheckpointError, match=msg):
         load_state_dict(tmp_path)
+
+
+# ----------------------------------------------------------------------------- the index is the list of tensors
+
+
+def _shards_with_unlisted_tensors(tmp_path, save, suffix):
+    """Two shards holding tensors their index does not list ('x', and 'd' in the other shard) and a copy of 'a' in
+    the shard the index does not give it; returns (the tensors the index lists, the index file name)."""
+    g = torch.Generator().manual_seed(0)
+    t = {k: torch.randn(4, generator=g) for k in ("a", "b", "c", "d", "x", "a_copy")}
+    files = [f"model-0000{i}-of-00002.{suffix}" for i in (1, 2)]
+    save({"a": t["a"], "b": t["b"], "x": t["x"]}, tmp_path / files[0])
+    save({"c": t["c"], "d": t["d"], "a": t["a_copy"]}, tmp_path / files[1])
+    index = "model.safetensors.index.json" if suffix == "safetensors" else "pytorch_model.bin.index.json"
+    (tmp_path / index).write_text(json.dumps({"metadata": {}, "weight_map": {"a": files[0], "b": files[0],
+                                                                             "c": files[1]}}))
+    return {k: t[k] for k in "abc"}, index
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "bin"])
+def test_tensors_the_index_does_not_list_are_not_read_and_named_once(tmp_path, suffix):
+    """A tensor a shard held but its index did not list was yielded anyway, while checkpoint_tensor_names (the
+    index) had no such tensor: the calibration streamer and load_quantized, which plan from the names, then met
+    tensors they did not expect. transformers' from_pretrained would load it; the index is the list here."""
+    import warnings
+
+    if suffix == "safetensors":
+        save, shard = (lambda sd, p: safetensors.torch.save_file(sd, str(p))), "model-00001-of-00002.safetensors"
+    else:
+        save, shard = (lambda sd, p: torch.save(sd, p)), "model-00001-of-00002.bin"
+    listed, index = _shards_with_unlisted_tensors(tmp_path, save, suffix)
+    more = r" \(and 1 other shard\(s\) hold unlisted tensors too\)" if suffix == "safetensors" else ""
+    msg = (rf"{shard} holds 1 tensor\(s\) that {index} does not list \('x'\){more}: they are not read\. The index "
+           r"is the checkpoint's list of tensors; if the model needs them, the index is damaged or hand-edited: add "
+           r"them to its weight_map or save the checkpoint again")
+    with pytest.warns(UserWarning, match=msg):
+        got = load_state_dict(tmp_path)
+    _assert_same_dict(got, listed)  # no 'x' nor 'd', and 'a' from the shard the index names
+    assert set(got) == set(checkpoint_tensor_names(tmp_path))
+    with warnings.catch_warnings():  # once per checkpoint: not again for each layer a streamer reads
+        warnings.simplefilter("error")
+        _assert_same_dict(load_state_dict(tmp_path, prefixes=["a", "x"]), {"a": listed["a"]})
+
+
+def test_an_fp8_scale_the_index_does_not_list_is_not_used_from_a_bin_shard(tmp_path):
+    # as in safetensors shards, where the scale was already looked up through the index only
+    w = (torch.randn(128, 128) * 10).to(torch.float8_e4m3fn)
+    torch.save({"w": w, "w_scale_inv": torch.ones(1, 1)}, tmp_path / "pytorch_model-00001-of-00001.bin")
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}))
+    with pytest.warns(UserWarning, match=r"holds 1 tensor\(s\) .* \('w_scale_inv'\)"):
+        with pytest.raises(CheckpointError, match="float8 tensor 'w' in pytorch_model-00001-of-00001.bin has no "
+                                                  "companion 'w_scale_inv'"):
+            load_state_dict(tmp_path, dequantize_fp8=True)

@@ -12,6 +12,10 @@ Safetensors files are read through ``safe_open`` one tensor at a time and one sh
 headers are parsed and checked (header length, JSON, data offsets against each other and the file size)
 before any tensor data is read, so truncated downloads fail with a message that names the file instead of a
 crash deep inside the reader.
+
+Where there is an index, its ``weight_map`` is the list of the checkpoint's tensors and says which shard holds
+each: a tensor a shard holds that the index does not list is not read (a warning names it), nor is a copy of a
+listed tensor in another shard.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -351,8 +356,9 @@ def _torch_load(path: str) -> dict:
 def checkpoint_tensor_names(model_dir: str | os.PathLike) -> dict[str, str]:
     """Map every tensor name of the checkpoint to the file (relative to the folder) that holds it.
 
-    Uses the index where there is one; a single safetensors file is read for its header only; a single
-    ``pytorch_model.bin`` has to be unpickled (memory-mapped where possible).
+    Uses the index where there is one (the list of the tensors :func:`iter_checkpoint` reads); a single
+    safetensors file is read for its header only; a single ``pytorch_model.bin`` has to be unpickled
+    (memory-mapped where possible).
     """
     layout = _resolve(model_dir)
     if layout.weight_map is not None:
@@ -401,7 +407,8 @@ def iter_checkpoint(
     ``dtype`` (bfloat16 by default), the companion may live in another shard, and the consumed
     ``*_scale_inv`` tensors are not yielded. ``dtype`` casts the floating (non-float8) tensors, except
     ``*_scale_inv`` block scales yielded as stored, which keep their dtype so that they stay exact.
-    Tensors end up on ``device`` (dequantization runs there).
+    Tensors end up on ``device`` (dequantization runs there). With an index, only the tensors it lists are
+    read, each from the shard it names (see the module docstring).
 
     The layout, the index, the shards to be read and (for safetensors) their headers and the FP8
     companions are all checked when this function is called, before anything is yielded; a
@@ -459,6 +466,28 @@ def _check_index_names(layout: _Layout, names_by_file, fname: str, present, pref
         )
 
 
+_UNLISTED_WARNED: set[str] = set()  # index files warned about: once per checkpoint, not once per layer read
+
+
+def _warn_unlisted(layout: _Layout, fname: str, names: list[str], more_shards: int, stacklevel: int) -> None:
+    """Warns (once per index) that shard `fname` holds `names`, tensors its index does not list, which are not read.
+
+    transformers' from_pretrained loads every tensor of the shards an index lists, unlisted ones too; here the index
+    is the list, as it is for checkpoint_tensor_names (calibration's layer streaming, load_quantized's module swaps)."""
+    index_path = os.path.join(layout.root, layout.index_file)
+    if index_path in _UNLISTED_WARNED:
+        return
+    _UNLISTED_WARNED.add(index_path)
+    shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    others = f" (and {more_shards} other shard(s) hold unlisted tensors too)" if more_shards else ""
+    warnings.warn(
+        f"{os.path.join(layout.root, fname)} holds {len(names)} tensor(s) that {layout.index_file} does not list "
+        f"({shown}){others}: they are not read. The index is the checkpoint's list of tensors; if the model needs "
+        f"them, the index is damaged or hand-edited: add them to its weight_map or save the checkpoint again",
+        stacklevel=stacklevel + 1,
+    )
+
+
 def _iter_safetensors(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
     from .fp8 import expected_scale_shape
 
@@ -486,13 +515,17 @@ def _iter_safetensors(layout: _Layout, prefixes, dequantize_fp8, device, dtype, 
     # Which files to open, and which of their tensors to yield (in on-disk order).
     files, names_by_file = _files_to_read(layout, prefixes)
     plan: dict[str, list[TensorInfo]] = {}
+    unlisted: dict[str, list[str]] = {}
     for fname in files:
         infos = header(fname)
         _check_index_names(layout, names_by_file, fname, infos, prefixes)
-        plan[fname] = [
-            i for i in infos.values()
-            if _wanted(i.name, prefixes) and (weight_map is None or weight_map.get(i.name, fname) == fname)
-        ]
+        plan[fname] = [i for i in infos.values() if _wanted(i.name, prefixes)]
+        if weight_map is not None:
+            unlisted[fname] = [i.name for i in plan[fname] if i.name not in weight_map]
+            plan[fname] = [i for i in plan[fname] if weight_map.get(i.name) == fname]
+    extra = [f for f, names in unlisted.items() if names]
+    if extra:
+        _warn_unlisted(layout, extra[0], unlisted[extra[0]], len(extra) - 1, stacklevel=3)  # iter_checkpoint's caller
 
     # FP8 companions: find and check every scale before reading any data.
     scale_of: dict[str, tuple[str, str]] = {}  # float8 weight name -> (scale name, its file)
@@ -627,11 +660,12 @@ def _iter_bin(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
                 loaded[fname] = _torch_load(os.path.join(root, fname))
             return loaded[fname]
 
-        def other_file_tensor(name: str, fname: str) -> torch.Tensor | None:
-            other = weight_map.get(name) if weight_map is not None else None
-            if other is None or other == fname:
+        def companion(name: str, fname: str, sd: dict) -> torch.Tensor | None:
+            """Tensor `name` where the index puts it (single files: in `sd`, the shard of `fname`)."""
+            where = fname if weight_map is None else weight_map.get(name)
+            if where is None:
                 return None
-            t = shard(other).get(name)
+            t = (sd if where == fname else shard(where)).get(name)
             return t if isinstance(t, torch.Tensor) else None
 
         try:
@@ -639,19 +673,23 @@ def _iter_bin(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
                 sd = shard(fname)
                 _check_index_names(layout, names_by_file, fname,
                                    {n for n, t in sd.items() if isinstance(t, torch.Tensor)}, prefixes)
+                if weight_map is not None:
+                    unlisted = [n for n, t in sd.items()
+                                if isinstance(t, torch.Tensor) and _wanted(n, prefixes) and n not in weight_map]
+                    if unlisted:
+                        _warn_unlisted(layout, fname, unlisted, 0, stacklevel=2)  # the caller's next()
                 for name, t in sd.items():
                     if not isinstance(t, torch.Tensor) or not _wanted(name, prefixes):
                         continue
-                    if weight_map is not None and weight_map.get(name, fname) != fname:
+                    if weight_map is not None and weight_map.get(name) != fname:
                         continue
                     if dequantize_fp8 and name.endswith(_SCALE_INV_SUFFIX):
-                        base = name[: -len(_SCALE_INV_SUFFIX)]
-                        base_t = sd[base] if isinstance(sd.get(base), torch.Tensor) else other_file_tensor(base, fname)
+                        base_t = companion(name[: -len(_SCALE_INV_SUFFIX)], fname, sd)
                         if base_t is not None and is_fp8_dtype(base_t.dtype):
                             continue  # applied to its weight
                     if dequantize_fp8 and is_fp8_dtype(t.dtype):
                         sname = name + _SCALE_INV_SUFFIX
-                        s = sd[sname] if isinstance(sd.get(sname), torch.Tensor) else other_file_tensor(sname, fname)
+                        s = companion(sname, fname, sd)
                         if s is None:
                             raise CheckpointError(
                                 f"float8 tensor {name!r} in {fname} has no companion {sname!r} in {root}; "
