@@ -209,6 +209,17 @@ def test_recipe_prune_section_prunes_then_quantizes(tmp_path):
         assert torch.equal(a(ids).logits, b(ids).logits)
 
 
+def test_recipe_file_prune_paths_are_relative_to_the_file(tmp_path, monkeypatch):
+    """A recipe file's hit_map was looked up relative to the working directory, not to the file."""
+    (tmp_path / "cfg").mkdir()
+    torch.save({"hit_map": torch.rand(1, 8)}, tmp_path / "cfg" / "hit.pt")
+    (tmp_path / "cfg" / "r.yaml").write_text("scheme: w4a16-rtn\ngroup_size: 32\n"
+                                             "prune:\n  hit_map: hit.pt\n  keep_k: 4\n  mode: drop\n")
+    monkeypatch.chdir(tmp_path)
+    model = torchforge.quantize(models.build("deepseek_v3"), "cfg/r.yaml")
+    assert model.model.layers[1].mlp.experts.num_experts == 4
+
+
 @pytest.mark.parametrize("scheme", ["w4a16-rtn", "w4a16-gptq", "nvfp4"])
 def test_a_refused_quantize_leaves_the_model_unpruned(scheme, tmp_path):
     """The prune section runs after the scheme's checks: an error (here a group size the layers do not divide, or

@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import expecttest
 import pytest
@@ -254,7 +255,10 @@ def test_prune_section_round_trip_and_errors(tmp_path):
     assert isinstance(r.prune, PruneRecipe) and r.prune.mode == "reroute"
     path = tmp_path / "r.yaml"
     r.to_file(path)
-    assert Recipe.from_file(path) == r
+    # a relative path in a file is relative to the file's folder: from_file makes it absolute, which round-trips
+    back = Recipe.from_file(path)
+    assert back == r.replace(prune={**r.prune.to_dict(), "hit_map": str(tmp_path.resolve() / "hits.pt")})
+    assert Recipe.from_file(back.to_file(path)) == back
     with pytest.raises(RecipeError, match="unknown key"):
         Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "h.pt", "keep": 2}})
     with pytest.raises(RecipeError, match="exactly one of 'expert_map'"):
@@ -263,6 +267,29 @@ def test_prune_section_round_trip_and_errors(tmp_path):
         Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "h.pt", "keep_ratio": 1.5}})
     with pytest.raises(RecipeError, match="prune.mode"):
         Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"expert_map": "m.pt", "mode": "zap"}})
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_prune_paths_in_a_recipe_file_are_relative_to_its_folder(tmp_path, monkeypatch, suffix):
+    """They were used relative to the working directory, so a recipe file found its hit map or expert map only when
+    run from the folder it was written for."""
+    cfg, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
+    cfg.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    sections = {"hit": {"hit_map": "maps/hits.pt", "keep_k": 2}, "map": {"expert_map": "../em/expert_map.pt"},
+                "absolute": {"hit_map": str(tmp_path / "h.pt"), "keep_k": 2}}
+    for what, prune in sections.items():
+        data = {"scheme": "w4a16-rtn", "prune": prune}
+        path = cfg / f"{what}{suffix}"
+        path.write_text(json.dumps(data) if suffix == ".json" else yaml.safe_dump(data))
+        given = prune.get("hit_map") or prune["expert_map"]
+        for r in (Recipe.from_file(f"../cfg/{path.name}"), Recipe.coerce(path)):
+            got = r.prune.hit_map or r.prune.expert_map
+            assert os.path.isabs(got) and Path(got).resolve() == (cfg / given).resolve(), (what, got)
+            assert r == Recipe.from_file(r.to_file(tmp_path / f"copy{suffix}"))  # absolute from here on
+        assert (Recipe.from_dict(data).prune.hit_map or Recipe.from_dict(data).prune.expert_map) == given  # as given
+    assert Recipe.from_file(cfg / f"absolute{suffix}").prune.hit_map == str(tmp_path / "h.pt")
 
 
 def test_prune_section_rejects_settings_it_would_ignore_or_fail_on_later():

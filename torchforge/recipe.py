@@ -230,6 +230,10 @@ class PruneRecipe:
     experts are ranked by: "probability" (the default: the hit map, summed router probabilities; the file may
     be a bare tensor), "count" (top-k picks) or "weight" (routed weight received, what `drop` pruning removes);
     the last two need the file `RouterStats.save` writes (see torchforge.prune.RANK_BY).
+
+    Paths: in a recipe read by `Recipe.from_file`, a relative `expert_map` / `hit_map` is relative to the recipe
+    file's folder (from_file makes it absolute); built in Python or by `from_dict`, a path is used as given
+    (relative to the working directory).
     """
 
     expert_map: str | None = None
@@ -290,6 +294,12 @@ class PruneRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def _resolve_paths(self, folder: Path) -> "PruneRecipe":
+        """A copy whose relative paths are joined to `folder` (absolute paths are kept)."""
+        changes = {name: str(folder / path) for name in ("expert_map", "hit_map")
+                   if (path := getattr(self, name)) is not None and not os.path.isabs(path)}
+        return dataclasses.replace(self, **changes) if changes else self
 
 
 @dataclass(frozen=True)
@@ -446,7 +456,12 @@ class Recipe:
 
     @classmethod
     def from_file(cls, path: PathLike) -> Recipe:
-        """Read a recipe written by :meth:`to_file` (or by hand): a mapping of field values."""
+        """Read a recipe written by :meth:`to_file` (or by hand): a mapping of field values.
+
+        Relative paths in it (``prune.expert_map``, ``prune.hit_map``) are relative to the file's folder, as in
+        other config files, not to the working directory: they come back absolute. (:meth:`from_dict` and the
+        constructor keep paths as given.)
+        """
         path = Path(path)
         kind = cls._file_kind(path)
         try:
@@ -461,9 +476,12 @@ class Recipe:
         except Exception as e:  # json.JSONDecodeError, yaml.YAMLError, a key given twice
             raise RecipeError(f"recipe file {str(path)!r} is not valid {kind.upper()}: {e}") from None
         try:
-            return cls.from_dict(data)
+            recipe = cls.from_dict(data)
         except RecipeError as e:
             raise RecipeError(f"recipe file {str(path)!r}: {e}") from None
+        if recipe.prune is not None:
+            recipe = dataclasses.replace(recipe, prune=recipe.prune._resolve_paths(path.parent.resolve()))
+        return recipe
 
     # ------------------------------------------------------------ conversions
 

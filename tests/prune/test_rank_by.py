@@ -89,7 +89,9 @@ def test_rank_by_errors():
 
 
 def test_recipe_rank_by_round_trip_and_errors(tmp_path):
-    r = Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "s.pt", "keep_k": 2, "rank_by": "weight"}})
+    # an absolute path: a file's relative one comes back joined to the file's folder
+    r = Recipe.from_dict({"scheme": "w4a16-rtn",
+                          "prune": {"hit_map": str(tmp_path / "s.pt"), "keep_k": 2, "rank_by": "weight"}})
     assert r.prune.rank_by == "weight" and r.to_dict()["prune"]["rank_by"] == "weight"
     assert Recipe.from_dict(r.to_dict()) == r
     r.to_file(tmp_path / "r.yaml")
