@@ -277,3 +277,29 @@ def test_from_linear_with_zero_points_of_0_says_what_to_do():
         lin.weight.abs_()
     with pytest.raises(ValueError, match=r"zero points are 0, which GPTQ v1 qzeros .* ForgeAWQLinear"):
         ForgeGPTQLinear.from_linear(lin, group_size=32, symmetric=False)
+
+
+def test_w4_linear_from_gptq_picks_the_layout_that_holds_the_zero_points():
+    """Zero points 1..15 -> ForgeGPTQLinear; a zero point of 0 (GPTQ v1 cannot hold it) -> ForgeAWQLinear, the same
+    weight; either way on the Linear's device and dtype with its bias. Act-order with a zero point of 0 is refused."""
+    from torchforge.nn.awq_linear import ForgeAWQLinear
+    from torchforge.nn.gptq_linear import w4_linear_from_gptq
+
+    lin = torch.nn.Linear(64, 16, bias=True, dtype=torch.bfloat16)
+    lin.weight.requires_grad_(False).abs_()
+    res = solve(lin.weight.float(), torch.eye(64), group_size=32, symmetric=False)
+    assert (res.zeros == 0).any()
+    qweight, scales, zeros = gptq_pack(res.codes.T.contiguous()), res.scales.T.contiguous(), res.zeros.T.contiguous()
+    awq = w4_linear_from_gptq(lin, qweight, scales, zeros=zeros, group_size=32, symmetric=False)
+    gptq = w4_linear_from_gptq(lin, qweight, scales, zeros=zeros.clamp(min=1), group_size=32, symmetric=False)
+    assert type(awq) is ForgeAWQLinear and type(gptq) is ForgeGPTQLinear and not gptq.has_act_order()
+    assert torch.equal(awq.dequantized_weight(), res.dequantize())
+    for mod in (awq, gptq):
+        assert mod.bias.dtype == torch.bfloat16 and torch.equal(mod.bias, lin.bias) and mod.scales is scales
+    perm = trivial_g_idx(64, 32).flip(0)
+    with pytest.raises(ValueError, match=r"act-order \(a permuted g_idx\) with a zero point of 0"):
+        w4_linear_from_gptq(lin, qweight, scales, zeros=zeros, g_idx=perm, group_size=32, symmetric=False)
+    assert w4_linear_from_gptq(lin, qweight, scales, zeros=zeros.clamp(min=1), g_idx=perm, group_size=32,
+                               symmetric=False).has_act_order()
+    with pytest.raises(TypeError, match="exactly one of zeros"):
+        w4_linear_from_gptq(lin, qweight, scales, group_size=32, symmetric=False)

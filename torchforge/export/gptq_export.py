@@ -52,11 +52,12 @@ from torch import nn
 from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, compressed_tensors_ignore, iter_memory_named,
                                       memory_names,
                                       module_names_for_config, vllm_names)
+from torchforge.export.vllm_awq import unquantized_names
 from torchforge.io import CheckpointError, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
 from torchforge.nn.awq_linear import ForgeAWQLinear
-from torchforge.nn.gptq_linear import ForgeGPTQLinear
+from torchforge.nn.gptq_linear import ForgeGPTQLinear, is_act_order, w4_linear_from_gptq
 from torchforge.nn.moe import ForgeMoE
 from torchforge.ops.awq import awq_pack, awq_unpack
 from torchforge.ops.gptq import gptq_pack, gptq_pack_zeros, gptq_unpack, gptq_unpack_zeros, trivial_g_idx
@@ -195,12 +196,6 @@ def _fp16_scales(fmt: str, name: str, tensors: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ configs
-def _skip_list(model: nn.Module) -> list[str]:
-    """In-memory names of the modules left unquantized."""
-    return [n for n, m in model.named_modules()
-            if (isinstance(m, nn.Linear) and not isinstance(m, ForgeAWQLinear)) or is_fused_experts(m)]
-
-
 def _k_dims(mod: nn.Module) -> set[int]:
     """The input dims (K) a W4 module's groups run along."""
     if isinstance(mod, ForgeAWQExperts):
@@ -236,7 +231,7 @@ def vllm_gptq_config(model: nn.Module) -> dict:
     return {"quant_method": "gptq", "bits": 4, "group_size": _group_size(mods), "desc_act": desc_act,
             "sym": _symmetric(mods), "lm_head": lm_head, "static_groups": False, "true_sequential": True,
             "checkpoint_format": "gptq", "modules_in_block_to_quantize": quantized,
-            "dynamic": {f"-:^{re.escape(n)}$": {} for n in module_names_for_config(_skip_list(model), model)}}
+            "dynamic": {f"-:^{re.escape(n)}$": {} for n in module_names_for_config(unquantized_names(model), model)}}
 
 
 def compressed_tensors_config(model: nn.Module) -> dict:
@@ -251,7 +246,7 @@ def compressed_tensors_config(model: nn.Module) -> dict:
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None, "format": "pack-quantized"}},
-            "ignore": compressed_tensors_ignore(_skip_list(model), model), "kv_cache_scheme": None,
+            "ignore": compressed_tensors_ignore(unquantized_names(model), model), "kv_cache_scheme": None,
             "global_compression_ratio": None}
 
 
@@ -261,7 +256,7 @@ def _vllm_awq_config(model: nn.Module) -> dict:
     if _group_size(mods) == -1:
         raise ValueError("save_quantized(vllm-awq): per-channel (group_size -1) W4 models are written as vllm-gptq "
                          "or compressed-tensors; torchforge's AWQ loader reads one positive group size")
-    skip = _skip_list(model)
+    skip = unquantized_names(model)
     qnames = set()
     for n, m in mods:
         qnames |= vllm_names(n) | ({f"{n}.{i}" for i in range(m.num_experts)} if isinstance(m, ForgeAWQExperts) else set())
@@ -401,41 +396,32 @@ def _check_g_idx(g_idx: torch.Tensor, in_features: int, groups: int, key: str) -
 
 def _w4_linear(fmt: str, t: dict, symmetric: bool, group_size: int, mod: nn.Linear, name: str) -> nn.Module:
     """The W4 module of the checkpoint Linear ``name`` (``mod``: its meta nn.Linear), buffers as stored (scale dtype
-    too): a ForgeGPTQLinear, or a ForgeAWQLinear where a compressed-tensors zero point is 0, which GPTQ v1 qzeros
-    (``z - 1`` in 4 bits) cannot hold. ``group_size`` -1 (per-channel): one group of ``in_features``."""
-    kw = dict(bias=mod.bias is not None, group_size=mod.in_features if group_size == -1 else group_size,
-              symmetric=symmetric, device="meta", dtype=mod.weight.dtype)
+    too): see :func:`torchforge.nn.gptq_linear.w4_linear_from_gptq` (a ForgeAWQLinear where a compressed-tensors zero
+    point is 0). ``group_size`` -1 (per-channel): one group of ``in_features``."""
+    kw = dict(group_size=mod.in_features if group_size == -1 else group_size, symmetric=symmetric)
     if fmt == "vllm-gptq":
-        tensors = t["qweight"], t["qzeros"], t["scales"], t["g_idx"].to(torch.int32)
-        _check_g_idx(tensors[3], mod.in_features, tensors[2].shape[0], f"{name}.g_idx")
-    else:
-        qweight, zeros, scales, g_idx = _ct_linear(t, symmetric)
-        _check_g_idx(g_idx, mod.in_features, scales.shape[0], f"{name}.weight_g_idx")
-        if bool((zeros == 0).any()):
-            if not torch.equal(g_idx, trivial_g_idx(g_idx.shape[0], g_idx.shape[0] // scales.shape[0])):
-                raise CheckpointError(f"load_quantized: {name}: act-order (a permuted weight_g_idx) with a zero point "
-                                      "of 0 is not supported (GPTQ v1 qzeros cannot hold 0, the AWQ layout no g_idx)")
-            new = ForgeAWQLinear(mod.in_features, mod.out_features, **kw)
-            new.qweight, new.qzeros, new.scales = awq_pack(gptq_unpack(qweight)), awq_pack(zeros), scales
-            return new
-        tensors = qweight, gptq_pack_zeros(zeros), scales, g_idx
-    new = ForgeGPTQLinear(mod.in_features, mod.out_features, **kw)
-    new.qweight, new.qzeros, new.scales, new.g_idx = tensors
-    return new
+        qweight, qzeros, scales, g_idx = t["qweight"], t["qzeros"], t["scales"], t["g_idx"].to(torch.int32)
+        _check_g_idx(g_idx, mod.in_features, scales.shape[0], f"{name}.g_idx")
+        return w4_linear_from_gptq(mod, qweight, scales, qzeros=qzeros, g_idx=g_idx, **kw)
+    qweight, zeros, scales, g_idx = _ct_linear(t, symmetric)
+    _check_g_idx(g_idx, mod.in_features, scales.shape[0], f"{name}.weight_g_idx")
+    if bool((zeros == 0).any()) and is_act_order(g_idx, g_idx.shape[0], scales.shape[0]):
+        raise CheckpointError(f"load_quantized: {name}: act-order (a permuted weight_g_idx) with a zero point "
+                              "of 0 is not supported (GPTQ v1 qzeros cannot hold 0, the AWQ layout no g_idx)")
+    return w4_linear_from_gptq(mod, qweight, scales, zeros=zeros, g_idx=g_idx, **kw)
 
 
 def _to_awq_expert(fmt: str, t: dict, symmetric: bool):
     """Checkpoint tensors of one expert projection -> AWQ (qweight, qzeros, scales)."""
     if fmt == "vllm-gptq":
         codes, zeros, scales = gptq_unpack(t["qweight"]), gptq_unpack_zeros(t["qzeros"]), t["scales"]
-        if not torch.equal(t["g_idx"].to(torch.int32), trivial_g_idx(codes.shape[0], codes.shape[0] // scales.shape[0])):
+        if is_act_order(t["g_idx"], codes.shape[0], scales.shape[0]):
             raise CheckpointError("load_quantized: act-order (permuted g_idx) routed experts are not supported")
     else:
         codes = gptq_unpack(t["weight_packed"].T.contiguous())
         scales = t["weight_scale"].T.contiguous()
         g_idx = t.get("weight_g_idx")
-        if g_idx is not None and not torch.equal(g_idx.to(torch.int32),
-                                                 trivial_g_idx(codes.shape[0], codes.shape[0] // scales.shape[0])):
+        if g_idx is not None and is_act_order(g_idx, codes.shape[0], scales.shape[0]):
             raise CheckpointError("load_quantized: act-order (permuted weight_g_idx) routed experts are not supported")
         zeros = (torch.full(scales.shape, 8, dtype=torch.uint8) if symmetric
                  else _unpack_along_oc(t["weight_zero_point"].T.contiguous()))

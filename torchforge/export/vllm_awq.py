@@ -67,14 +67,11 @@ def export_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
             for k, v in out.items()}
 
 
-def _unquantized_linear_prefixes(model: nn.Module) -> list[str]:
-    skip = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and not isinstance(mod, ForgeAWQLinear):
-            skip.append(name)
-        elif is_fused_experts(mod):
-            skip.append(name)
-    return skip
+def unquantized_names(model: nn.Module) -> list[str]:
+    """In-memory names of the modules left unquantized (nn.Linear layers and HF fused experts), in module order: the
+    skip lists of the W4 configs (vllm-awq, vllm-gptq, compressed-tensors)."""
+    return [n for n, m in model.named_modules()
+            if (isinstance(m, nn.Linear) and not isinstance(m, ForgeAWQLinear)) or is_fused_experts(m)]
 
 
 def vllm_awq_quantization_config(model: nn.Module) -> dict:
@@ -87,7 +84,7 @@ def vllm_awq_quantization_config(model: nn.Module) -> dict:
     group_sizes = {m.group_size for _, m in quantized}
     if len(group_sizes) != 1:
         raise ValueError(f"vllm-awq holds one group_size per checkpoint; the model mixes {sorted(group_sizes)}")
-    skip = _unquantized_linear_prefixes(model)
+    skip = unquantized_names(model)
     # vLLM skips a layer when any entry is a SUBSTRING of its prefix (is_layer_skipped_awq), so the list holds
     # full module names only, and none of them may be a substring of a quantized module's vLLM name.
     qnames = set()

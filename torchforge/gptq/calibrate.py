@@ -47,11 +47,11 @@ from torchforge.gptq.hessian import HessianAccumulator
 from torchforge.gptq.solver import GPTQResult, check_scale_range, solve_batched
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
-from torchforge.nn.awq_linear import ForgeAWQLinear
-from torchforge.nn.gptq_linear import ForgeGPTQLinear
+from torchforge.nn.gptq_linear import ForgeGPTQLinear, w4_linear_from_gptq
 from torchforge.nn.moe import ForgeMoE
 from torchforge.ops.awq import awq_pack
 from torchforge.ops.awq_reference import check_finite_weight
+from torchforge.ops.gptq import gptq_pack
 
 __all__ = ["GPTQConfig", "quantize_gptq"]
 
@@ -294,34 +294,18 @@ def _check_module(name: str, mod: nn.Module, recipe) -> None:
         raise ValueError(f"quantize: cannot quantize {name}: {err}") from err
 
 
-def _w4_module(lin: nn.Linear, res: GPTQResult, recipe) -> nn.Module:
-    """The quantized module of ``lin`` from its solved result: a ForgeGPTQLinear, or, where an asymmetric group got a
-    zero point of 0 (a group with no weight below about s / 2), a ForgeAWQLinear with the same codes, scales and true
-    zero points. GPTQ v1 qzeros store ``z - 1`` in 4 bits and cannot hold 0; the solver has no act-order, so the AWQ
-    layout (contiguous groups) holds the result exactly. vllm-gptq export then refuses the layer by name;
-    compressed-tensors and vllm-awq write it."""
-    w = lin.weight
-    kw = dict(bias=lin.bias is not None, group_size=recipe.group_size, symmetric=recipe.symmetric, device=w.device,
-              dtype=w.dtype)
-    if recipe.symmetric or not bool((res.zeros == 0).any()):
-        return ForgeGPTQLinear(lin.in_features, lin.out_features, **kw).pack_result(res, lin.bias)
-    new = ForgeAWQLinear(lin.in_features, lin.out_features, **kw)
-    new.qweight = awq_pack(res.codes.T.contiguous())
-    new.qzeros = awq_pack(res.zeros.T.contiguous())
-    new.scales = res.scales.T.contiguous()  # the solver's scale dtype, as ForgeGPTQLinear keeps it
-    if lin.bias is not None:
-        new.bias = lin.bias.detach().to(device=w.device, dtype=new.bias.dtype)
-    return new
-
-
 @torch.no_grad()
 def _quantize_collected(model: nn.Module, col: _Collector, recipe, cfg: GPTQConfig, counts: Dict[str, int]) -> None:
     for name, acc in col.linears.items():
         lin = col.modules[name]
         w = lin.weight.detach()
         res = _solve(w[None], _hessian(acc, name, cfg, w.device)[None], recipe, cfg)
-        res = res._replace(codes=res.codes[0], scales=res.scales[0], zeros=res.zeros[0], qmeta=res.qmeta[0])
-        model.set_submodule(name, _w4_module(lin, res, recipe))
+        # a ForgeGPTQLinear, or a ForgeAWQLinear where an asymmetric group got a zero point of 0 (the solver has no
+        # act-order: the AWQ layout holds the result exactly); vllm-gptq export then refuses the layer by name,
+        # compressed-tensors and vllm-awq write it. Scales in the solver's scale dtype.
+        codes, scales, zeros = (t[0].T.contiguous() for t in (res.codes, res.scales, res.zeros))
+        model.set_submodule(name, w4_linear_from_gptq(lin, gptq_pack(codes), scales, zeros=zeros,
+                                                      group_size=recipe.group_size, symmetric=recipe.symmetric))
         counts["linear"] += 1
     for name, st in col.experts.items():
         mod = col.modules[name]

@@ -8,6 +8,7 @@ from torch import nn
 
 from torchforge.nn._bias import check_pack_bias
 from torchforge.nn._group_size import check_group_size
+from torchforge.nn.awq_linear import ForgeAWQLinear
 from torchforge.nn.mma_tickets import add_mma_tickets, rezero_mma_tickets
 from torchforge.ops import gptq as gptq_ops
 from torchforge.ops.awq import awq_pack, awq_unpack
@@ -169,6 +170,48 @@ class ForgeGPTQLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"group_size={self.group_size}, symmetric={self.symmetric}"
                 + (", weight_layout=mma" if self.weight_layout == "mma" else ""))
+
+
+def is_act_order(g_idx: torch.Tensor, in_features: int, groups: int) -> bool:
+    """True when ``g_idx`` is not ``k // (in_features // groups)`` for ``k < in_features`` (act-order: the groups
+    of the input columns permuted, which only the GPTQ layout holds)."""
+    return not torch.equal(g_idx.to(torch.int32), gptq_ops.trivial_g_idx(in_features, in_features // groups))
+
+
+@torch.no_grad()
+def w4_linear_from_gptq(linear: nn.Linear, qweight: torch.Tensor, scales: torch.Tensor, *,
+                        zeros: Optional[torch.Tensor] = None, qzeros: Optional[torch.Tensor] = None,
+                        g_idx: Optional[torch.Tensor] = None, group_size: int, symmetric: bool) -> nn.Module:
+    """The W4 module that replaces ``linear`` (built on its weight's device, meta included, and dtype; its bias, if
+    any, copied) from GPTQ-layout tensors:
+
+      qweight int32 [IC // 8, OC]; scales [NG, OC]; g_idx int32 [IC] (None: ``k // group_size``, no act-order)
+      zero points: either ``zeros`` [NG, OC] (true zero points, uint8) or ``qzeros`` (GPTQ v1 ``z - 1``, packed)
+
+    A ForgeGPTQLinear holding them (scales in their dtype; qweight, qzeros and g_idx as given, not copied); or, where
+    one of ``zeros`` is 0, which GPTQ v1 qzeros (``z - 1`` in 4 bits) cannot hold, a ForgeAWQLinear with the same
+    codes, scales and true zero points (contiguous groups: act-order there raises ValueError). Used by GPTQ
+    calibration (the solver's result: an asymmetric group with no weight below about s / 2 gets zero point 0) and by
+    the vllm-gptq / compressed-tensors loader."""
+    if (zeros is None) == (qzeros is None):
+        raise TypeError("w4_linear_from_gptq: pass exactly one of zeros (true zero points) and qzeros (GPTQ v1)")
+    kw = dict(bias=linear.bias is not None, group_size=group_size, symmetric=symmetric, device=linear.weight.device,
+              dtype=linear.weight.dtype)
+    if zeros is not None and bool((zeros == 0).any()):
+        if g_idx is not None and is_act_order(g_idx, g_idx.shape[0], scales.shape[0]):
+            raise ValueError("w4_linear_from_gptq: act-order (a permuted g_idx) with a zero point of 0 is not "
+                             "supported (GPTQ v1 qzeros cannot hold 0, the AWQ layout no g_idx)")
+        new = ForgeAWQLinear(linear.in_features, linear.out_features, **kw)
+        new.qweight, new.qzeros, new.scales = awq_pack(gptq_ops.gptq_unpack(qweight)), awq_pack(zeros), scales
+    else:
+        qzeros = gptq_ops.gptq_pack_zeros(zeros) if qzeros is None else qzeros
+        new = ForgeGPTQLinear(linear.in_features, linear.out_features, **kw)
+        if g_idx is None:
+            g_idx = gptq_ops.trivial_g_idx(linear.in_features, group_size, device=qweight.device)
+        new.qweight, new.qzeros, new.scales, new.g_idx = qweight, qzeros, scales, g_idx
+    if linear.bias is not None:
+        new.bias = linear.bias.detach().to(device=new.bias.device, dtype=new.bias.dtype)
+    return new
 
 
 def _mma_to_gptq(qweight_mma: torch.Tensor, qzeros_awq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
