@@ -255,9 +255,10 @@ def test_prune_section_round_trip_and_errors(tmp_path):
     assert isinstance(r.prune, PruneRecipe) and r.prune.mode == "reroute"
     path = tmp_path / "r.yaml"
     r.to_file(path)
-    # a relative path in a file is relative to the file's folder: from_file makes it absolute, which round-trips
+    # a relative path in Python is relative to the working directory: to_file writes it absolute (in a file it
+    # would be relative to the file's folder), which round-trips
     back = Recipe.from_file(path)
-    assert back == r.replace(prune={**r.prune.to_dict(), "hit_map": str(tmp_path.resolve() / "hits.pt")})
+    assert back == r.replace(prune={**r.prune.to_dict(), "hit_map": str(Path.cwd() / "hits.pt")})
     assert Recipe.from_file(back.to_file(path)) == back
     with pytest.raises(RecipeError, match="unknown key"):
         Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "h.pt", "keep": 2}})
@@ -415,3 +416,29 @@ def test_a_user_ignore_list_that_selects_a_router_is_reported(caplog):
     assert len(msgs) == 1, msgs
     assert "1 MoE router layer(s) of Module are selected and will be quantized (e.g. 'layers.0.mlp.gate')" in msgs[0]
     assert r"'re:.*mlp\\.gate$'" in msgs[0]
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_to_file_keeps_what_a_working_directory_relative_prune_path_means(tmp_path, monkeypatch, suffix):
+    """A recipe built in Python (or from_dict) holds paths relative to the working directory; to_file wrote them as
+    they were, and a file's relative paths are relative to its folder: read back, the recipe named another file."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "cfg").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    r = Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "maps/hits.pt", "keep_k": 2}})
+    back = Recipe.from_file(r.to_file(tmp_path / "cfg" / f"r{suffix}"))
+    assert Path(back.prune.hit_map).resolve() == (tmp_path / "work" / "maps" / "hits.pt").resolve()
+    assert r.prune.hit_map == "maps/hits.pt"  # the recipe itself is unchanged
+    em = Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"expert_map": "em", "mode": "drop"}})
+    back = Recipe.from_file(em.to_file(tmp_path / "cfg" / f"m{suffix}"))
+    assert Path(back.prune.expert_map).resolve() == (tmp_path / "work" / "em").resolve()
+
+
+def test_an_empty_prune_path_is_refused(tmp_path):
+    """from_file joined '' to the file's folder: `expert_map: ''` silently used the folder's expert_map.pt."""
+    torch.save(torch.zeros(1, 2, dtype=torch.long), tmp_path / "expert_map.pt")
+    (tmp_path / "r.yaml").write_text("scheme: w4a16-rtn\nprune:\n  expert_map: ''\n")
+    with pytest.raises(RecipeError, match=r"prune\.expert_map: invalid value ''"):
+        Recipe.from_file(tmp_path / "r.yaml")
+    with pytest.raises(RecipeError, match=r"prune\.hit_map: invalid value ''"):
+        Recipe.from_dict({"scheme": "w4a16-rtn", "prune": {"hit_map": "", "keep_k": 2}})

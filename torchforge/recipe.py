@@ -251,8 +251,8 @@ class PruneRecipe:
                               "(a path to a saved [L, E] hit map, with keep_k or keep_ratio)")
         for name in ("expert_map", "hit_map"):
             v = getattr(self, name)
-            if v is not None and not isinstance(v, str):
-                raise _fail(f"prune.{name}", v, "a path string")
+            if v is not None and (not isinstance(v, str) or not v):  # '' joined to a recipe file's folder is the folder
+                raise _fail(f"prune.{name}", v, "a non-empty path string")
         if self.hit_map is not None and (self.keep_k is None) == (self.keep_ratio is None):
             raise RecipeError("Recipe.prune: with 'hit_map' give exactly one of 'keep_k' (experts kept per layer) or "
                               "'keep_ratio' (fraction kept, 0 < r <= 1)")
@@ -425,16 +425,21 @@ class Recipe:
         """Write as YAML (``.yaml``/``.yml``) or JSON (``.json``), atomically; returns the path.
 
         The text goes to a temporary file in the destination directory, which then replaces
-        ``path`` (``os.replace``), so readers never see a half-written recipe.
+        ``path`` (``os.replace``), so readers never see a half-written recipe. Relative prune paths
+        (relative to the working directory here) are written absolute: in a file they would be relative
+        to its folder (see :meth:`from_file`).
         """
         path = Path(path)
         kind = self._file_kind(path)
+        data = self.to_dict()
+        if self.prune is not None:  # relative to the working directory here, to the file's folder in a file
+            data["prune"] = self.prune._resolve_paths(Path.cwd()).to_dict()
         if kind == "json":
-            text = json.dumps(self.to_dict(), indent=2) + "\n"
+            text = json.dumps(data, indent=2) + "\n"
         else:
             import yaml
 
-            text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+            text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
         directory = path.parent
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
         try:

@@ -512,3 +512,23 @@ def test_an_fp8_scale_the_index_does_not_list_is_not_used_from_a_bin_shard(tmp_p
         with pytest.raises(CheckpointError, match="float8 tensor 'w' in pytorch_model-00001-of-00001.bin has no "
                                                   "companion 'w_scale_inv'"):
             load_state_dict(tmp_path, dequantize_fp8=True)
+
+
+def test_the_unlisted_tensors_warning_is_once_per_checkpoint_folder_not_per_relative_name(tmp_path, monkeypatch):
+    """The once-per-checkpoint key was the folder as passed: a second checkpoint read by the same relative name from
+    another working directory was never warned about (and one checkpoint read by two spellings was warned twice)."""
+    import warnings
+
+    save = lambda sd, p: safetensors.torch.save_file(sd, str(p))  # noqa: E731
+    for run in ("a", "b"):
+        (tmp_path / run / "ckpt").mkdir(parents=True)
+        _shards_with_unlisted_tensors(tmp_path / run / "ckpt", save, "safetensors")
+    monkeypatch.chdir(tmp_path / "a")
+    with pytest.warns(UserWarning, match="does not list"):
+        load_state_dict("ckpt")
+    with warnings.catch_warnings():  # the same checkpoint, by its absolute path: already warned
+        warnings.simplefilter("error")
+        load_state_dict(tmp_path / "a" / "ckpt")
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.warns(UserWarning, match="does not list"):  # another checkpoint
+        load_state_dict("ckpt")

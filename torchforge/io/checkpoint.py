@@ -474,7 +474,7 @@ def _warn_unlisted(layout: _Layout, fname: str, names: list[str], more_shards: i
 
     transformers' from_pretrained loads every tensor of the shards an index lists, unlisted ones too; here the index
     is the list, as it is for checkpoint_tensor_names (calibration's layer streaming, load_quantized's module swaps)."""
-    index_path = os.path.join(layout.root, layout.index_file)
+    index_path = os.path.abspath(os.path.join(layout.root, layout.index_file))  # not the folder as spelled
     if index_path in _UNLISTED_WARNED:
         return
     _UNLISTED_WARNED.add(index_path)
