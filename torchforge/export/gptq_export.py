@@ -51,8 +51,8 @@ from torch import nn
 
 from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, compressed_tensors_ignore, iter_memory_named,
                                       memory_names,
-                                      module_names_for_config, vllm_names)
-from torchforge.export.vllm_awq import unquantized_names
+                                      module_names_for_config)
+from torchforge.export.vllm_awq import unquantized_names, vllm_awq_quantization_config
 from torchforge.io import CheckpointError, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
@@ -250,24 +250,6 @@ def compressed_tensors_config(model: nn.Module) -> dict:
             "global_compression_ratio": None}
 
 
-def _vllm_awq_config(model: nn.Module) -> dict:
-    mods = _w4_modules(model)
-    refuse_quantized_head(model, mods, "vllm-awq")
-    if _group_size(mods) == -1:
-        raise ValueError("save_quantized(vllm-awq): per-channel (group_size -1) W4 models are written as vllm-gptq "
-                         "or compressed-tensors; torchforge's AWQ loader reads one positive group size")
-    skip = unquantized_names(model)
-    qnames = set()
-    for n, m in mods:
-        qnames |= vllm_names(n) | ({f"{n}.{i}" for i in range(m.num_experts)} if isinstance(m, ForgeAWQExperts) else set())
-    for s in skip:  # vLLM skips a layer when any entry is a substring of its name (see vllm_awq.py)
-        hit = next((q for q in sorted(qnames) if s in q), None)
-        if hit is not None:
-            raise ValueError(f"vllm-awq export: unquantized module {s!r} is a substring of quantized {hit!r}")
-    return {"quant_method": "awq", "bits": 4, "group_size": _group_size(mods), "zero_point": True, "version": "gemm",
-            "modules_to_not_convert": module_names_for_config(skip, model)}
-
-
 # ------------------------------------------------------------------------------------------- save
 @torch.no_grad()
 def w4_state_dict(model: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -328,7 +310,7 @@ def save_w4(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, sour
     recipe = getattr(model, RECIPE_ATTR, None)
     if dtype is None:
         dtype = getattr(torch, recipe.dtype) if recipe is not None else torch.bfloat16
-    qcfg = {"vllm-awq": _vllm_awq_config, "vllm-gptq": vllm_gptq_config,
+    qcfg = {"vllm-awq": lambda m: vllm_awq_quantization_config(m, mods), "vllm-gptq": vllm_gptq_config,
             "compressed-tensors": compressed_tensors_config}[format](model)
     from torchforge.prune.export import check_pruned_export, prune_for_save
 

@@ -26,6 +26,17 @@ def vllm_names(name: str) -> set[str]:
     return out
 
 
+def skip_list_clash(skip, quantized) -> tuple[str, str] | None:
+    """vLLM skips a layer when any skip-list entry is a SUBSTRING of its name (is_layer_skipped_awq, ModelOpt's
+    exclude_modules), so an unquantized name inside a quantized one would skip that one too: the first such
+    (unquantized name in `skip`, quantized name in `quantized`) pair, None where there is none."""
+    for s in skip:
+        hit = next((q for q in sorted(quantized) if s in q), None)
+        if hit is not None:
+            return s, hit
+    return None
+
+
 # transformers 5 renames some architectures' checkpoint keys at load time (its conversion_mapping.py);
 # vLLM reads the checkpoint names. Export writes the checkpoint names, load reads them back.
 # Mixtral: `block_sparse_moe.{gate,experts}` in checkpoints is `mlp.{gate,experts}` in memory, and the

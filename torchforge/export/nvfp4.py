@@ -46,7 +46,7 @@ from torch import nn
 from torchforge.export.folder import hf_experts_tensors, keep_fp32
 from torchforge.export.naming import (EXPERT_KEY, checkpoint_state, iter_memory_named, per_expert_ignore_pattern,
                                       memory_names,
-                                      module_names_for_config, vllm_names)
+                                      module_names_for_config, skip_list_clash, vllm_names)
 from torchforge.io import CheckpointError, atomic_write_json, save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.moe import ForgeMoE
@@ -150,11 +150,11 @@ def exclude_modules(model: nn.Module) -> list[str]:
     for n, m in _nvfp4_modules(model):
         quantized |= vllm_names(n) | ({f"{n}.{e}.{p}" for e in range(m.num_experts) for p in _PROJ}
                                       if isinstance(m, NVFP4Experts) else set())
-    for s in out:
-        hit = next((q for q in sorted(quantized) if s in q), None)
-        if hit is not None:
-            raise ValueError(f"NVFP4 export: unquantized module {s!r} is a substring of quantized {hit!r}; vLLM would "
-                             "skip both. Quantize both or neither (fused parts must match).")
+    clash = skip_list_clash(out, quantized)
+    if clash is not None:
+        s, hit = clash
+        raise ValueError(f"NVFP4 export: unquantized module {s!r} is a substring of quantized {hit!r}; vLLM would "
+                         "skip both. Quantize both or neither (fused parts must match).")
     return sorted(set(module_names_for_config(out, model)))
 
 

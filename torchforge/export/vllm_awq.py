@@ -9,7 +9,7 @@ from torch import nn
 
 from torchforge.export.folder import (begin_folder, finish_folder, hf_experts_tensors, keep_fp32,
                                       refuse_source_folder, tokenizer_source)
-from torchforge.export.naming import checkpoint_state, to_checkpoint_name, vllm_names
+from torchforge.export.naming import checkpoint_state, module_names_for_config, skip_list_clash, vllm_names
 from torchforge.io import save_sharded
 from torchforge.matching import is_fused_experts
 from torchforge.nn.awq_experts import ForgeAWQExperts
@@ -74,15 +74,20 @@ def unquantized_names(model: nn.Module) -> list[str]:
             if (isinstance(m, nn.Linear) and not isinstance(m, ForgeAWQLinear)) or is_fused_experts(m)]
 
 
-def vllm_awq_quantization_config(model: nn.Module) -> dict:
-    quantized = _quantized_modules(model)
+def vllm_awq_quantization_config(model: nn.Module, mods=None) -> dict:
+    """config.json `quantization_config` of a vllm-awq checkpoint. `mods`: the (name, module) pairs written quantized;
+    None, the model's AWQ modules (torchforge.export.gptq_export passes all its W4 modules, GPTQ ones included)."""
+    from torchforge.export.gptq_export import _k_dims, refuse_quantized_head
+
+    quantized = _quantized_modules(model) if mods is None else mods
     if not quantized:
         raise ValueError("save_quantized: the model has no torchforge quantized modules; call torchforge.quantize first")
-    from torchforge.export.gptq_export import refuse_quantized_head
-
     refuse_quantized_head(model, quantized, "vllm-awq")
     group_sizes = {m.group_size for _, m in quantized}
     if len(group_sizes) != 1:
+        if all(_k_dims(m) == {m.group_size} for _, m in quantized):  # per-channel: gptq_export's group_size -1
+            raise ValueError("save_quantized(vllm-awq): per-channel (group_size -1) W4 models are written as "
+                             "vllm-gptq or compressed-tensors; torchforge's AWQ loader reads one positive group size")
         raise ValueError(f"vllm-awq holds one group_size per checkpoint; the model mixes {sorted(group_sizes)}")
     skip = unquantized_names(model)
     # vLLM skips a layer when any entry is a SUBSTRING of its prefix (is_layer_skipped_awq), so the list holds
@@ -90,14 +95,13 @@ def vllm_awq_quantization_config(model: nn.Module) -> dict:
     qnames = set()
     for n, m in quantized:
         qnames |= vllm_names(n) | ({f"{n}.{i}" for i in range(m.num_experts)} if isinstance(m, ForgeAWQExperts) else set())
-    for s in skip:
-        hit = next((q for q in sorted(qnames) if s in q), None)
-        if hit is not None:
-            raise ValueError(f"vllm-awq export: unquantized module {s!r} is a substring of quantized {hit!r}; vLLM "
-                             "would skip both. Quantize both or neither (fused parts must match).")
-    mt = getattr(model.config, "model_type", None)
+    clash = skip_list_clash(skip, qnames)
+    if clash is not None:
+        s, hit = clash
+        raise ValueError(f"vllm-awq export: unquantized module {s!r} is a substring of quantized {hit!r}; vLLM "
+                         "would skip both. Quantize both or neither (fused parts must match).")
     return {"quant_method": "awq", "bits": 4, "group_size": group_sizes.pop(), "zero_point": True,
-            "version": "gemm", "modules_to_not_convert": [to_checkpoint_name(s, mt) for s in skip]}
+            "version": "gemm", "modules_to_not_convert": module_names_for_config(skip, model)}
 
 
 def default_format(model: nn.Module) -> str:

@@ -16,7 +16,22 @@ from torchforge.ops.awq_mma_layout import (
 )
 
 
-class ForgeAWQLinear(nn.Module):
+class W4LinearMixin:
+    """What ForgeAWQLinear and ForgeGPTQLinear share (a plain class, listed before nn.Module in their bases): `mma_tickets`
+    rezeroed after every move or cast, and the repr."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        rezero_mma_tickets(self)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"group_size={self.group_size}, symmetric={self.symmetric}"
+                + (", weight_layout=mma" if self.weight_layout == "mma" else ""))
+
+
+class ForgeAWQLinear(W4LinearMixin, nn.Module):
     weight_layout = "awq"  # class default: modules pickled before the mma layout existed
 
     """y = x @ dequant(W).T + b with W stored as AWQ W4 buffers (plain tensors, no subclass).
@@ -99,21 +114,11 @@ class ForgeAWQLinear(nn.Module):
         add_mma_tickets(self)
         return True
 
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        rezero_mma_tickets(self)
-        return self
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_layout == "mma":
             return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
                                   getattr(self, "mma_tickets", None))
         return ops.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}, symmetric={self.symmetric}"
-                + (", weight_layout=mma" if self.weight_layout == "mma" else ""))
 
 
 def _export_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -8,8 +8,8 @@ from torch import nn
 
 from torchforge.nn._bias import check_pack_bias
 from torchforge.nn._group_size import check_group_size
-from torchforge.nn.awq_linear import ForgeAWQLinear
-from torchforge.nn.mma_tickets import add_mma_tickets, rezero_mma_tickets
+from torchforge.nn.awq_linear import ForgeAWQLinear, W4LinearMixin
+from torchforge.nn.mma_tickets import add_mma_tickets
 from torchforge.ops import gptq as gptq_ops
 from torchforge.ops.awq import awq_pack, awq_unpack
 from torchforge.ops.awq_mma import awq_mma_linear
@@ -20,7 +20,7 @@ from torchforge.ops.awq_mma_layout import (
 )
 
 
-class ForgeGPTQLinear(nn.Module):
+class ForgeGPTQLinear(W4LinearMixin, nn.Module):
     """y = x @ dequant(W).T + b with W stored in AutoGPTQ / vLLM ``gptq`` layout (plain buffers):
 
       qweight int32 [IC // 8, OC]       8 consecutive input rows per word, row 8r + j in bits 4j
@@ -155,21 +155,11 @@ class ForgeGPTQLinear(nn.Module):
         add_mma_tickets(self)
         return True
 
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        rezero_mma_tickets(self)
-        return self
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_layout == "mma":
             return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
                                   getattr(self, "mma_tickets", None))
         return gptq_ops.w4a16_gptq_linear(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}, symmetric={self.symmetric}"
-                + (", weight_layout=mma" if self.weight_layout == "mma" else ""))
 
 
 def is_act_order(g_idx: torch.Tensor, in_features: int, groups: int) -> bool:
