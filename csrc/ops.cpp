@@ -494,6 +494,9 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
   if (M == 0 || N == 0) return out;
   const int64_t tiles = awq_wgmma_tiles(M, N, block_m, tile_set);
   TORCH_CHECK(tiles < (int64_t{1} << 31), op + "too many blocks: " + i2s(tiles));
+  // An odd K / 64 cannot be cut into stream-K's pairs of chunks: the launcher runs whole tiles, so no stream-K caps,
+  // tickets or partials here either.
+  if (splits == 0 && (K / 64) % 2 != 0) splits = 1, dp_tiles = 0;
   if (splits == 0) {  // stream-K: dp_tiles is the number of blocks (0: one per SM), at most one per pair of chunks
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
