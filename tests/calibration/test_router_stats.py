@@ -125,3 +125,15 @@ def test_a_pruned_model_is_refused(mode):
     with pytest.raises(ValueError, match=f"model.layers.1.mlp is a PrunedMoE \\({mode}, 4/8 experts kept\\).*"
                                          "unpruned model"):
         collect_router_stats(model, [torch.randint(0, 96, (1, 4))])
+
+
+def test_non_finite_router_input_names_the_router():
+    # a NaN hidden state (e.g. an fp16 overflow) made a NaN hit_map row that was kept, saved and only refused when a
+    # prune used it (after the whole, possibly hours-long, calibration run), naming no module
+    model = models.build("deepseek_v3")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] = float("nan")
+    batches = [torch.randint(6, 96, (2, 5)), torch.tensor([[1, 2, 5, 7]])]
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate.*NaN/Inf"):
+        collect_router_stats(model, batches)
+    assert not model._forward_hooks and not model.model.layers[1].mlp.gate._forward_hooks  # hooks removed

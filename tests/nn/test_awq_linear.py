@@ -184,3 +184,20 @@ def test_dequantized_weight_is_rounded_once(dtype):
     experts = next(m for m in moe.modules() if hasattr(m, "dequantized_weights"))
     for a, b in zip(experts.dequantized_weights(dtype), experts.dequantized_weights()):
         assert torch.equal(a, b.to(dtype))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dead_group_quantizes_to_zero_and_runs_finite(symmetric, dtype):
+    # a group of ~1e-9 weights: (max - min) / 15 or amax / 7 is below fp16's smallest subnormal; the scale is kept
+    # nonzero (2^-24 symmetric, 1e-5 / 15 asymmetric), so the group decodes to ~0, never to NaN / Inf
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(128, 16, bias=False).to(dtype)
+    with torch.no_grad():
+        lin.weight[:, :64] = (torch.randn(16, 64, generator=g) * 1e-9).to(dtype)
+    q = ForgeAWQLinear.from_linear(lin, group_size=64, symmetric=symmetric)
+    assert bool((q.scales > 0).all())
+    w = q.dequantized_weight(dtype)
+    assert bool(torch.isfinite(w).all()) and float(w[:, :64].abs().max()) == 0.0
+    y = q(torch.randn(3, 128, generator=g).to(dtype))
+    assert bool(torch.isfinite(y).all())

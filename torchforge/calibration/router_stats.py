@@ -116,6 +116,11 @@ def router_sums(router: nn.Module, x: torch.Tensor, output, prob: str, keep: tor
 
 def add_sums(stats: RouterStats, idx: int, sums) -> None:
     hit, counts, mass = (t.cpu() for t in sums)
+    if not (bool(torch.isfinite(hit).all()) and bool(torch.isfinite(mass).all())):
+        # said now, naming the router: a NaN row would be kept and saved, and refused only by a later prune
+        raise ValueError(f"router stats: the router {stats.layers[idx]} got NaN/Inf inputs or routing weights (the "
+                         "model overflows or yields NaN on these batches in its dtype); run it in bfloat16 or "
+                         "float32, or check the batches")
     stats.hit_map[idx] += hit
     stats.topk_counts[idx] += counts
     stats.routed_weight[idx] += mass
