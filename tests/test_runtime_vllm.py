@@ -78,3 +78,145 @@ def test_install_takes_each_layers_group_limited_routing():
     a = torch.zeros(256, 6).scatter_add_(1, ids.long(), w)
     b = torch.zeros(256, 6).scatter_add_(1, ids_ref.long(), w_ref / cfg.routed_scaling_factor)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# stand-ins for current vLLM's router-based FusedMoE (router built once in __init__, held by the layer and its
+# runner, which calls router.select_experts) and its custom-routing router; no vLLM code, only the names it uses
+class _FakeGroupedRouter:
+    def __init__(self, top_k, E, ng, tg, bias, scale):
+        self.top_k, self.global_num_experts, self.renormalize = top_k, E, True
+        self.num_expert_group, self.topk_group, self.scoring_func = ng, tg, "sigmoid"
+        self.e_score_correction_bias, self.routed_scaling_factor = bias, scale
+        self.eplb_state, self.enable_eplb, self.indices_type_getter = object(), False, lambda: None
+        self.num_fused_shared_experts = 0
+
+    def select_experts(self, hidden_states, router_logits):
+        raise AssertionError("the grouped router must have been replaced")
+
+
+class _FakeCustomRouter:
+    def __init__(self, **kw):
+        self.kw, self.top_k, self.renormalize = kw, kw["top_k"], kw["renormalize"]
+        self.global_num_experts, self.eplb_state = kw["global_num_experts"], kw.get("eplb_state")
+        self.enable_eplb, self.indices_type_getter = kw.get("enable_eplb", False), kw.get("indices_type_getter")
+        self.custom_routing_function = kw["custom_routing_function"]
+        self.routing_method_type = "Custom"
+
+    def select_experts(self, hidden_states, router_logits):
+        w, ids = self.custom_routing_function(hidden_states=hidden_states, gating_output=router_logits,
+                                              topk=self.top_k, renormalize=self.renormalize)
+        return w.to(torch.float32), ids.to(torch.int32)
+
+
+def _fake_factory(calls):
+    def factory(**kw):
+        calls.append(kw)
+        assert kw["use_grouped_topk"] is False  # vLLM's factory asserts no custom function with grouped top-k
+        return _FakeCustomRouter(**kw)
+    return factory
+
+
+def _router_style_layer(cfg, gate, *, monolithic=False, router_cls=_FakeGroupedRouter):
+    from torch import nn
+
+    class Runner:
+        def __init__(self, router):
+            self.router = router
+
+    class FakeFusedMoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.top_k, self.custom_routing_function = cfg.num_experts_per_tok, None
+            self.use_grouped_topk, self.num_expert_group, self.topk_group = True, cfg.n_group, cfg.topk_group
+            self.e_score_correction_bias, self.scoring_func = gate.e_score_correction_bias, "sigmoid"
+            self.routed_scaling_factor = cfg.routed_scaling_factor
+            self.router = router_cls(cfg.num_experts_per_tok, 8, cfg.n_group, cfg.topk_group,
+                                     gate.e_score_correction_bias, cfg.routed_scaling_factor)
+            self.runner = Runner(self.router)
+            self.quant_method = type("QM", (), {"is_monolithic": monolithic})()
+            self.routing_method_type = "DeepSeekV3"
+    return FakeFusedMoE()
+
+
+def _reference(model, emap, cfg, x):
+    prune_experts(model, emap, mode="drop")
+    block = models.moe_blocks(model)[0][1]
+    ids_ref, w_ref = block.remap(*block.route(x))
+    return torch.zeros(x.shape[0], 6).scatter_add_(1, ids_ref.long(), w_ref)
+
+
+def test_install_router_style_replaces_the_router_on_layer_and_runner():
+    from torch import nn
+
+    from torchforge.runtime.vllm import install
+
+    torch.manual_seed(3)
+    model = models.build("deepseek_v3")
+    gate, cfg = models.moe_blocks(model)[0][1].gate, model.config
+    emap = build_expert_map(torch.rand(1, 8), keep_k=6)
+    layer = _router_style_layer(cfg, gate)
+    old, calls = layer.router, []
+    vm = nn.Sequential(layer)
+    assert install(vm, emap, scoring="sigmoid", router_factory=_fake_factory(calls)) == 1
+    assert len(calls) == 1 and layer.router is not old and layer.runner.router is layer.router
+    assert calls[0]["eplb_state"] is old.eplb_state and calls[0]["indices_type_getter"] is old.indices_type_getter
+    assert calls[0]["top_k"] == cfg.num_experts_per_tok and calls[0]["global_num_experts"] == 8
+    assert layer.routing_method_type == "Custom" and layer.use_grouped_topk is False
+    x = torch.randn(256, cfg.hidden_size)
+    w, ids = layer.runner.router.select_experts(x, F.linear(x, gate.weight))
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    a = torch.zeros(256, 6).scatter_add_(1, ids.long(), w)
+    # current vLLM's grouped router multiplies the weights by routed_scaling_factor; the custom one must too
+    torch.testing.assert_close(a, _reference(model, emap, cfg, x), rtol=1e-5, atol=1e-6)
+    # a second install reads the original routing (grouped, scale), not its own
+    assert install(vm, emap, scoring="sigmoid", router_factory=_fake_factory(calls)) == 1
+    w2, ids2 = layer.runner.router.select_experts(x, F.linear(x, gate.weight))
+    torch.testing.assert_close(torch.zeros(256, 6).scatter_add_(1, ids2.long(), w2), a)
+
+
+def test_install_attribute_style_applies_the_layers_weight_scale():
+    """Attribute-style FusedMoE whose grouped routing scaled the weights (routed_scaling_factor on the layer)."""
+    from torch import nn
+
+    from torchforge.runtime.vllm import install
+
+    torch.manual_seed(4)
+    model = models.build("deepseek_v3")
+    gate, cfg = models.moe_blocks(model)[0][1].gate, model.config
+    emap = build_expert_map(torch.rand(1, 8), keep_k=6)
+    layer = _router_style_layer(cfg, gate)
+    del layer.router, layer.runner  # the older FusedMoE: attributes only
+    vm = nn.Sequential(layer)
+    assert install(vm, emap, scoring="sigmoid", router_factory=lambda **kw: pytest.fail("no router")) == 1
+    x = torch.randn(64, cfg.hidden_size)
+    w, ids = layer.custom_routing_function(hidden_states=x, gating_output=F.linear(x, gate.weight),
+                                           topk=cfg.num_experts_per_tok, renormalize=True)
+    a = torch.zeros(64, 6).scatter_add_(1, ids.long(), w)
+    torch.testing.assert_close(a, _reference(model, emap, cfg, x), rtol=1e-5, atol=1e-6)
+
+
+def test_install_router_style_refusals():
+    from torch import nn
+
+    from torchforge.runtime.vllm import install
+
+    model = models.build("deepseek_v3")
+    gate, cfg = models.moe_blocks(model)[0][1].gate, model.config
+    emap = build_expert_map(torch.rand(1, 8), keep_k=6)
+    calls = []
+    with pytest.raises(RuntimeError, match="monolithic"):
+        install(nn.Sequential(_router_style_layer(cfg, gate, monolithic=True)), emap, scoring="sigmoid",
+                router_factory=_fake_factory(calls))
+
+    class ZeroExpertRouter(_FakeGroupedRouter):
+        pass
+    with pytest.raises(RuntimeError, match="zero-expert"):
+        install(nn.Sequential(_router_style_layer(cfg, gate, router_cls=ZeroExpertRouter)), emap,
+                scoring="sigmoid", router_factory=_fake_factory(calls))
+    with pytest.raises(ValueError, match="scoring"):
+        install(nn.Sequential(_router_style_layer(cfg, gate)), emap, scoring="softmax",
+                router_factory=_fake_factory(calls))
+    with pytest.raises(RuntimeError, match="not a custom-routing router"):
+        install(nn.Sequential(_router_style_layer(cfg, gate)), emap, scoring="sigmoid",
+                router_factory=lambda **kw: _FakeGroupedRouter(1, 8, 1, 1, None, 1.0))
+    assert calls == []
