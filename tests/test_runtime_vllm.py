@@ -220,3 +220,68 @@ def test_install_router_style_refusals():
         install(nn.Sequential(_router_style_layer(cfg, gate)), emap, scoring="sigmoid",
                 router_factory=lambda **kw: _FakeGroupedRouter(1, 8, 1, 1, None, 1.0))
     assert calls == []
+
+
+def _attribute_style_select_experts(layer, x, logits):
+    """The branch order of attribute-style vLLM's `FusedMoE.select_experts` (e.g. the v0.10 / v0.11 layer.py,
+    which gets `e_score_correction_bias=self.e_score_correction_bias` from the layer): grouped top-k, then the
+    fused top-k-with-bias router, then plain top-k, and only then the custom routing function."""
+    if layer.use_grouped_topk:
+        raise AssertionError("grouped top-k taken: the custom routing function is never called")
+    if layer.e_score_correction_bias is not None:
+        raise AssertionError("fused_topk_bias taken (unpruned ids, no group limit): custom function never called")
+    if layer.custom_routing_function is None:
+        raise AssertionError("plain top-k taken")
+    return layer.custom_routing_function(hidden_states=x, gating_output=logits, topk=layer.top_k,
+                                         renormalize=True)
+
+
+def test_install_attribute_style_with_bias_reaches_the_custom_function():
+    """A DeepSeek-V3 FusedMoE of attribute-style vLLM holds `e_score_correction_bias`; its select_experts takes the
+    bias branch before the custom one, so install must take the bias into the function and off the layer, and a
+    second install must still route with it."""
+    from torch import nn
+
+    from torchforge.runtime.vllm import install
+
+    torch.manual_seed(5)
+    model = models.build("deepseek_v3")
+    gate, cfg = models.moe_blocks(model)[0][1].gate, model.config
+    emap = build_expert_map(torch.rand(1, 8), keep_k=6)
+    layer = _router_style_layer(cfg, gate)
+    del layer.router, layer.runner
+    layer.routed_scaling_factor = 1.0  # the model scales the output (vLLM's DeepSeek MoE before the router refactor)
+    vm = nn.Sequential(layer)
+    x = torch.randn(64, cfg.hidden_size)
+    ref = _reference(model, emap, cfg, x) / cfg.routed_scaling_factor
+    for _ in range(2):
+        assert install(vm, emap, scoring="sigmoid") == 1
+        w, ids = _attribute_style_select_experts(layer, x, F.linear(x, gate.weight))
+        torch.testing.assert_close(torch.zeros(64, 6).scatter_add_(1, ids.long(), w), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_install_passes_only_keywords_of_vllms_router_factory():
+    """The keywords of vLLM's `create_fused_moe_router` (router/router_factory.py), without **kwargs, so a keyword
+    install invents fails here; the fake factory of the tests above takes anything."""
+    from torch import nn
+
+    from torchforge.runtime.vllm import install
+
+    def create_fused_moe_router(top_k, global_num_experts, renormalize=True, indices_type_getter=None,
+                                use_grouped_topk=False, num_expert_group=None, topk_group=None,
+                                scoring_func="softmax", num_fused_shared_experts=0, routed_scaling_factor=1.0,
+                                e_score_correction_bias=None, custom_routing_function=None, enable_eplb=False,
+                                eplb_state=None, zero_expert_type=None, num_logical_experts=None,
+                                hash_indices_table=None):
+        assert not use_grouped_topk and custom_routing_function is not None
+        return _FakeCustomRouter(top_k=top_k, global_num_experts=global_num_experts, renormalize=renormalize,
+                                 eplb_state=eplb_state, enable_eplb=enable_eplb,
+                                 indices_type_getter=indices_type_getter,
+                                 custom_routing_function=custom_routing_function)
+
+    model = models.build("deepseek_v3")
+    gate, cfg = models.moe_blocks(model)[0][1].gate, model.config
+    layer = _router_style_layer(cfg, gate)
+    assert install(nn.Sequential(layer), build_expert_map(torch.rand(1, 8), keep_k=6), scoring="sigmoid",
+                   router_factory=create_fused_moe_router) == 1
+    assert layer.runner.router is layer.router and layer.router.custom_routing_function is layer.custom_routing_function

@@ -12,7 +12,9 @@ vLLM never combines grouped top-k with a custom function.
 Two FusedMoE styles, told apart by duck typing in `install`:
 
 * older vLLM (attribute-based): FusedMoE reads `use_grouped_topk` / `custom_routing_function` on every forward
-  and consults the custom function only when `use_grouped_topk` is False; `install` sets both attributes.
+  and consults the custom function only when `use_grouped_topk` is False and (vLLM ~0.10 / 0.11, whose
+  select_experts tries the top-k-with-bias routing first) `e_score_correction_bias` is None; `install` sets both
+  attributes and takes the bias off the layer (the routing function holds it).
 * current vLLM (router-based): `FusedMoE.__init__` builds `self.router = create_fused_moe_router(...)` once from
   its arguments and hands that object to its `MoERunner` (`runner.router`), which calls
   `router.select_experts(...)`. The attributes `custom_routing_function`, `use_grouped_topk`, ... are still set on
@@ -228,6 +230,10 @@ def install(vllm_model, expert_map: torch.Tensor, *, scoring: str, n_group: int 
         if hasattr(getattr(layer, "router", None), "select_experts"):
             factory = factory or _default_router_factory()
             _replace_router(layer, fn, factory)
+        elif getattr(layer, "e_score_correction_bias", None) is not None:
+            # attribute style: select_experts tries the fused top-k-with-bias routing before the custom function
+            # (vLLM ~0.10/0.11), so the bias, now inside `fn` (and stashed by _routing_of), comes off the layer
+            layer.e_score_correction_bias = None
         layer.custom_routing_function = fn
         layer.use_grouped_topk = False
     return len(layers)
