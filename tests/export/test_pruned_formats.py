@@ -38,3 +38,19 @@ def test_pruned_quantized_reloads_identically(tmp_path, scheme, fmt, mode):
     with torch.no_grad():
         got = loaded(ids).logits
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+
+
+@pytest.mark.parametrize("keep_k,warned", [(6, True), (4, False)])
+def test_nvfp4_export_warns_on_an_expert_count_flashinfer_refuses(tmp_path, caplog, keep_k, warned):
+    """vLLM's FlashInfer TRT-LLM MoE kernels (NVFP4 on Blackwell) need a multiple of 4 routed experts: a reroute
+    export keeping 6 of 8 says so; 4 of 8 does not."""
+    from torchforge.prune import build_expert_map
+
+    model = models.build("deepseek_v3", dtype=torch.bfloat16)
+    hits = torch.arange(8, dtype=torch.float32).unsqueeze(0)  # one MoE layer (layer 0 is dense)
+    prune_experts(model, build_expert_map(hits, keep_k=keep_k), mode="reroute")
+    torchforge.quantize(model, "nvfp4", calib_data=torch.randint(0, 96, (2, 16)))
+    with caplog.at_level("WARNING", logger="torchforge.export.nvfp4"):
+        torchforge.save_quantized(model, str(tmp_path), format="modelopt-nvfp4")
+    assert ("not a multiple of 4" in caplog.text) == warned
+    assert json.load(open(tmp_path / "config.json"))["n_routed_experts"] == keep_k

@@ -208,6 +208,21 @@ def _refuse_quantized_head(model: nn.Module) -> None:
                          "it), or export as 'modelopt-nvfp4', whose vLLM config quantizes the head")
 
 
+def _note_flashinfer_expert_count(model: nn.Module) -> None:
+    """A reroute-pruned NVFP4 checkpoint whose routed-expert count is not a multiple of 4: vLLM's FlashInfer TRT-LLM
+    MoE kernels (its NVFP4 / FP8 MoE backend on Blackwell) refuse it (the launchers' expert-count checks in
+    flashinfer's csrc/fused_moe/trtllm_backend, see torchforge/prune/export.py). Other MoE backends run it, so this
+    is a warning, not an error."""
+    from torchforge.prune.export import pruned_config_changes
+
+    changes = pruned_config_changes(model)
+    kept = next((v for k, v in changes.items() if k not in ("n_group", "topk_group")), None)
+    if kept is not None and kept % 4:
+        log.warning("NVFP4 export: %d routed experts per layer is not a multiple of 4, which vLLM's FlashInfer "
+                    "TRT-LLM MoE kernels (NVFP4 on Blackwell) require; serve it with another MoE backend, or prune "
+                    "to a multiple of 4", kept)
+
+
 def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, source_dir=None,
                           max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> str:
     """`save_quantized` for NVFP4 models: tensors, hf_quant_config.json (ModelOpt), torchforge.json, tokenizer
@@ -231,6 +246,7 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokeni
     from torchforge.prune.export import check_pruned_export, prune_for_save
 
     check_pruned_export(model)
+    _note_flashinfer_expert_count(model)
     refuse_source_folder(model, out_dir)
     begin_folder(out_dir, tokenizer_source(model, source_dir), tokenizer=tokenizer)  # no config.json before the tensors
 
