@@ -30,8 +30,9 @@ def skip_list_clash(skip, quantized) -> tuple[str, str] | None:
     """vLLM skips a layer when any skip-list entry is a SUBSTRING of its name (is_layer_skipped_awq, ModelOpt's
     exclude_modules), so an unquantized name inside a quantized one would skip that one too: the first such
     (unquantized name in `skip`, quantized name in `quantized`) pair, None where there is none."""
+    ordered = sorted(quantized)
     for s in skip:
-        hit = next((q for q in sorted(quantized) if s in q), None)
+        hit = next((q for q in ordered if s in q), None)
         if hit is not None:
             return s, hit
     return None

@@ -213,10 +213,10 @@ def _note_flashinfer_expert_count(model: nn.Module) -> None:
     MoE kernels (its NVFP4 / FP8 MoE backend on Blackwell) refuse it (the launchers' expert-count checks in
     flashinfer's csrc/fused_moe/trtllm_backend, see torchforge/prune/export.py). Other MoE backends run it, so this
     is a warning, not an error."""
-    from torchforge.prune.export import pruned_config_changes
+    from torchforge.prune.export import _expert_count_key, pruned_config_changes
 
-    changes = pruned_config_changes(model)
-    kept = next((v for k, v in changes.items() if k not in ("n_group", "topk_group")), None)
+    changes = pruned_config_changes(model)  # {} unless reroute-pruned
+    kept = changes[_expert_count_key(model.config)] if changes else None
     if kept is not None and kept % 4:
         log.warning("NVFP4 export: %d routed experts per layer is not a multiple of 4, which vLLM's FlashInfer "
                     "TRT-LLM MoE kernels (NVFP4 on Blackwell) require; serve it with another MoE backend, or prune "
