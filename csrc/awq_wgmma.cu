@@ -90,6 +90,15 @@ constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, i
 #define TORCHFORGE_WGMMA_MAX_STAGES 8
 #endif
 constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
+// Ablations for profiling only (a build flag; bench/wgmma_ablation.sh; results wrong unless only bit 3 is set): bit 0
+// replaces the dequantization by one add per register; bit 1 drops the bulk copies and the consumers' waits for them
+// (the stages hold whatever shared memory held, and the producer does nothing); bit 2 converts the scales and zeros
+// once per segment instead of at every group start; bit 3 releases a stage with one arrive per warp after __syncwarp
+// instead of one per thread.
+#ifndef TORCHFORGE_WGMMA_ABLATE
+#define TORCHFORGE_WGMMA_ABLATE 0
+#endif
+constexpr int kAblate = TORCHFORGE_WGMMA_ABLATE;
 template <int BM>
 struct Stage {
   static constexpr int kX = BM * 128;   // BM rows x 64 k of x
@@ -375,6 +384,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   // One thread copies a chunk's stage with the bulk-copy (TMA) engine: the x image tile, the 4 column blocks' words,
   // the group's scales and zero words, all contiguous in global memory; the stage's mbarrier counts the bytes.
   auto load_stage = [&](const Tile& tl, int c, int st) {
+    if constexpr ((kAblate & 2) != 0) return;
     const uint32_t base = smem_base + st * St::kBytes;
     const uint32_t bar = bar_base + st * 8;
     ptx::mbar_expect_tx(bar, tl.stage_bytes);
@@ -390,14 +400,14 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
     if constexpr (WS)
-      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<TW>);
+      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<TW> / ((kAblate & 8) ? 32 : 1));
     ptx::mbar_fence_init();
   }
   __syncthreads();
   if constexpr (WS) {
     if (tid >= kThreads<TW>) {  // the producer: fill stage it % kStages once its previous fill is released
       if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-      if (tid == kThreads<TW>) {
+      if (tid == kThreads<TW> && (kAblate & 2) == 0) {
         unsigned it = 0;
         int u = u_begin;
         Segment s;
@@ -449,12 +459,12 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     // and fill parities come from the chunk index: warp-uniform, so wgmma's descriptors stay in uniform registers.
     auto fetch = [&](int c) {
       const unsigned it = base + static_cast<unsigned>(c - s.c_begin);
-      ptx::mbar_wait(bar_base + it % kStages * 8, (it / kStages) & 1);  // chunk c has landed
+      if constexpr ((kAblate & 2) == 0) ptx::mbar_wait(bar_base + it % kStages * 8, (it / kStages) & 1);  // landed
       const uint8_t* stage = smem + it % kStages * St::kBytes;
       const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
 #pragma unroll
       for (int k = 0; k < 4; ++k) lds_words<TW>(wr[k], wsm + k * 32 * 16, tl.tq);
-      if (c == s.c_begin || group_of(c) * chunks_per_group == c) {
+      if (c == s.c_begin || ((kAblate & 4) == 0 && group_of(c) * chunks_per_group == c)) {
         const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
         const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
 #pragma unroll
@@ -485,7 +495,9 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             const uint32_t d = P::sub(and_or(wr[k][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
-            a[k][i][r] = kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1])) : P::mul(d, shi[i][r & 1]);
+            a[k][i][r] = (kAblate & 1) != 0 ? wr[k][i] + r
+                         : kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1]))
+                                       : P::mul(d, shi[i][r & 1]);
           }
       const uint64_t desc = wgmma::desc_k_sw128(smem_base + it % kStages * St::kBytes);
       wgmma::fence();
@@ -505,7 +517,12 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       // thread 0 refills the stage.
       if (c > s.c_begin) {
         if constexpr (WS) {
-          ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
+          if constexpr ((kAblate & 8) != 0) {
+            __syncwarp();
+            if (lane == 0) ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
+          } else {
+            ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
+          }
         } else {
           __syncthreads();  // both warpgroups have retired chunk c - 1's wgmmas
           if (tid == 0 && c - 1 + kStages < s.c_end) load_stage(tl, c - 1 + kStages, (it - 1) % kStages);
@@ -528,7 +545,8 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       for (int e = 0; e < BM / 2; ++e) wgmma::fence_operand(acc[i][e]);
     // The segment's last stage: released here, for the producer's next segments (stream-K).
     if constexpr (WS)
-      if (s.c_end > s.c_begin) ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
+      if (s.c_end > s.c_begin && ((kAblate & 8) == 0 || lane == 0))
+        ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
     base += static_cast<unsigned>(s.c_end - s.c_begin);
     // PDL: the next kernel may launch once every block is past its main loop (as in awq_mma.cu: earlier, a next
     // GEMM's prefetched weights would be evicted by this one's stream before their use). Not from the producer, whose
@@ -587,18 +605,21 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       // all kAcc at once spilled. L2 reads (__ldcg), not a stale L1. This one block reading every part costs about
       // 2 us per part of 128 x 256 outputs (twelfth session, 12 tiles alone on the GPU): the SM's own L2 bandwidth,
       // not latency. Bulk copies of the partials into the stages' shared memory (96 KB in flight instead of 32) were
-      // 5-10 us slower per call, not faster.
+      // 5-10 us slower per call, not faster. A last block that is part 0 or 1 keeps its own part in acc and adds the
+      // others to it in order (own + p0 = p0 + own exactly, so the sum has the same bits): one part fewer to read.
       constexpr int kBatch = 32;
       static_assert(kAcc % kBatch == 0, "accumulators come in batches of 32");
+      const bool keep_own = my_part <= 1;
 #pragma unroll
       for (int b = 0; b < kAcc; b += kBatch)
         for (int j = 0; j < parts; ++j) {
+          if (keep_own && j == my_part) continue;
           const float* p = part(j);
 #pragma unroll
           for (int q = 0; q < kBatch; ++q) {
             const int a = b + q, i = a / (BM / 2), e = a % (BM / 2);
             const float v = __ldcg(p + a * kThreads<TW>);
-            acc[i][e] = j == 0 ? v : acc[i][e] + v;
+            acc[i][e] = j == 0 && !keep_own ? v : acc[i][e] + v;
           }
         }
       if (tid == 0) tickets[ticket] = 0u;  // for the next call; every part of this tile has taken its ticket

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Where the Hopper W4A16 kernel's time goes: builds the extension with each TORCHFORGE_WGMMA_ABLATE setting in
+# ABLATIONS (csrc/awq_wgmma.cu: 1 = no dequantization, 2 = no bulk copies nor waits for them, 4 = no per-group scale
+# conversions, 8 = one stage release per warp; with 1, 2 or 4 the results are wrong, the times are what is left; 0 =
+# this tree as it is) in parallel copies of the tree, then runs the same w4a16_linear.py arguments (SWEEP_ARGS) on
+# each build and on the "base" one: the extension already in torchforge/ (carried from an earlier build), so a
+# change to csrc/ is timed against the build before it in one call. Logs under $OUT.
+#   BENCH: another script than bench/w4a16_linear.py (e.g. bench/wgmma_sk_grid.py).
+#   device run: ABLATIONS="1 2 3" SWEEP_ARGS="--shapes 18432x7168 --wgmma-sweep 16,64,256 --wgmma-ws
+#               --wgmma-only 64x2,128x2 --wgmma-splits 1" bash bench/wgmma_ablation.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/torchforge-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+ARCH="-gencode=arch=compute_90a,code=sm_90a"
+for a in ${ABLATIONS:-1 2 3}; do
+  rm -rf "/tmp/ablate$a" && mkdir -p "/tmp/ablate$a"
+  cp -r setup.py pyproject.toml csrc torchforge bench "/tmp/ablate$a/"
+  rm -f /tmp/ablate$a/torchforge/_C*.so
+  (cd "/tmp/ablate$a" && MAX_JOBS=6 TORCHFORGE_CUDA_ARCH="$ARCH -DTORCHFORGE_WGMMA_ABLATE=$a" \
+     python3 setup.py build_ext --inplace > "$OUT/build_ablate$a.log" 2>&1) &
+done
+wait
+for a in base ${ABLATIONS:-1 2 3}; do
+  dir=$PWD
+  [ "$a" != base ] && dir=/tmp/ablate$a
+  ls $dir/torchforge/_C*.so >/dev/null 2>&1 || { echo "ablation $a: no build"; tail -5 "$OUT/build_ablate$a.log"; continue; }
+  (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} python3 ${BENCH:-bench/w4a16_linear.py} ${SWEEP_ARGS:-} \
+     > "$OUT/sweep_ablate$a.log" 2>&1)
+  echo "== ablation $a (rc $?)"
+  grep -E '^\| [0-9]+x[0-9]+ \|' "$OUT/sweep_ablate$a.log" | cut -d'|' -f2-${CUT_FIELDS:-10}
+done

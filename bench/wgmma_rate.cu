@@ -1,0 +1,182 @@
+// How fast Hopper's warpgroup MMA runs at the small N (rows of x) of the W4A16 kernel (csrc/awq_wgmma.cu), apart
+// from everything else that kernel does: one block per SM, WG warpgroups each issuing chunks of 4 k-steps x CHAINS
+// independent m64nNk16 wgmmas (one accumulator each) as one commit group, then waiting for the previous chunk's
+// group, as awq_wgmma_kernel does. A from registers (RS, the kernel's form) or from shared memory (SS), optionally
+// with the kernel's per-register dequantization (shift, LOP3, subtract, multiply, fma) of each chunk's A before its
+// issue, while the previous chunk's group runs. B (and SS's A) read zeros from shared memory: the values do not change the timing.
+// Prints cycles per wgmma per SM next to the tensor cores' dense bf16 rate (N x 64 x 16 / 2048 FMAs per cycle), and the
+// SM clock over the run (the slowest block's cycles / the elapsed time), with zeros and with random operands.
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o /tmp/wgmma_rate bench/wgmma_rate.cu
+//   /tmp/wgmma_rate
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "wgmma.cuh"
+
+using namespace torchforge;
+
+template <int N>
+__device__ __forceinline__ void mma_ss(float* d, uint64_t da, uint64_t db);
+template <>
+__device__ __forceinline__ void mma_ss<64>(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ uint32_t deq(uint32_t w, int r, uint32_t zc, uint32_t hi, uint32_t lo) {
+  uint32_t q, d, m, out;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(q) : "r"(w >> (4 * r)));
+  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(q), "r"(zc));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(d), "r"(lo));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(d), "r"(hi), "r"(m));
+  return out;
+}
+
+// MODE 0: RS, A fixed; 1: RS with the dequantization of the next chunk's A; 2: SS.
+template <int N, int WG, int CHAINS, int MODE>
+__global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint32_t* words, long long* cycles,
+                                                            float* sink, int random_fill) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  constexpr int kB = N * 128;  // B: N rows x 64 k (the 4 k-steps), then SS's A: 64 rows x 64 k
+  // zeros, or random bf16 pairs of magnitude below 2 (more bits toggling: the power draw, and so the clock, differ)
+  for (int i = threadIdx.x; i < (kB + 8192) / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(smem)[i] = random_fill ? (static_cast<uint32_t>(i) * 2654435761u) & 0xBFFFBFFFu : 0u;
+  __syncthreads();
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint64_t db = wgmma::desc_k_sw128(base);
+  const uint64_t da = wgmma::desc_k_sw128(base + kB);
+  float acc[CHAINS][N / 2];
+#pragma unroll
+  for (int c = 0; c < CHAINS; ++c)
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) acc[c][e] = 0.0f;
+  uint32_t a[2][4][CHAINS][4];
+  uint32_t w[4][CHAINS];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int c = 0; c < CHAINS; ++c) {
+      w[k][c] = words[(threadIdx.x + 32 * (4 * c + k)) % 1024];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[0][k][c][r] = a[1][k][c][r] = random_fill ? (w[k][c] >> r) & 0xBFFFBFFFu : 0u;
+    }
+  const uint32_t zc = 0x43084308u, hi = 0x3c003c00u, lo = 0x00010001u;
+  __syncthreads();
+  const long long t0 = clock64();
+  // As awq_wgmma_kernel's `chunk`: dequantize this chunk's A (MODE 1) into the buffer whose wgmmas retired at the
+  // previous wait, issue the chunk's group, wait for the previous group.
+  auto chunk = [&](uint32_t(&cur)[4][CHAINS][4]) {
+    if constexpr (MODE == 1) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int c = 0; c < CHAINS; ++c) {
+          w[k][c] = w[k][c] * 1664525u + 1013904223u;  // new words each chunk (one IMAD, as a load would be one LDS)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) cur[k][c][r] = deq(w[k][c], r, zc, hi, lo);
+        }
+    }
+    wgmma::fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int c = 0; c < CHAINS; ++c) {
+        if constexpr (MODE == 2)
+          mma_ss<N>(acc[c], da + 2 * k, db + 2 * k);
+        else
+          wgmma::mma_rs<N, __nv_bfloat16>(acc[c], cur[k][c][0], cur[k][c][1], cur[k][c][2], cur[k][c][3],
+                                          db + 2 * k);
+      }
+    wgmma::commit();
+    wgmma::wait<1>();
+  };
+  for (int it = 0; it < iters; it += 2) {
+    chunk(a[0]);
+    chunk(a[1]);
+  }
+  wgmma::wait<0>();
+#pragma unroll
+  for (int c = 0; c < CHAINS; ++c)
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) wgmma::fence_operand(acc[c][e]);
+  const long long t1 = clock64();
+  float s = 0.0f;
+#pragma unroll
+  for (int c = 0; c < CHAINS; ++c)
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) s += acc[c][e];
+  if (s == 12345.0f) sink[threadIdx.x] = s;
+  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+}
+
+template <int N, int WG, int CHAINS, int MODE>
+void run(int sms, const uint32_t* words, long long* cycles, float* sink, int random_fill = 0) {
+  auto k = rate_kernel<N, WG, CHAINS, MODE>;
+  constexpr int smem = N * 128 + 8192;
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const int iters = 2000;
+  k<<<sms, 128 * WG, smem>>>(iters, words, cycles, sink, random_fill);  // warm-up
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventRecord(e0);
+  k<<<sms, 128 * WG, smem>>>(iters, words, cycles, sink, random_fill);
+  cudaEventRecord(e1);
+  cudaEventSynchronize(e1);
+  float ms = 0.0f;
+  cudaEventElapsedTime(&ms, e0, e1);
+  long long c[1024];
+  cudaMemcpy(c, cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost);
+  long long mx = 0;
+  for (int i = 0; i < sms; ++i) mx = c[i] > mx ? c[i] : mx;
+  const double per_sm = static_cast<double>(iters) * 4 * CHAINS * WG;  // wgmmas per SM
+  const double ideal = N * 64.0 * 16.0 / 2048.0;
+  static const char* modes[] = {"RS", "RS + dequant", "SS"};
+  std::printf("| %d | %d | %d | %s | %s | %.1f | %.0f | %.2f | %.1f | %.2f |\n", N, WG, CHAINS, modes[MODE],
+              random_fill ? "random" : "zeros", mx / per_sm, ideal, ideal / (mx / per_sm), ms * 1e3,
+              mx / (ms * 1e6));
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) std::printf("error: %s\n", cudaGetErrorString(err));
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  uint32_t* words;
+  long long* cycles;
+  float* sink;
+  cudaMalloc(&words, 4096);
+  uint32_t host_words[1024];
+  for (int i = 0; i < 1024; ++i) host_words[i] = static_cast<uint32_t>(i) * 2246822519u + 374761393u;
+  cudaMemcpy(words, host_words, 4096, cudaMemcpyHostToDevice);
+  cudaMalloc(&cycles, 1024 * sizeof(long long));
+  cudaMalloc(&sink, 1024 * sizeof(float));
+  std::printf("| N | warpgroups | chains | A | data | cycles per wgmma per SM | dense-rate cycles | of the dense rate | us "
+              "| GHz |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int fill = 0; fill < 2; ++fill) {
+    run<64, 1, 1, 0>(sms, words, cycles, sink, fill);
+    run<64, 2, 2, 0>(sms, words, cycles, sink, fill);
+    run<64, 4, 1, 0>(sms, words, cycles, sink, fill);
+    run<64, 2, 2, 2>(sms, words, cycles, sink, fill);
+    run<64, 2, 2, 1>(sms, words, cycles, sink, fill);
+    run<64, 4, 1, 1>(sms, words, cycles, sink, fill);
+    run<128, 2, 2, 0>(sms, words, cycles, sink, fill);
+    run<128, 2, 2, 1>(sms, words, cycles, sink, fill);
+    run<256, 1, 1, 0>(sms, words, cycles, sink, fill);
+    run<256, 2, 1, 0>(sms, words, cycles, sink, fill);
+    run<256, 2, 1, 1>(sms, words, cycles, sink, fill);
+  }
+  return 0;
+}
