@@ -45,6 +45,14 @@
 //   from one tile to the next. At 64 rows on 18432x7168 (72 tiles of (64, 2) for 132 SMs) the K-sliced grid left a
 //   quarter of the SMs' time idle (ncu, twenty-first session: 85k of 113k cycles active) and refilled the ring once
 //   per block; stream-K took 0.056 ms against 0.065 (BENCHMARKS.md, twenty-first session).
+// * Where the time goes at 16-256 rows (twenty-fifth session, BENCHMARKS.md; bench/wgmma_rate.cu,
+//   bench/wgmma_ablation.sh, bench/wgmma_sk_grid.py):
+//   - wgmma with A in registers runs at the dense rate from N = 64.
+//   - With this dequantization, N = 64 is bound by its 3 bf16x2 operations per register (0.68 of the dense rate);
+//     from N = 128 they are hidden.
+//   - Yet with neither dequantization nor memory traffic the kernel keeps 80% of its time at 64 rows. Stream-K's
+//     per-part work costs about 11 us a block there.
+//   - Twice the consumer warps ((64, 1), four warpgroups) gained nothing.
 // * Grouped form for MoE prefill (GROUPED, op awq_wgmma_moe_cuda): the routed rows sorted by expert into blocks of BM
 //   (moe_align), the x image gathered from them, each tile on its block's expert's weights, fp32 sums scattered back to
 //   the routed rows. With many rows per expert this decodes each weight once per 64 rows instead of once per 8 or 16
