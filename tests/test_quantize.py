@@ -335,3 +335,19 @@ def test_a_tied_head_is_refused_in_both_paths(tmp_path):
     assert not (tmp_path / "out").exists()
     torchforge.quantize(model, RECIPE)  # the default ignore list keeps lm_head
     assert isinstance(model.model.layers[0].mlp.up_proj, ForgeAWQLinear) and type(model.lm_head) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-rtn", "w4a16-gptq", "nvfp4"])
+def test_meta_weights_are_refused_before_any_swap(scheme):
+    """A model whose weights are on the meta device (an empty skeleton, or accelerate's offload, whose hooks keep the
+    weights) has nothing to quantize: refused with the fix, the model unchanged, instead of meta modules that fail at
+    the first forward."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 256))
+    model[2].to_empty(device="meta")
+    with pytest.raises(ValueError, match=r"quantize: 2 parameters are on the meta device, e\.g\. 2\.weight, 2\.bias; "
+                                         r"load the weights onto CPU or GPU first .* --stream"):
+        torchforge.quantize(model, scheme)
+    assert isinstance(model[0], torch.nn.Linear) and isinstance(model[2], torch.nn.Linear)
+    model[2]._hf_hook = object()  # what accelerate's add_hook_to_module sets
+    with pytest.raises(ValueError, match=r"accelerate hooks: it was loaded with device_map offload"):
+        torchforge.quantize(model, scheme)

@@ -39,6 +39,7 @@ def quantize(model: nn.Module, recipe: Recipe | str | dict = "w4a16-rtn", *, cal
     """
     recipe = Recipe.coerce(recipe)
     _refuse_quantized(model)
+    _refuse_meta_weights(model)
     if recipe.prune is not None:  # prune first; quantization then covers only the kept experts
         from torchforge.prune.from_recipe import prune_from_recipe
 
@@ -100,6 +101,22 @@ def _refuse_quantized(model: nn.Module) -> None:
                 else f"{found} is a {type(model.get_submodule(found)).__name__}")
         raise ValueError(f"quantize: this model is already quantized ({what}); quantize a fresh model with one recipe "
                          "whose targets / ignore cover every module to quantize")
+
+
+def _refuse_meta_weights(model: nn.Module) -> None:
+    """Weights on the meta device have no values to quantize: the swaps would build meta modules that fail only at the
+    first forward. A model loaded with accelerate offload (`device_map` with "cpu" / "disk" entries) is one: its hooks
+    hold the weights and load them by the original parameter names, which the swapped modules no longer have."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if not meta:
+        return
+    hooked = any(hasattr(m, "_hf_hook") for m in model.modules())
+    why = (" (the model has accelerate hooks: it was loaded with device_map offload, whose weights the swaps cannot "
+           "reach)" if hooked else "")
+    raise ValueError(f"quantize: {len(meta)} parameters are on the meta device, e.g. {', '.join(meta[:3])}{why}; "
+                     "load the weights onto CPU or GPU first (from_pretrained without offload), or quantize the "
+                     "checkpoint tensor by tensor with `torchforge quantize SRC OUT --stream` (round-to-nearest); the "
+                     "model is unchanged")
 
 
 def _mark_quantized(model: nn.Module, recipe: Recipe) -> None:
