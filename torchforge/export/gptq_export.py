@@ -203,13 +203,19 @@ def _k_dims(mod: nn.Module) -> set[int]:
     return {mod.in_features}
 
 
+def per_channel(mods) -> bool:
+    """Whether each of the (name, W4 module) pairs has one group spanning all of its K (group_size -1 in GPTQ
+    checkpoints, whatever the Ks)."""
+    return all(_k_dims(m) == {m.group_size} for _, m in mods)
+
+
 def _group_size(mods) -> int:
     """The checkpoint's group_size: the modules' one group size, or -1 (per-channel) where each module's only
     group spans all of its K and the Ks differ."""
     sizes = {m.group_size for _, m in mods}
     if len(sizes) == 1:
         return sizes.pop()
-    if all(_k_dims(m) == {m.group_size} for _, m in mods):
+    if per_channel(mods):
         return -1
     raise ValueError(f"a W4 checkpoint holds one group_size; the model mixes {sorted(sizes)}")
 

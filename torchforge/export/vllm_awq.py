@@ -77,7 +77,7 @@ def unquantized_names(model: nn.Module) -> list[str]:
 def vllm_awq_quantization_config(model: nn.Module, mods=None) -> dict:
     """config.json `quantization_config` of a vllm-awq checkpoint. `mods`: the (name, module) pairs written quantized;
     None, the model's AWQ modules (torchforge.export.gptq_export passes all its W4 modules, GPTQ ones included)."""
-    from torchforge.export.gptq_export import _k_dims, refuse_quantized_head
+    from torchforge.export.gptq_export import per_channel, refuse_quantized_head
 
     quantized = _quantized_modules(model) if mods is None else mods
     if not quantized:
@@ -85,7 +85,7 @@ def vllm_awq_quantization_config(model: nn.Module, mods=None) -> dict:
     refuse_quantized_head(model, quantized, "vllm-awq")
     group_sizes = {m.group_size for _, m in quantized}
     if len(group_sizes) != 1:
-        if all(_k_dims(m) == {m.group_size} for _, m in quantized):  # per-channel: gptq_export's group_size -1
+        if per_channel(quantized):  # gptq_export's group_size -1
             raise ValueError("save_quantized(vllm-awq): per-channel (group_size -1) W4 models are written as "
                              "vllm-gptq or compressed-tensors; torchforge's AWQ loader reads one positive group size")
         raise ValueError(f"vllm-awq holds one group_size per checkpoint; the model mixes {sorted(group_sizes)}")
