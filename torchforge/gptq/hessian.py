@@ -21,6 +21,8 @@ from typing import Iterable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from torchforge.gptq.precision import with_ieee_fp32_matmul
+
 __all__ = ["HessianAccumulator", "accumulate_hessian"]
 
 
@@ -57,6 +59,7 @@ class HessianAccumulator:
         return (d, d) if bs is None else (math.ceil(d / bs), bs, bs)
 
     @torch.no_grad()
+    @with_ieee_fp32_matmul  # (see torchforge.gptq.precision)
     def add(self, x: Tensor) -> int:
         d = self.in_features
         if not isinstance(x, Tensor):

@@ -54,6 +54,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from torchforge.gptq.precision import with_ieee_fp32_matmul
 from torchforge.ops._triton import can_launch
 from torchforge.ops.qmeta4 import qmeta4_build, qmeta4_mse_refine
 from torchforge.ops.qmeta4_reference import (
@@ -238,6 +239,7 @@ def check_scale_range(op: str, weight: Tensor, bits: int, group_size: int, symme
                          "rescale the layer or keep it unquantized with the recipe's ignore")
 
 
+@with_ieee_fp32_matmul
 def solve(weight: Tensor, hessian: Tensor, *, bits: int = 4, group_size: int = 128, symmetric: bool = True,
           block_size: int = 128, damp: float = 0.01, mse: bool = False, static_groups: bool = False,
           mse_norm: float = 2.4, mse_grid: Optional[Tensor] = None,
@@ -332,6 +334,7 @@ def _factor_batched(hessian: Tensor, w: Tensor, damp: float, block: bool, inplac
 
 
 @torch.no_grad()
+@with_ieee_fp32_matmul
 def solve_batched(weight: Tensor, hessian: Tensor, *, bits: int = 4, group_size: int = 128,
                   symmetric: bool = True, block_size: int = 128, damp: float = 0.01, mse: bool = False,
                   static_groups: bool = False, mse_norm: float = 2.4, mse_grid: Optional[Tensor] = None,
