@@ -50,8 +50,9 @@
 //   - wgmma with A in registers runs at the dense rate from N = 64.
 //   - With this dequantization, N = 64 is bound by its 3 bf16x2 operations per register (0.68 of the dense rate);
 //     from N = 128 they are hidden.
-//   - Yet with neither dequantization nor memory traffic the kernel keeps 80% of its time at 64 rows. Stream-K's
-//     per-part work costs about 11 us a block there.
+//   - Of 58 us at 64 rows on 18432x7168, the bf16x2 dequantization arithmetic costs about 8, waiting for memory 10,
+//     stream-K's partials 5 (TORCHFORGE_WGMMA_ABLATE builds). 31 us remain without all three, against 18 us of
+//     tensor work at the dense rate. At 256 rows the dequantization arithmetic costs 22 of 143 us.
 //   - Twice the consumer warps ((64, 1), four warpgroups) gained nothing.
 // * Grouped form for MoE prefill (GROUPED, op awq_wgmma_moe_cuda): the routed rows sorted by expert into blocks of BM
 //   (moe_align), the x image gathered from them, each tile on its block's expert's weights, fp32 sums scattered back to
@@ -99,10 +100,11 @@ constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, i
 #endif
 constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
 // Ablations for profiling only (a build flag; bench/wgmma_ablation.sh; results wrong unless only bit 3 is set): bit 0
-// replaces the dequantization by one add per register; bit 1 drops the bulk copies and the consumers' waits for them
+// keeps only the dequantization's shift and LOP3 (magic + q), without its bf16x2 / f16x2 subtract, multiply and fma
+// (one add per register instead made ptxas serialize every wgmma, twenty-fifth session); bit 1 drops the bulk copies and the consumers' waits for them
 // (the stages hold whatever shared memory held, and the producer does nothing); bit 2 converts the scales and zeros
 // once per segment instead of at every group start; bit 3 releases a stage with one arrive per warp after __syncwarp
-// instead of one per thread.
+// instead of one per thread; bit 4 drops the partials of tiles cut between blocks (each part stores its own sums).
 #ifndef TORCHFORGE_WGMMA_ABLATE
 #define TORCHFORGE_WGMMA_ABLATE 0
 #endif
@@ -503,7 +505,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             const uint32_t d = P::sub(and_or(wr[k][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
-            a[k][i][r] = (kAblate & 1) != 0 ? wr[k][i] + r
+            a[k][i][r] = (kAblate & 1) != 0 ? and_or(wr[k][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2)
                          : kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1]))
                                        : P::mul(d, shi[i][r & 1]);
           }
@@ -587,6 +589,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       my_part = bid - b_first;
       ticket = s.pid;
     }
+    if constexpr ((kAblate & 16) != 0) parts = 1;  // (profiling: no partials, each part stores its own sums)
     if (parts > 1) {
       // fp32 partials in the block's own order: part slot, then accumulator, then thread (each store and load
       // coalesced across the block, and no index math on rows and columns).
