@@ -209,18 +209,34 @@ def _refuse_quantized_head(model: nn.Module) -> None:
 
 
 def _note_flashinfer_expert_count(model: nn.Module) -> None:
-    """A reroute-pruned NVFP4 checkpoint whose routed-expert count is not a multiple of 4: vLLM's FlashInfer TRT-LLM
-    MoE kernels (its NVFP4 / FP8 MoE backend on Blackwell) refuse it (the launchers' expert-count checks in
-    flashinfer's csrc/fused_moe/trtllm_backend, see torchforge/prune/export.py). Other MoE backends run it, so this
-    is a warning, not an error."""
+    """A reroute-pruned NVFP4 checkpoint that vLLM's FlashInfer TRT-LLM MoE kernels (its NVFP4 / FP8 MoE backend on
+    Blackwell) would refuse: their launchers want a routed-expert count E that is a multiple of 4, E > top_k, and
+    top_k < topk_group * E / n_group, strictly (flashinfer's csrc/fused_moe/trtllm_backend, see
+    torchforge/prune/export.py). Pruning can break each of these where the original model met them (DeepSeek-V3 keeping
+    2 of 32 experts per group: 4 x 16 / 8 = 8 = top_k). Other MoE backends run such a checkpoint, so this is a
+    warning, not an error."""
     from torchforge.prune.export import _expert_count_key, pruned_config_changes
 
     changes = pruned_config_changes(model)  # {} unless reroute-pruned
-    kept = changes[_expert_count_key(model.config)] if changes else None
-    if kept is not None and kept % 4:
-        log.warning("NVFP4 export: %d routed experts per layer is not a multiple of 4, which vLLM's FlashInfer "
-                    "TRT-LLM MoE kernels (NVFP4 on Blackwell) require; serve it with another MoE backend, or prune "
-                    "to a multiple of 4", kept)
+    if not changes:
+        return
+    cfg = model.config
+    kept = changes[_expert_count_key(cfg)]
+    n_group = changes.get("n_group", getattr(cfg, "n_group", None) or 1)
+    topk_group = changes.get("topk_group", getattr(cfg, "topk_group", None) or 1)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    problems = []
+    if kept % 4:
+        problems.append(f"{kept} routed experts per layer is not a multiple of 4")
+    if top_k is not None and kept <= top_k:
+        problems.append(f"{kept} routed experts is not more than top_k = {top_k}")
+    elif top_k is not None and top_k * n_group >= topk_group * kept:  # top_k < topk_group * E / n_group, in integers
+        problems.append(f"top_k = {top_k} is not below topk_group x experts / n_group = {topk_group} x {kept} / "
+                        f"{n_group}")
+    if problems:
+        log.warning("NVFP4 export: vLLM's FlashInfer TRT-LLM MoE kernels (NVFP4 on Blackwell) refuse this "
+                    "reroute-pruned checkpoint: %s; serve it with another MoE backend, or keep more experts (a "
+                    "multiple of 4)", "; ".join(problems))
 
 
 def save_nvfp4_checkpoint(model: nn.Module, out_dir: str, format: str, *, tokenizer=None, source_dir=None,
