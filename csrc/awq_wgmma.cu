@@ -99,12 +99,15 @@ constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, i
 #define TORCHFORGE_WGMMA_MAX_STAGES 8
 #endif
 constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
-// Ablations for profiling only (a build flag; bench/wgmma_ablation.sh; results wrong unless only bit 3 is set): bit 0
-// keeps only the dequantization's shift and LOP3 (magic + q), without its bf16x2 / f16x2 subtract, multiply and fma
-// (one add per register instead made ptxas serialize every wgmma, twenty-fifth session); bit 1 drops the bulk copies and the consumers' waits for them
-// (the stages hold whatever shared memory held, and the producer does nothing); bit 2 converts the scales and zeros
-// once per segment instead of at every group start; bit 3 releases a stage with one arrive per warp after __syncwarp
-// instead of one per thread; bit 4 drops the partials of tiles cut between blocks (each part stores its own sums).
+// Ablations for profiling only (a build flag, bench/wgmma_ablation.sh; the results are wrong unless only bit 3 is set):
+// * bit 0 keeps only the dequantization's shift and LOP3 (magic + q), without its bf16x2 / f16x2 subtract, multiply
+//   and fma (one add per register instead made ptxas serialize every wgmma, twenty-fifth session);
+// * bit 1 drops the bulk copies and the consumers' waits for them (the stages hold whatever shared memory held, and
+//   the producer does nothing);
+// * bit 2 converts the scales and zeros once per segment instead of at every group start;
+// * bit 3 releases a stage with one arrive per warp after __syncwarp instead of one per thread;
+// * bit 4 drops the partials of tiles cut between blocks (each part stores its own sums);
+// * bit 5 drops only the x tiles' copies, bit 6 only the layout words' copies.
 #ifndef TORCHFORGE_WGMMA_ABLATE
 #define TORCHFORGE_WGMMA_ABLATE 0
 #endif
@@ -397,9 +400,10 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     if constexpr ((kAblate & 2) != 0) return;
     const uint32_t base = smem_base + st * St::kBytes;
     const uint32_t bar = bar_base + st * 8;
-    ptx::mbar_expect_tx(bar, tl.stage_bytes);
-    ptx::bulk_copy(base, tl.x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
-    for (int i = 0; i < tl.valid_cbs; ++i)
+    constexpr bool kCopyX = (kAblate & 32) == 0, kCopyW = (kAblate & 64) == 0;
+    ptx::mbar_expect_tx(bar, tl.stage_bytes - (kCopyX ? 0u : St::kX) - (kCopyW ? 0u : tl.valid_cbs * 2048u));
+    if (kCopyX) ptx::bulk_copy(base, tl.x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
+    for (int i = 0; kCopyW && i < tl.valid_cbs; ++i)
       ptx::bulk_copy(base + St::kX + i * 2048, tl.qw + (static_cast<size_t>(4 * tl.cbg + i) * chunks + c) * 128, 2048,
                      bar);
     const int group = group_of(c);
