@@ -107,7 +107,8 @@ constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
 // * bit 2 converts the scales and zeros once per segment instead of at every group start;
 // * bit 3 releases a stage with one arrive per warp after __syncwarp instead of one per thread;
 // * bit 4 drops the partials of tiles cut between blocks (each part stores its own sums);
-// * bit 5 drops only the x tiles' copies, bit 6 only the layout words' copies.
+// * bit 5 drops only the x tiles' copies, bit 6 only the layout words' copies;
+// * bit 7 drops the dequantization and the wgmmas: the copies' pace alone.
 #ifndef TORCHFORGE_WGMMA_ABLATE
 #define TORCHFORGE_WGMMA_ABLATE 0
 #endif
@@ -502,26 +503,28 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     // previous k-step, left the tensor pipe 60% idle: ncu, 2026-11-22.)
     auto chunk = [&](int c, uint32_t(&a)[4][TW][4]) {
       const unsigned it = base + static_cast<unsigned>(c - s.c_begin);
+      if constexpr ((kAblate & 128) == 0) {  // (bit 7: no dequantization and no wgmmas at all)
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
+        for (int k = 0; k < 4; ++k)
 #pragma unroll
-        for (int i = 0; i < TW; ++i)
+          for (int i = 0; i < TW; ++i)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const uint32_t d = P::sub(and_or(wr[k][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
-            a[k][i][r] = (kAblate & 1) != 0 ? and_or(wr[k][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2)
-                         : kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1]))
-                                       : P::mul(d, shi[i][r & 1]);
-          }
-      const uint64_t desc = wgmma::desc_k_sw128(smem_base + it % kStages * St::kBytes);
-      wgmma::fence();
+            for (int r = 0; r < 4; ++r) {
+              const uint32_t d = P::sub(and_or(wr[k][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2), zc[i][r & 1]);
+              a[k][i][r] = (kAblate & 1) != 0 ? and_or(wr[k][i] >> (4 * r), 0x000F000Fu, Tr::kMagic2)
+                           : kSplitScale ? P::fma(d, shi[i][r & 1], P::mul(d, slo[i][r & 1]))
+                                         : P::mul(d, shi[i][r & 1]);
+            }
+        const uint64_t desc = wgmma::desc_k_sw128(smem_base + it % kStages * St::kBytes);
+        wgmma::fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
+        for (int k = 0; k < 4; ++k)
 #pragma unroll
-        for (int i = 0; i < TW; ++i)  // + 32 bytes per k-step, in 16s
-          wgmma::mma_rs<BM, T>(acc[i], a[k][i][0], a[k][i][1], a[k][i][2], a[k][i][3], desc + 2 * k);
-      wgmma::commit();
-      wgmma::wait<1>();
+          for (int i = 0; i < TW; ++i)  // + 32 bytes per k-step, in 16s
+            wgmma::mma_rs<BM, T>(acc[i], a[k][i][0], a[k][i][1], a[k][i][2], a[k][i][3], desc + 2 * k);
+        wgmma::commit();
+        wgmma::wait<1>();
+      }
       // Chunk c - 1's wgmmas have retired (this thread's warpgroup) and its words and scales were read: release its
       // stage. WS: every consumer thread arrives on its empty barrier for its own loads (one lane per warp after
       // __syncwarp left compute-sanitizer's racecheck reporting the producer's refill against the other lanes' loads,
