@@ -2,7 +2,8 @@
 # Where the Hopper W4A16 kernel's time goes: builds the extension with each TORCHFORGE_WGMMA_ABLATE setting in
 # ABLATIONS (csrc/awq_wgmma.cu: 1 = no dequantization, 2 = no bulk copies nor waits for them, 4 = no per-group scale
 # conversions, 8 = one stage release per warp, 16 = no stream-K / K-slice partials, 32 = no x tile copies, 64 = no
-# weight word copies; sums of these; with any but 8 the results are wrong and only the times mean anything; 0 = this tree as it is) in parallel copies of the tree,
+# weight word copies, 128 = no dequantization nor wgmmas (the copies alone); sums of these; with any but 8 the
+# results are wrong and only the times mean anything; 0 = this tree as it is) in parallel copies of the tree,
 # then runs the same w4a16_linear.py arguments (SWEEP_ARGS) on each build and on the "base" one: the extension
 # already in torchforge/ (carried from an earlier build), so a change to csrc/ is timed against the build before it
 # in one call. Logs under $OUT.

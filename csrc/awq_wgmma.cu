@@ -52,7 +52,8 @@
 //     from N = 128 they are hidden.
 //   - Of 58 us at 64 rows on 18432x7168, the bf16x2 dequantization arithmetic costs about 8, waiting for memory 10,
 //     stream-K's partials 5 (TORCHFORGE_WGMMA_ABLATE builds). 31 us remain without all three, against 18 us of
-//     tensor work at the dense rate. At 256 rows the dequantization arithmetic costs 22 of 143 us.
+//     tensor work at the dense rate; the ring of copies alone takes 34 us. So what is left is overlap: fully
+//     overlapped, these parts would take about 44 us. At 256 rows the dequantization arithmetic costs 22 of 143 us.
 //   - Twice the consumer warps ((64, 1), four warpgroups) gained nothing.
 // * Grouped form for MoE prefill (GROUPED, op awq_wgmma_moe_cuda): the routed rows sorted by expert into blocks of BM
 //   (moe_align), the x image gathered from them, each tile on its block's expert's weights, fp32 sums scattered back to
