@@ -42,7 +42,20 @@ __device__ __forceinline__ uint32_t deq(uint32_t w, int r, uint32_t zc, uint32_t
   return out;
 }
 
-// MODE 0: RS, A fixed; 1: RS with the dequantization of the next chunk's A; 2: SS.
+// The same result through fp32 (bf16 x, fp16 scale s, zero z): the LOP3's bf16 pair (128 + q) is, half by half, the
+// fp32 value 128 + q once moved to the upper 16 bits; (128 + q) - (128 + z) and the product by s are exact in fp32,
+// and one cvt.rn.bf16x2.f32 rounds both once, as the bf16x2 path's fma does. zf = 128 + z, sf = s as fp32.
+__device__ __forceinline__ uint32_t deq_f32(uint32_t w, int r, float zf, float sf) {
+  uint32_t q, out;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(q) : "r"(w >> (4 * r)));
+  const float lo = (__uint_as_float(q << 16) - zf) * sf;
+  const float hi = (__uint_as_float(q & 0xFFFF0000u) - zf) * sf;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+// MODE 0: RS, A fixed; 1: RS with the dequantization of the next chunk's A (bf16x2 arithmetic); 2: SS; 3: as 1, the
+// arithmetic in fp32 (deq_f32).
 template <int N, int WG, int CHAINS, int MODE>
 __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint32_t* words, long long* cycles,
                                                             float* sink, int random_fill) {
@@ -77,14 +90,15 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
   // As awq_wgmma_kernel's `chunk`: dequantize this chunk's A (MODE 1) into the buffer whose wgmmas retired at the
   // previous wait, issue the chunk's group, wait for the previous group.
   auto chunk = [&](uint32_t(&cur)[4][CHAINS][4]) {
-    if constexpr (MODE == 1) {
+    if constexpr (MODE == 1 || MODE == 3) {
 #pragma unroll
       for (int k = 0; k < 4; ++k)
 #pragma unroll
         for (int c = 0; c < CHAINS; ++c) {
           w[k][c] = w[k][c] * 1664525u + 1013904223u;  // new words each chunk (one IMAD, as a load would be one LDS)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) cur[k][c][r] = deq(w[k][c], r, zc, hi, lo);
+          for (int r = 0; r < 4; ++r)
+            cur[k][c][r] = MODE == 1 ? deq(w[k][c], r, zc, hi, lo) : deq_f32(w[k][c], r, 136.0f, 0.0123f);
         }
     }
     wgmma::fence();
@@ -142,7 +156,7 @@ void run(int sms, const uint32_t* words, long long* cycles, float* sink, int ran
   for (int i = 0; i < sms; ++i) mx = c[i] > mx ? c[i] : mx;
   const double per_sm = static_cast<double>(iters) * 4 * CHAINS * WG;  // wgmmas per SM
   const double ideal = N * 64.0 * 16.0 / 2048.0;
-  static const char* modes[] = {"RS", "RS + dequant", "SS"};
+  static const char* modes[] = {"RS", "RS + dequant", "SS", "RS + dequant in fp32"};
   std::printf("| %d | %d | %d | %s | %s | %.1f | %.0f | %.2f | %.1f | %.2f |\n", N, WG, CHAINS, modes[MODE],
               random_fill ? "random" : "zeros", mx / per_sm, ideal, ideal / (mx / per_sm), ms * 1e3,
               mx / (ms * 1e6));
@@ -172,11 +186,14 @@ int main() {
     run<64, 2, 2, 2>(sms, words, cycles, sink, fill);
     run<64, 2, 2, 1>(sms, words, cycles, sink, fill);
     run<64, 4, 1, 1>(sms, words, cycles, sink, fill);
+    run<64, 2, 2, 3>(sms, words, cycles, sink, fill);
     run<128, 2, 2, 0>(sms, words, cycles, sink, fill);
     run<128, 2, 2, 1>(sms, words, cycles, sink, fill);
+    run<128, 2, 2, 3>(sms, words, cycles, sink, fill);
     run<256, 1, 1, 0>(sms, words, cycles, sink, fill);
     run<256, 2, 1, 0>(sms, words, cycles, sink, fill);
     run<256, 2, 1, 1>(sms, words, cycles, sink, fill);
+    run<256, 2, 1, 3>(sms, words, cycles, sink, fill);
   }
   return 0;
 }
