@@ -47,3 +47,35 @@ def test_hessian_and_solver_matmuls_run_without_tf32(tf32_allowed, monkeypatch):
     solver.solve_batched(torch.randn(1, 32, 128), h[None], group_size=128, backend="torch")
     assert seen == [("hessian", "highest"), ("solver", "highest")]
     assert torch.get_float32_matmul_precision() == "high"
+
+
+def _state():
+    b = torch.backends
+    return b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision, b.fp32_precision
+
+
+@pytest.mark.parametrize("setup", [
+    lambda: torch.set_float32_matmul_precision("high"),  # legacy API
+    lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),  # legacy flag (mkldnn left at "none")
+    lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),  # the new per-backend API (torch >= 2.9)
+    lambda: setattr(torch.backends, "fp32_precision", "tf32"),  # the new API's generic setting
+], ids=["legacy", "legacy-flag", "new-cuda", "new-generic"])
+def test_any_tf32_api_is_turned_off_and_restored_exactly(setup):
+    """A caller on torch's new fp32_precision API makes torch.get_float32_matmul_precision() raise ("mix of the legacy
+    and new APIs"): GPTQ must neither fail on that nor leave a setting changed (the legacy setter also sets mkldnn)."""
+    b = torch.backends
+    saved = (torch.get_float32_matmul_precision(), b.fp32_precision, b.cuda.matmul.fp32_precision,
+             b.mkldnn.matmul.fp32_precision)
+    try:
+        setup()
+        before = _state()
+        with ieee_fp32_matmul():
+            assert _state()[:2] == ("ieee", "ieee")
+            assert b.cuda.matmul.allow_tf32 is False  # legacy and new agree inside (cuBLAS raises where they don't)
+        assert _state() == before
+        h = torch.eye(64) + 0.01
+        solver.solve_batched(torch.randn(1, 16, 64), h[None], group_size=64, backend="torch")
+        assert _state() == before
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        b.fp32_precision, b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision = saved[1:]
