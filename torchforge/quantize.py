@@ -113,7 +113,8 @@ def _refuse_meta_weights(model: nn.Module) -> None:
     hooked = any(hasattr(m, "_hf_hook") for m in model.modules())
     why = (" (the model has accelerate hooks: it was loaded with device_map offload, whose weights the swaps cannot "
            "reach)" if hooked else "")
-    raise ValueError(f"quantize: {len(meta)} parameters are on the meta device, e.g. {', '.join(meta[:3])}{why}; "
+    count = "1 parameter is" if len(meta) == 1 else f"{len(meta)} parameters are"
+    raise ValueError(f"quantize: {count} on the meta device, e.g. {', '.join(meta[:3])}{why}; "
                      "load the weights onto CPU or GPU first (from_pretrained without offload), or quantize the "
                      "checkpoint tensor by tensor with `torchforge quantize SRC OUT --stream` (round-to-nearest); the "
                      "model is unchanged")
