@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Where the Hopper W4A16 kernel's time goes: builds the extension with each TORCHFORGE_WGMMA_ABLATE setting in
-# ABLATIONS (csrc/awq_wgmma.cu: 1 = no dequantization, 2 = no bulk copies nor waits for them, 4 = no per-group scale
-# conversions, 8 = one stage release per warp, 16 = no stream-K / K-slice partials, 32 = no x tile copies, 64 = no
-# weight word copies, 128 = no dequantization nor wgmmas (the copies alone); sums of these; with any but 8 the
-# results are wrong and only the times mean anything; 0 = this tree as it is) in parallel copies of the tree,
-# then runs the same w4a16_linear.py arguments (SWEEP_ARGS) on each build and on the "base" one: the extension
-# already in torchforge/ (carried from an earlier build), so a change to csrc/ is timed against the build before it
-# in one call. Logs under $OUT.
+# ABLATIONS (csrc/awq_wgmma.cu: 1 = no bf16x2 dequantization arithmetic, 2 = no bulk copies nor waits for them,
+# 16 = no stream-K / K-slice partials, 32 = no x tile copies, 64 = no weight word copies, 128 = no dequantization
+# nor wgmmas (the copies alone); sums of these; the results are wrong and only the times mean anything; 0 = this
+# tree as it is) in parallel copies of the tree, then runs the same w4a16_linear.py arguments (SWEEP_ARGS) on each
+# build and on the "base" one: the extension already in torchforge/ (carried from an earlier build), so a change to
+# csrc/ is timed against the build before it in one call. Logs under $OUT.
 #   BENCH: another script than bench/w4a16_linear.py (e.g. bench/wgmma_sk_grid.py).
 #   device run: ABLATIONS="1 2 3" SWEEP_ARGS="--shapes 18432x7168 --wgmma-sweep 16,64,256 --wgmma-ws
 #               --wgmma-only 64x2,128x2 --wgmma-splits 1" bash bench/wgmma_ablation.sh

@@ -100,13 +100,11 @@ constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, i
 #define TORCHFORGE_WGMMA_MAX_STAGES 8
 #endif
 constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
-// Ablations for profiling only (a build flag, bench/wgmma_ablation.sh; the results are wrong unless only bit 3 is set):
+// Ablations for profiling only (a build flag, bench/wgmma_ablation.sh; the results are wrong, only the times count):
 // * bit 0 keeps only the dequantization's shift and LOP3 (magic + q), without its bf16x2 / f16x2 subtract, multiply
 //   and fma (one add per register instead made ptxas serialize every wgmma, twenty-fifth session);
 // * bit 1 drops the bulk copies and the consumers' waits for them (the stages hold whatever shared memory held, and
 //   the producer does nothing);
-// * bit 2 converts the scales and zeros once per segment instead of at every group start;
-// * bit 3 releases a stage with one arrive per warp after __syncwarp instead of one per thread;
 // * bit 4 drops the partials of tiles cut between blocks (each part stores its own sums);
 // * bit 5 drops only the x tiles' copies, bit 6 only the layout words' copies;
 // * bit 7 drops the dequantization and the wgmmas: the copies' pace alone.
@@ -416,7 +414,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
     if constexpr (WS)
-      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<TW> / ((kAblate & 8) ? 32 : 1));
+      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<TW>);
     ptx::mbar_fence_init();
   }
   __syncthreads();
@@ -480,7 +478,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
 #pragma unroll
       for (int k = 0; k < 4; ++k) lds_words<TW>(wr[k], wsm + k * 32 * 16, tl.tq);
-      if (c == s.c_begin || ((kAblate & 4) == 0 && group_of(c) * chunks_per_group == c)) {
+      if (c == s.c_begin || group_of(c) * chunks_per_group == c) {
         const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
         const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
 #pragma unroll
@@ -535,12 +533,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       // thread 0 refills the stage.
       if (c > s.c_begin) {
         if constexpr (WS) {
-          if constexpr ((kAblate & 8) != 0) {
-            __syncwarp();
-            if (lane == 0) ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
-          } else {
-            ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
-          }
+          ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
         } else {
           __syncthreads();  // both warpgroups have retired chunk c - 1's wgmmas
           if (tid == 0 && c - 1 + kStages < s.c_end) load_stage(tl, c - 1 + kStages, (it - 1) % kStages);
@@ -563,8 +556,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       for (int e = 0; e < BM / 2; ++e) wgmma::fence_operand(acc[i][e]);
     // The segment's last stage: released here, for the producer's next segments (stream-K).
     if constexpr (WS)
-      if (s.c_end > s.c_begin && ((kAblate & 8) == 0 || lane == 0))
-        ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
+      if (s.c_end > s.c_begin) ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
     base += static_cast<unsigned>(s.c_end - s.c_begin);
     // PDL: the next kernel may launch once every block is past its main loop (as in awq_mma.cu: earlier, a next
     // GEMM's prefetched weights would be evicted by this one's stream before their use). Not from the producer, whose
