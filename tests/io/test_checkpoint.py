@@ -502,6 +502,21 @@ def test_tensors_the_index_does_not_list_are_not_read_and_named_once(tmp_path, s
         _assert_same_dict(load_state_dict(tmp_path, prefixes=["a", "x"]), {"a": listed["a"]})
 
 
+@pytest.mark.parametrize("suffix", ["safetensors", "bin"])
+def test_a_partial_read_says_its_unlisted_count_covers_what_it_read(tmp_path, suffix):
+    """A read of some prefixes (a streamer's layer) sees only its own names and shards: the once-per-checkpoint warning
+    says that its counts may be short, not that the checkpoint has only these unlisted tensors."""
+    if suffix == "safetensors":
+        save = lambda sd, p: safetensors.torch.save_file(sd, str(p))  # noqa: E731
+    else:
+        save = lambda sd, p: torch.save(sd, p)  # noqa: E731
+    listed, index = _shards_with_unlisted_tensors(tmp_path, save, suffix)
+    with pytest.warns(UserWarning, match=rf"holds 1 tensor\(s\) that {index} does not list \('x'\) among the tensors "
+                                         r"this partial read looked at \(there may be more\): they are not read"):
+        got = load_state_dict(tmp_path, prefixes=["a", "x"])
+    _assert_same_dict(got, {"a": listed["a"]})
+
+
 def test_an_fp8_scale_the_index_does_not_list_is_not_used_from_a_bin_shard(tmp_path):
     # as in safetensors shards, where the scale was already looked up through the index only
     w = (torch.randn(128, 128) * 10).to(torch.float8_e4m3fn)

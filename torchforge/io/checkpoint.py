@@ -469,20 +469,24 @@ def _check_index_names(layout: _Layout, names_by_file, fname: str, present, pref
 _UNLISTED_WARNED: set[str] = set()  # index files warned about: once per checkpoint, not once per layer read
 
 
-def _warn_unlisted(layout: _Layout, fname: str, names: list[str], more_shards: int, stacklevel: int) -> None:
+def _warn_unlisted(layout: _Layout, fname: str, names: list[str], more_shards: int, stacklevel: int,
+                   partial_read: bool = False) -> None:
     """Warns (once per index) that shard `fname` holds `names`, tensors its index does not list, which are not read.
 
     transformers' from_pretrained loads every tensor of the shards an index lists, unlisted ones too; here the index
-    is the list, as it is for checkpoint_tensor_names (calibration's layer streaming, load_quantized's module swaps)."""
+    is the list, as it is for checkpoint_tensor_names (calibration's layer streaming, load_quantized's module swaps).
+    `partial_read`: the read asked for some tensors only (prefixes), so the counts cover only the shards and names it
+    looked at, and the message says so."""
     index_path = os.path.abspath(os.path.join(layout.root, layout.index_file))  # not the folder as spelled
     if index_path in _UNLISTED_WARNED:
         return
     _UNLISTED_WARNED.add(index_path)
     shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     others = f" (and {more_shards} other shard(s) hold unlisted tensors too)" if more_shards else ""
+    scope = " among the tensors this partial read looked at (there may be more)" if partial_read else ""
     warnings.warn(
         f"{os.path.join(layout.root, fname)} holds {len(names)} tensor(s) that {layout.index_file} does not list "
-        f"({shown}){others}: they are not read. The index is the checkpoint's list of tensors; if the model needs "
+        f"({shown}){others}{scope}: they are not read. The index is the checkpoint's list of tensors; if the model needs "
         f"them, the index is damaged or hand-edited: add them to its weight_map or save the checkpoint again",
         stacklevel=stacklevel + 1,
     )
@@ -525,7 +529,8 @@ def _iter_safetensors(layout: _Layout, prefixes, dequantize_fp8, device, dtype, 
             plan[fname] = [i for i in plan[fname] if weight_map.get(i.name) == fname]
     extra = [f for f, names in unlisted.items() if names]
     if extra:
-        _warn_unlisted(layout, extra[0], unlisted[extra[0]], len(extra) - 1, stacklevel=3)  # iter_checkpoint's caller
+        _warn_unlisted(layout, extra[0], unlisted[extra[0]], len(extra) - 1, stacklevel=3,  # iter_checkpoint's caller
+                       partial_read=prefixes is not None)
 
     # FP8 companions: find and check every scale before reading any data.
     scale_of: dict[str, tuple[str, str]] = {}  # float8 weight name -> (scale name, its file)
@@ -677,7 +682,8 @@ def _iter_bin(layout: _Layout, prefixes, dequantize_fp8, device, dtype, block):
                     unlisted = [n for n, t in sd.items()
                                 if isinstance(t, torch.Tensor) and _wanted(n, prefixes) and n not in weight_map]
                     if unlisted:
-                        _warn_unlisted(layout, fname, unlisted, 0, stacklevel=2)  # the caller's next()
+                        _warn_unlisted(layout, fname, unlisted, 0, stacklevel=2,  # the caller's next()
+                                       partial_read=prefixes is not None)
                 for name, t in sd.items():
                     if not isinstance(t, torch.Tensor) or not _wanted(name, prefixes):
                         continue
