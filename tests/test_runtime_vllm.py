@@ -285,3 +285,59 @@ def test_install_passes_only_keywords_of_vllms_router_factory():
     assert install(nn.Sequential(layer), build_expert_map(torch.rand(1, 8), keep_k=6), scoring="sigmoid",
                    router_factory=create_fused_moe_router) == 1
     assert layer.runner.router is layer.router and layer.router.custom_routing_function is layer.custom_routing_function
+
+
+def test_install_counts_a_llama4_style_block_once():
+    """vLLM's Llama4MoE has `top_k` and a static `custom_routing_function` itself, beside its FusedMoE `experts`: it
+    was counted as a second layer, so install refused a matching expert map (2 layers for 1 row)."""
+    from torch import nn
+
+    from torchforge.runtime.vllm import install
+
+    class FakeFusedMoE(nn.Module):  # attribute-style, no grouped top-k (as for Llama 4)
+        def __init__(self):
+            super().__init__()
+            self.top_k, self.custom_routing_function, self.use_grouped_topk = 1, None, False
+            self.e_score_correction_bias = None
+
+    class FakeLlama4MoE(nn.Module):
+        @staticmethod
+        def custom_routing_function(hidden_states, gating_output, topk, renormalize):
+            raise AssertionError("not called by install")
+
+        def __init__(self):
+            super().__init__()
+            self.top_k = 1
+            self.experts = FakeFusedMoE()
+
+    vm = nn.Sequential(FakeLlama4MoE(), FakeLlama4MoE())
+    emap = torch.tensor([[0, 1, -1, 2], [-1, 0, 1, 2]], dtype=torch.int32)
+    assert install(vm, emap, scoring="sigmoid") == 2
+    assert all(callable(b.experts.custom_routing_function) for b in vm)
+    assert FakeLlama4MoE.custom_routing_function is vm[0].custom_routing_function  # the block itself is untouched
+
+
+def test_install_keeps_a_layer_whose_runner_holds_its_router():
+    """An inner module that holds the layer's own router (a runner built as an nn.Module) is part of the layer: the
+    layer is installed, not the runner."""
+    from torch import nn
+
+    from torchforge.runtime.vllm import _innermost_layers
+
+    class Router:
+        def select_experts(self, *a, **kw):
+            raise AssertionError
+
+    class Runner(nn.Module):
+        def __init__(self, router):
+            super().__init__()
+            self.top_k, self.router = 2, router
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.top_k, self.router = 2, Router()
+            self.runner = Runner(self.router)
+
+    layer = Layer()
+    assert _innermost_layers([layer, layer.runner]) == [layer]

@@ -196,6 +196,22 @@ def _replace_router(layer, fn, factory):
     return new
 
 
+def _innermost_layers(candidates: list) -> list:
+    """The FusedMoE layers among modules that look like one. A MoE block can look like a layer too: vLLM's Llama4MoE
+    holds `top_k` and a static `custom_routing_function` (which it passes to its FusedMoE `experts`), so a candidate
+    with candidates inside it is such a block, and the inner ones are the layers. Except where the inner one holds the
+    outer one's own router: that is a part of the layer (a runner), not a layer."""
+    found = {id(m) for m in candidates}
+
+    def shares_router(outer, inner) -> bool:
+        router = getattr(inner, "router", None)
+        return router is not None and router is getattr(outer, "router", None)
+
+    inside = {id(m): [d for d in list(m.modules())[1:] if id(d) in found] for m in candidates}
+    parts = {id(d) for m in candidates for d in inside[id(m)] if shares_router(m, d)}
+    return [m for m in candidates if id(m) not in parts and all(id(d) in parts for d in inside[id(m)])]
+
+
 def install(vllm_model, expert_map: torch.Tensor, *, scoring: str, n_group: int | None = None,
             topk_group: int | None = None, renormalize_kept: bool = False, router_factory=None) -> int:
     """Sets a routing function on every FusedMoE of a loaded vLLM model, in layer order. Returns the count.
@@ -211,6 +227,7 @@ def install(vllm_model, expert_map: torch.Tensor, *, scoring: str, n_group: int 
     routers = {id(getattr(m, "router", None)) for m in modules if getattr(m, "router", None) is not None}
     layers = [m for m in modules if id(m) not in routers and hasattr(m, "top_k")
               and (hasattr(m, "custom_routing_function") or hasattr(getattr(m, "router", None), "select_experts"))]
+    layers = _innermost_layers(layers)
     if len(layers) != expert_map.shape[0]:
         raise ValueError(f"torchforge.runtime.vllm.install: the model has {len(layers)} FusedMoE layers but the "
                          f"expert map has {expert_map.shape[0]} rows")
