@@ -1,6 +1,11 @@
 """The ticket buffer a linear layer on the mma layout keeps for the decode kernel's K slices (see
 `torchforge.ops.awq_mma_cuda.mma_tickets`): zero whenever no kernel runs, so it is not state; rebuilt as zeros
-after every move, because `to_empty()` would leave garbage (and a non-zero ticket a wrong result)."""
+after every move, because `to_empty()` would leave garbage (and a non-zero ticket a wrong result).
+
+One buffer per module: two calls of the same module that overlap on two CUDA streams would count into the same
+tickets and give wrong sums. Calls on one stream (eager, torch.compile, CUDA graphs) never overlap. To run one model
+on several streams at once, give each stream its own copy of the model, or leave it on the AWQ layout (no
+`use_mma_layout()`, no kept tickets)."""
 from __future__ import annotations
 
 import torch
