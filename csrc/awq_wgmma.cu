@@ -48,8 +48,8 @@
 // * Where the time goes at 16-256 rows (twenty-fifth session, BENCHMARKS.md; bench/wgmma_rate.cu,
 //   bench/wgmma_ablation.sh, bench/wgmma_sk_grid.py):
 //   - wgmma with A in registers runs at the dense rate from N = 64.
-//   - With this dequantization, N = 64 is bound by its 3 bf16x2 operations per register (0.68 of the dense rate);
-//     from N = 128 they are hidden.
+//   - With this dequantization, N = 64 is bound by its issue (0.68 of the dense rate; an exact fp32 variant was
+//     slower); from N = 128 it is hidden.
 //   - Of 58 us at 64 rows on 18432x7168, the bf16x2 dequantization arithmetic costs about 8, waiting for memory 10,
 //     stream-K's partials 5 (TORCHFORGE_WGMMA_ABLATE builds). 31 us remain without all three, against 18 us of
 //     tensor work at the dense rate; the ring of copies alone takes 34 us. So what is left is overlap: fully
