@@ -4,8 +4,8 @@ after every move, because `to_empty()` would leave garbage (and a non-zero ticke
 
 One buffer per module: two calls of the same module that overlap on two CUDA streams would count into the same
 tickets and give wrong sums. Calls on one stream (eager, torch.compile, CUDA graphs) never overlap. To run one model
-on several streams at once, give each stream its own copy of the model, or leave it on the AWQ layout (no
-`use_mma_layout()`, no kept tickets)."""
+on several streams at once, give each stream its own copy of the model, or leave its layers on their checkpoint
+layout (no `use_mma_layout()`, no kept tickets)."""
 from __future__ import annotations
 
 import torch
