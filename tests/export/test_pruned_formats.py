@@ -40,39 +40,32 @@ def test_pruned_quantized_reloads_identically(tmp_path, scheme, fmt, mode):
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
 
 
-@pytest.mark.parametrize("keep_k,warning", [
-    (6, "6 routed experts per layer is not a multiple of 4"),
+@pytest.mark.parametrize("balanced,keep_k,n_group,warning", [
+    (False, 6, 1, "6 routed experts per layer is not a multiple of 4"),
     # EXPERT_MAP: 2 of each group's 4 kept, so n_group 2 stays; topk_group 1, top_k 2: 1 x 4 / 2 = 2 = top_k (the
     # unpruned model's 1 x 8 / 2 = 4 passes)
-    (4, "top_k = 2 is not below topk_group x experts / n_group = 1 x 4 / 2"),
+    (True, 4, 2, "top_k = 2 is not below topk_group x experts / n_group = 1 x 4 / 2"),
+    # 4 of 8 kept in one group (n_group becomes 1): 1 x 4 / 1 = 4 > top_k = 2, a multiple of 4, more than top_k
+    (False, 4, 1, None),
 ])
-def test_nvfp4_export_warns_on_an_expert_count_flashinfer_refuses(tmp_path, caplog, keep_k, warning):
+def test_nvfp4_export_warns_on_an_expert_count_flashinfer_refuses(tmp_path, caplog, balanced, keep_k, n_group,
+                                                                   warning):
     """vLLM's FlashInfer TRT-LLM MoE kernels (NVFP4 on Blackwell) need a multiple of 4 routed experts, more than top_k,
-    and top_k < topk_group x experts / n_group: a reroute export that breaks one says which."""
+    and top_k < topk_group x experts / n_group: a reroute export that breaks one says which, and one that keeps them
+    says nothing."""
     from torchforge.prune import build_expert_map
 
     model = models.build("deepseek_v3", dtype=torch.bfloat16)
     hits = torch.arange(8, dtype=torch.float32).unsqueeze(0)  # one MoE layer (layer 0 is dense)
-    expert_map = build_expert_map(hits, keep_k=keep_k) if keep_k == 6 else EXPERT_MAP
-    prune_experts(model, expert_map, mode="reroute")
+    prune_experts(model, EXPERT_MAP if balanced else build_expert_map(hits, keep_k=keep_k), mode="reroute")
     torchforge.quantize(model, "nvfp4", calib_data=torch.randint(0, 96, (2, 16)))
     with caplog.at_level("WARNING", logger="torchforge.export.nvfp4"):
         torchforge.save_quantized(model, str(tmp_path), format="modelopt-nvfp4")
     flashinfer = [r.getMessage() for r in caplog.records if "FlashInfer" in r.getMessage()]
-    assert len(flashinfer) == 1 and warning in flashinfer[0], flashinfer
-    assert ("not a multiple of 4" in flashinfer[0]) == (keep_k % 4 != 0)
+    if warning is None:
+        assert not flashinfer, flashinfer
+    else:
+        assert len(flashinfer) == 1 and warning in flashinfer[0], flashinfer
+        assert ("not a multiple of 4" in flashinfer[0]) == (keep_k % 4 != 0)
     cfg = json.load(open(tmp_path / "config.json"))
-    assert (cfg["n_routed_experts"], cfg["n_group"]) == (keep_k, 1 if keep_k == 6 else 2)
-
-
-def test_nvfp4_export_of_a_flashinfer_ready_prune_does_not_warn(tmp_path, caplog):
-    """4 of 8 kept in one group (n_group becomes 1): 1 x 4 / 1 = 4 > top_k = 2, a multiple of 4, more than top_k."""
-    from torchforge.prune import build_expert_map
-
-    model = models.build("deepseek_v3", dtype=torch.bfloat16)
-    prune_experts(model, build_expert_map(torch.arange(8, dtype=torch.float32).unsqueeze(0), keep_k=4), mode="reroute")
-    torchforge.quantize(model, "nvfp4", calib_data=torch.randint(0, 96, (2, 16)))
-    with caplog.at_level("WARNING", logger="torchforge.export.nvfp4"):
-        torchforge.save_quantized(model, str(tmp_path), format="modelopt-nvfp4")
-    assert "FlashInfer" not in caplog.text
-    assert json.load(open(tmp_path / "config.json"))["n_group"] == 1
+    assert (cfg["n_routed_experts"], cfg["n_group"]) == (keep_k, n_group)
