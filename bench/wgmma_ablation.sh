@@ -6,7 +6,10 @@
 # tree as it is) in parallel copies of the tree, then runs the same w4a16_linear.py arguments (SWEEP_ARGS) on each
 # build and on the "base" one: the extension already in torchforge/ (carried from an earlier build), so a change to
 # csrc/ is timed against the build before it in one call. Logs under $OUT.
+#   An entry of ABLATIONS may also be other build flags, comma-separated: a number is an ablation setting, anything
+#   else a macro, e.g. "TORCHFORGE_WGMMA_GROUPS256=2" or "TORCHFORGE_WGMMA_GROUPS256=2,128".
 #   BENCH: another script than bench/w4a16_linear.py (e.g. bench/wgmma_sk_grid.py).
+#   TESTS: pytest arguments run in each build's tree before its bench (e.g. "tests/ops/test_awq_wgmma_cuda.py").
 #   device run: ABLATIONS="1 2 3" SWEEP_ARGS="--shapes 18432x7168 --wgmma-sweep 16,64,256 --wgmma-ws
 #               --wgmma-only 64x2,128x2 --wgmma-splits 1" bash bench/wgmma_ablation.sh
 set -uo pipefail
@@ -17,20 +20,35 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 ARCH="-gencode=arch=compute_90a,code=sm_90a"
+tag() { echo "$1" | tr -c 'A-Za-z0-9\n' '_'; }
+flags() {
+  local f out=""
+  for f in ${1//,/ }; do
+    if [[ $f =~ ^[0-9]+$ ]]; then out+=" -DTORCHFORGE_WGMMA_ABLATE=$f"; else out+=" -D$f"; fi
+  done
+  echo "$out"
+}
 for a in ${ABLATIONS:-1 2 3}; do
-  rm -rf "/tmp/ablate$a" && mkdir -p "/tmp/ablate$a"
-  cp -r setup.py pyproject.toml csrc torchforge bench "/tmp/ablate$a/"
-  rm -f /tmp/ablate$a/torchforge/_C*.so
-  (cd "/tmp/ablate$a" && MAX_JOBS=6 TORCHFORGE_CUDA_ARCH="$ARCH -DTORCHFORGE_WGMMA_ABLATE=$a" \
-     python3 setup.py build_ext --inplace > "$OUT/build_ablate$a.log" 2>&1) &
+  d=/tmp/ablate$(tag "$a")
+  rm -rf "$d" && mkdir -p "$d"
+  cp -r setup.py pyproject.toml csrc torchforge bench tests "$d/"
+  rm -f $d/torchforge/_C*.so
+  (cd "$d" && MAX_JOBS=6 TORCHFORGE_CUDA_ARCH="$ARCH$(flags "$a")" \
+     python3 setup.py build_ext --inplace > "$OUT/build_ablate$(tag "$a").log" 2>&1) &
 done
 wait
 for a in base ${ABLATIONS:-1 2 3}; do
   dir=$PWD
-  [ "$a" != base ] && dir=/tmp/ablate$a
-  ls $dir/torchforge/_C*.so >/dev/null 2>&1 || { echo "ablation $a: no build"; tail -5 "$OUT/build_ablate$a.log"; continue; }
+  t=$(tag "$a")
+  [ "$a" != base ] && dir=/tmp/ablate$t
+  ls $dir/torchforge/_C*.so >/dev/null 2>&1 || { echo "ablation $a: no build"; tail -5 "$OUT/build_ablate$t.log"; continue; }
+  if [ -n "${TESTS:-}" ] && [ "$a" != base ]; then
+    (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -x -p no:cacheprovider $TESTS \
+       > "$OUT/tests_ablate$t.log" 2>&1)
+    echo "== ablation $a tests (rc $?): $(tail -1 "$OUT/tests_ablate$t.log")"
+  fi
   (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} python3 ${BENCH:-bench/w4a16_linear.py} ${SWEEP_ARGS:-} \
-     > "$OUT/sweep_ablate$a.log" 2>&1)
+     > "$OUT/sweep_ablate$t.log" 2>&1)
   echo "== ablation $a (rc $?)"
-  grep -E '^\| [0-9]+x[0-9]+ \|' "$OUT/sweep_ablate$a.log" | cut -d'|' -f2-${CUT_FIELDS:-10}
+  grep -E '^\| [0-9]+x[0-9]+ \|' "$OUT/sweep_ablate$t.log" | cut -d'|' -f2-${CUT_FIELDS:-10}
 done

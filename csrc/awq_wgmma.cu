@@ -8,8 +8,9 @@
 // block of BM rows of x (the decode kernel decodes it again for every 16 rows, which made it ALU bound past 16
 // rows); the activations are the B operand, BM rows (wgmma's N) read from shared memory.
 // * Warpgroup = 4 warps on 4 layout column blocks (256 output columns), BM rows of x, and TW of each column block's
-//   4 column tiles of 16: warp w holds column block 4 cbg + w. A block has one warpgroup, or two on the two halves
-//   of the tiles (TW = 2), sharing the stage; the blocks along grid.x walk the remaining tile sets.
+//   4 column tiles of 16: warp w holds column block 4 cbg + w. A block has one warpgroup ((64, 4)), or two sharing
+//   the stage: on the two halves of the tiles (TW = 2), or on two of them (BM = 256, TW = 1); the blocks along grid.x
+//   walk the remaining tile sets.
 //   The wgmma for tile T then covers the 64 columns {64 (4 cbg + w) + 16 T + r : w < 4, r < 16}, one 16-column tile
 //   per warp: exactly the rows of A each warp owns in the instruction, so every lane's layout word is its A
 //   fragment as it is (register r = nibbles r, r + 4). Accumulators: TW x BM / 2 floats per thread (128 at most).
@@ -78,15 +79,19 @@ using awq_mma_detail::Traits;
 
 // Warpgroups per block: with 2 column tiles per warp, two warpgroups take the two halves of the same 4 column blocks
 // and share the stage (x tile, all words).
-template <int TW>
-constexpr int kGroups = TW == 2 ? 2 : 1;
-template <int TW>
-constexpr int kThreads = 128 * kGroups<TW>;  // the consumer warpgroups (+ the producer with WS)
+// (256, 1): two warpgroups on two of the 4 column tiles, sharing the stage's 32 KB x tile. With one warpgroup (until
+// the twenty-sixth session) each block read that x tile and 8 KB of words from L2 for every 4 wgmmas: the ring of
+// copies alone took 0.056 ms at 256 rows on 7168x7168, and the kernel 0.074; two took 0.057 in 2 K slices (and 0.717
+// against 1.116 at 4096 rows; BENCHMARKS.md, twenty-sixth session).
+template <int BM, int TW>
+constexpr int kGroups = TW == 2 || BM == 256 ? 2 : 1;
+template <int BM, int TW>
+constexpr int kThreads = 128 * kGroups<BM, TW>;  // the consumer warpgroups (+ the producer with WS)
 // WS producer: one warp beside one consumer warpgroup; a whole warpgroup beside two, which gives its registers to
 // them (setmaxnreg): ptxas caps a block of 288 or 384 threads at 168 registers, and two consumer warpgroups need
 // more (254 for (128, 2), 168 with spills and serialized wgmmas for (64, 2)). 384 x 168 = 128 x 24 + 256 x 240.
-template <int TW>
-constexpr int kProducerThreads = kGroups<TW> == 2 ? 128 : 32;
+template <int BM, int TW>
+constexpr int kProducerThreads = kGroups<BM, TW> == 2 ? 128 : 32;
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
@@ -225,7 +230,7 @@ struct Grouped {
 };
 
 template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
-__global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0), (kMinBlocks<BM, TW>))
+__global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                      float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
@@ -237,7 +242,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   using P = Pair<T>;
   using Tr = Traits<T>;
   constexpr bool kSplitScale = !std::is_same<T, S>::value;  // fp16 scales with bf16 x: s = hi + lo
-  constexpr int kSets = 4 / (TW * kGroups<TW>);  // blocks along the column tiles of one column block group
+  constexpr int kSets = 4 / (TW * kGroups<BM, TW>);  // blocks along the column tiles of one column block group
   extern __shared__ uint8_t smem_raw[];
   // The stages' base, 1024-byte aligned (the swizzle of wgmma's B operand), as an offset from smem_raw: a pointer
   // rebuilt from an integer lost the shared address space, and every load from it became a 64-bit generic one with its
@@ -335,7 +340,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
     const int col = pid % per_group / rows_in_group;
     tl.m0 = mb * BM;
     tl.cbg = col / kSets;
-    tl.tq = col % kSets * kGroups<TW> + tid / 128;
+    tl.tq = col % kSets * kGroups<BM, TW> + tid / 128;
     tl.n0 = kBlockCols * tl.cbg;
     tl.valid_cbs = min(4, nblocks - 4 * tl.cbg);
     tl.s_bytes = min(kBlockCols, N - tl.n0) * static_cast<uint32_t>(sizeof(S));
@@ -414,14 +419,14 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
     if constexpr (WS)
-      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<TW>);
+      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<BM, TW>);
     ptx::mbar_fence_init();
   }
   __syncthreads();
   if constexpr (WS) {
-    if (tid >= kThreads<TW>) {  // the producer: fill stage it % kStages once its previous fill is released
-      if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-      if (tid == kThreads<TW> && (kAblate & 2) == 0) {
+    if (tid >= kThreads<BM, TW>) {  // the producer: fill stage it % kStages once its previous fill is released
+      if constexpr (kGroups<BM, TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+      if (tid == kThreads<BM, TW> && (kAblate & 2) == 0) {
         unsigned it = 0;
         int u = u_begin;
         Segment s;
@@ -435,12 +440,12 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       }
       return;  // the consumers sync among themselves from here on (consumer_sync)
     }
-    if constexpr (kGroups<TW> == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    if constexpr (kGroups<BM, TW> == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
   }
   // A barrier of the consumer threads only (with WS the producer has left).
   auto consumer_sync = [] {
     if constexpr (WS)
-      asm volatile("bar.sync 1, %0;" ::"n"(kThreads<TW>) : "memory");
+      asm volatile("bar.sync 1, %0;" ::"n"(kThreads<BM, TW>) : "memory");
     else
       __syncthreads();
   };
@@ -594,7 +599,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
       // fp32 partials in the block's own order: part slot, then accumulator, then thread (each store and load
       // coalesced across the block, and no index math on rows and columns).
       constexpr int kAcc = TW * (BM / 2);
-      const size_t tile_floats = static_cast<size_t>(kAcc) * kThreads<TW>;
+      const size_t tile_floats = static_cast<size_t>(kAcc) * kThreads<BM, TW>;
       auto part = [&](int j) {
         size_t index = static_cast<size_t>(j) * sliced_tiles + slot;
         if (stream_k) index = 2 * static_cast<size_t>(b_first + j) + (first_tile(b_first + j) == s.pid ? 0 : 1);
@@ -604,7 +609,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
 #pragma unroll
       for (int i = 0; i < TW; ++i)
 #pragma unroll
-        for (int e = 0; e < BM / 2; ++e) __stcg(mine + (i * (BM / 2) + e) * kThreads<TW>, acc[i][e]);
+        for (int e = 0; e < BM / 2; ++e) __stcg(mine + (i * (BM / 2) + e) * kThreads<BM, TW>, acc[i][e]);
       __threadfence();  // this block's partials are visible before its ticket is taken
       consumer_sync();
       if (tid == 0) is_last = atomicAdd(&tickets[ticket], 1u) == static_cast<unsigned>(parts - 1);
@@ -629,7 +634,7 @@ __global__ void __launch_bounds__(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)
 #pragma unroll
           for (int q = 0; q < kBatch; ++q) {
             const int a = b + q, i = a / (BM / 2), e = a % (BM / 2);
-            const float v = __ldcg(p + a * kThreads<TW>);
+            const float v = __ldcg(p + a * kThreads<BM, TW>);
             acc[i][e] = j == 0 && !keep_own ? v : acc[i][e] + v;
           }
         }
@@ -703,7 +708,7 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
                                 dim3(256), 0, stream, static_cast<const T*>(x), static_cast<T*>(x_image), M, K,
                                 gp.sorted_rows, gp.num_rows, x_row_div);
   if (err != cudaSuccess) return err;
-  const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<TW>));
+  const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<BM, TW>));
   const int tiles = ncols * ((M + BM - 1) / BM);
   // With splits > 1, tiles [dp_tiles, tiles) run in `splits` K slices each and tiles [0, dp_tiles) whole, in one
   // launch with the sliced blocks first. A last round of few tiles, which would leave most SMs idle for a whole tile's
@@ -716,7 +721,7 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   const int sliced = !SK && splits > 1 ? tiles - dp_tiles : 0;
   const int whole = tiles - sliced;
   const int blocks = SK ? std::min(dp_tiles, tiles * (K / 128)) : sliced * splits + whole;
-  return pdl::launch(kernel, false, dim3(blocks), dim3(kThreads<TW> + (WS ? kProducerThreads<TW> : 0)), smem, stream,
+  return pdl::launch(kernel, false, dim3(blocks), dim3(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0)), smem, stream,
                      static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
                      tickets, M, N, K, group_size / 64, splits, group_m, sliced, whole, gp);
@@ -727,7 +732,7 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
 // A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
 template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false>
 bool producer_pool_ok() {
-  if constexpr (kGroups<TW> == 1) return true;  // a producer warp: no setmaxnreg
+  if constexpr (kGroups<BM, TW> == 1) return true;  // a producer warp: no setmaxnreg
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
@@ -735,8 +740,8 @@ bool producer_pool_ok() {
                ? attr.numRegs
                : 0;
   }
-  return regs * (kThreads<TW> + kProducerThreads<TW>) >=
-         kProducerThreads<TW> * kProducerRegs + kThreads<TW> * kConsumerRegs;
+  return regs * (kThreads<BM, TW> + kProducerThreads<BM, TW>) >=
+         kProducerThreads<BM, TW> * kProducerRegs + kThreads<BM, TW> * kConsumerRegs;
 }
 
 }  // namespace awq_wgmma_detail
@@ -744,15 +749,15 @@ bool producer_pool_ok() {
 // Rows of the x image (M rounded up to whole blocks of block_m).
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m) { return (M + block_m - 1) / block_m * block_m; }
 
-// Outputs of one block (block_m rows x 256 columns with two warpgroups, x 64 tile_set with one): the fp32 partials a
-// tile's K slice writes.
+// Outputs of one block (block_m rows x 64 tile_set columns per warpgroup): the fp32 partials a tile's K slice writes.
+static int64_t wgmma_groups(int64_t block_m, int64_t tile_set) { return tile_set == 2 || block_m == 256 ? 2 : 1; }
 int64_t awq_wgmma_block_outputs(int64_t block_m, int64_t tile_set) {
-  return block_m * (tile_set == 2 ? 256 : 64 * tile_set);
+  return block_m * 64 * tile_set * wgmma_groups(block_m, tile_set);
 }
 
 // Number of blocks along the columns x rows (the op allocates tiles - dp_tiles tickets with splits > 1).
 int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set) {
-  const int64_t sets = tile_set == 2 ? 1 : 4 / tile_set;  // tile sets on blocks of their own (kGroups)
+  const int64_t sets = 4 / (tile_set * wgmma_groups(block_m, tile_set));  // tile sets on blocks of their own
   return (N / 64 + 3) / 4 * sets * ((M + block_m - 1) / block_m);
 }
 

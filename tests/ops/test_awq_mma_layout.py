@@ -175,10 +175,10 @@ def test_wgmma_config_follows_the_sweep():
     assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 0, 8, True, 0)
     assert wgmma_cuda_config(64, 7168, 7168) == (64, 2, 4, 8, True, 0)
     assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 0, 8, True, 0)
-    # 7168x7168 at 256 rows: (256, 1) whole, 0.073 ms against (128, 2) in stream-K's 0.072 (twenty-third session)
-    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 1, 8, True, 0)
-    # 288 blocks of (128, 2) at 512 rows: the 24 past two rounds of 132 in 4 K slices each
-    assert wgmma_cuda_config(512, 7168, 18432) == (128, 2, 4, 8, True, 264)
+    # 7168x7168 at 256 rows: (256, 1) in 2 K slices, 0.056 ms against 0.080 whole (twenty-sixth session)
+    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 2, 8, True, 0)
+    # 288 blocks of (256, 1) at 512 rows: the 24 past two rounds of 132 in 4 K slices each
+    assert wgmma_cuda_config(512, 7168, 18432) == (256, 1, 4, 8, True, 264)
     # the rows taken: within WGMMA_MIN_ROWS..WGMMA_MAX_M where the model has the kernel faster
     assert [wgmma_rows_ok(m, 7168, 18432) for m in (32, 48, 512, 513)] == [False, True, True, False]
     # (72 rows on 7168x7168: the decode kernel by 1 us in the model; measured 0.049 ms against stream-K's 0.046 in the
@@ -187,10 +187,10 @@ def test_wgmma_config_follows_the_sweep():
             == [False, True, False, True, True, True, True])
     assert [wgmma_rows_ok(m, 4096, 4096) for m in (64, 129, 256, 384)] == [False, False, False, False]
     assert not wgmma_rows_ok(31, 64, 1 << 20)  # below WGMMA_MIN_ROWS whatever the model says
-    # the SM count enters: on 4x the SMs, (256, 1) blocks no longer need 3 rounds on 18432 columns at 256 rows
+    # the SM count enters: on 288 SMs, the 288 blocks of (64, 2) no longer need 3 rounds on 18432 columns at 256 rows
     from torchforge.ops.awq_wgmma_cost import best_wgmma_shape
-    assert best_wgmma_shape(256, 7168, 18432)[0] == (128, 2)
-    assert best_wgmma_shape(256, 7168, 18432, sms=4 * 132)[0] == (256, 1)
+    assert best_wgmma_shape(256, 7168, 18432)[0] == (256, 1)
+    assert best_wgmma_shape(256, 7168, 18432, sms=288)[0] == (64, 2)
     x = torch.randn(200, 64)
     qw, s, z = awq_quantize(torch.randn(64, 64), 64)
     assert not wgmma_cuda_ok(x, awq_to_mma_layout(qw), s, z, 64, None)  # CPU tensors: never

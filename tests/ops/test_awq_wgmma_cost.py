@@ -10,22 +10,27 @@ from torchforge.ops.awq_wgmma_cost import (SPLIT_SPLITS, TAIL_SPLITS, best_wgmma
 
 
 def test_blocks_and_rounds():
-    # 72 groups of 256 columns in 18432; (256, 1) puts 4 blocks on each, (128, 2) and (64, 2) one
-    assert wgmma_blocks(256, 18432, (256, 1)) == 72 * 4
+    # 72 groups of 256 columns in 18432; (256, 1) puts 2 blocks on each (two warpgroups, one column tile each), (128, 2)
+    # and (64, 2) one (two warpgroups, two tiles each), (64, 4) 1 (one warpgroup, all four)
+    assert wgmma_blocks(256, 18432, (256, 1)) == 72 * 2
     assert wgmma_blocks(256, 18432, (128, 2)) == 72 * 2
     assert wgmma_blocks(160, 18432, (64, 2)) == 72 * 3
-    assert wgmma_blocks(1, 64, (256, 1)) == 4  # a partial group of columns still takes its blocks
-    # rounds of 132: 288 blocks take 3, 144 take 2 -> at the same per-chunk cost the time is 3 : 2
-    t3 = wgmma_time_us(256, 7168, 18432, (256, 1)) - wgmma_time_us(1, 0, 1, (256, 1))
-    assert abs(t3 - 3 * 112 * 0.58) < 1e-9
-    assert wgmma_time_us(256, 7168, 18432, (256, 1), sms=288) < wgmma_time_us(256, 7168, 18432, (256, 1))
+    assert wgmma_blocks(1, 64, (256, 1)) == 2  # a partial group of columns still takes its blocks
+    assert wgmma_blocks(64, 18432, (64, 4)) == 72
+    # rounds of 132: 288 blocks take 3 -> 3 x 112 chunks at the per-chunk cost
+    t3 = wgmma_time_us(512, 7168, 18432, (256, 1)) - wgmma_time_us(1, 0, 1, (256, 1))
+    assert abs(t3 - 3 * 112 * 0.77) < 1e-9
+    assert wgmma_time_us(512, 7168, 18432, (256, 1), sms=288) < wgmma_time_us(512, 7168, 18432, (256, 1))
 
 
 def test_choices_on_the_swept_shapes():
     # measured best block shapes (eleventh session): a round fewer decides
     assert best_wgmma_shape(160, 7168, 18432)[0] == (64, 2)   # 216 blocks, 2 rounds: 0.177 ms against 0.195
-    assert best_wgmma_shape(160, 4096, 14336)[0] == (128, 2)  # 112 blocks, 1 round: 0.059 ms against 0.078
-    assert best_wgmma_shape(256, 7168, 7168)[0] == (256, 1)   # 112 blocks: 0.068 ms against 0.079 for (64, 2)
+    # (256, 1) with two warpgroups (twenty-sixth session): 112 blocks, 1 round, 0.051 ms against (128, 2)'s 0.059
+    assert best_wgmma_shape(160, 4096, 14336)[0] == (256, 1)
+    # 7168x7168 at 256 rows: 56 blocks of (256, 1), in 2 K slices: 0.056-0.057 ms against 0.080 whole and 0.064 for
+    # (128, 2) in 2 slices (twenty-sixth session)
+    assert best_wgmma_config(256, 7168, 7168)[0] == (256, 1, 2, 0)
     # dequantize + cuBLAS where the kernel leaves most SMs idle (64 blocks at most on 4096 columns)
     assert best_wgmma_shape(256, 4096, 4096)[1] > dequant_cublas_time_us(256, 4096, 4096)  # 0.041 against 0.035
     assert best_wgmma_shape(256, 7168, 18432)[1] < dequant_cublas_time_us(256, 7168, 18432)  # 0.196 against 0.228
@@ -52,15 +57,16 @@ def test_tail_slices():
     t = wgmma_tail_time_us(256, 7168, 18432, (128, 2), 6)
     assert t < wgmma_time_us(256, 7168, 18432, (128, 2))
     assert min(wgmma_tail_time_us(256, 7168, 18432, (128, 2), s) for s in TAIL_SPLITS) == t
-    # (stream-K beat it there in the twenty-first session, 0.159 against 0.164 ms, and is dispatched; at 512 rows
-    # the tail slices stay: 0.297 against 0.299)
-    assert best_wgmma_config(256, 7168, 18432)[0] == (128, 2, 0, 0)
-    assert best_wgmma_config(512, 7168, 18432)[0] == (128, 2, 4, 264)
+    # (256, 1) with two warpgroups (twenty-sixth session) takes both: 144 blocks at 256 rows, the 12 past one round in
+    # 4 K slices, 0.129 ms (its stream-K 0.127, (128, 2)'s stream-K 0.139); 288 at 512 rows, the 24 past two rounds,
+    # 0.232 against (128, 2)'s tail slices' 0.257
+    assert best_wgmma_config(256, 7168, 18432)[0] == (256, 1, 4, 132)
+    assert best_wgmma_config(512, 7168, 18432)[0] == (256, 1, 4, 264)
     # no tail to slice: fewer blocks than SMs, a whole number of rounds, or slices that overflow the round
     assert wgmma_tail_time_us(128, 7168, 18432, (128, 2), 2) == float("inf")   # 72 blocks
     assert wgmma_tail_time_us(256, 7168, 16896, (128, 2), 2) == float("inf")   # 66 x 2 = 132 blocks
     assert wgmma_tail_time_us(256, 7168, 18432, (128, 2), 12) == float("inf")  # 12 x 12 = 144 > 132
-    # 7168x7168 at 256 rows: 112 blocks of (256, 1), one round, nothing to slice
+    # 7168x7168 at 256 rows: 56 blocks of (256, 1), under one round, nothing to slice
     assert wgmma_tail_time_us(256, 7168, 7168, (256, 1), 2) == float("inf")
 
 
@@ -74,8 +80,10 @@ def test_every_tile_in_slices_at_few_rows():
         if n != 18432:  # (18432x7168 takes stream-K since the twenty-first session: test_stream_k)
             assert best_wgmma_config(64, k, n)[0] == (64, 2, splits, 0)
     assert wgmma_split_time_us(64, 7168, 18432, (64, 2), 3) < wgmma_time_us(64, 7168, 18432, (64, 2))
-    # not past 128 rows (unmeasured there), nor more slices than chunks
-    assert wgmma_split_time_us(129, 7168, 18432, (128, 2), 2) == float("inf")
+    # up to 256 rows since the twenty-sixth session (7168x7168 at 256 rows: (256, 1) in 2 slices, 0.056 ms against
+    # 0.080 whole; the estimate 0.057); not past it (unmeasured), nor more slices than chunks
+    assert abs(wgmma_split_time_us(256, 7168, 7168, (256, 1), 2) - 57) < 3
+    assert wgmma_split_time_us(257, 7168, 18432, (128, 2), 2) == float("inf")
     assert wgmma_split_time_us(64, 128, 18432, (64, 2), 3) == float("inf")
 
 
@@ -113,11 +121,11 @@ class TestDispatchTable(expecttest.TestCase):
             lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>8}" for c in cells))
         self.assertExpectedInline("\n".join(lines), """\
       rows       32       48       56       64       72       96      128      129      160      192      256      384      512      513
-18432x7168        -  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/sk 128x2/sk 128x2/sk 128x2/sk 128x2/sk    128x2 128x2/4t        -
- 7168x7168        -        -   64x2/4   64x2/4        -  128x2/4  128x2/4  64x2/sk  64x2/sk  64x2/sk    256x1 128x2/sk    128x2        -
-14336x4096        -        -   64x2/2   64x2/2  128x2/2  128x2/2  128x2/2    128x2    128x2    128x2    128x2 128x2/sk    128x2        -
-4096x14336        -        -        -        -        -   64x2/4   64x2/4  64x2/sk  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk        -
- 4096x4096        -        -        -        -        -        -        -        -        -        -        -        -    256x1        -""")
+18432x7168        -  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/sk 256x1/4t 256x1/4t 256x1/4t 256x1/4t    128x2 256x1/4t        -
+ 7168x7168        -        -   64x2/4   64x2/4        -  128x2/4  128x2/4  256x1/2  256x1/2  256x1/2  256x1/2    256x1    256x1        -
+14336x4096        -        -   64x2/2   64x2/2  128x2/2  128x2/2  128x2/2    256x1    256x1    256x1    256x1 128x2/sk    256x1        -
+4096x14336        -        -        -        -        -   64x2/4   64x2/4  256x1/4  256x1/4  256x1/4  256x1/4 128x2/sk 256x1/sk        -
+ 4096x4096        -        -        -        -        -        -        -        -        -        -        -        -        -        -""")
 
 
 def test_stream_k():
@@ -129,7 +137,10 @@ def test_stream_k():
     assert abs(wgmma_stream_k_time_us(64, 7168, 18432, (64, 2)) - 56.5) < 3
     assert wgmma_stream_k_time_us(64, 7168, 7168, (64, 2)) == float("inf")  # past STREAM_K_MAX_PARTS
     assert wgmma_stream_k_time_us(64, 4096, 14336, (64, 2)) == float("inf")  # under STREAM_K_MIN_CHUNKS
-    assert wgmma_stream_k_time_us(256, 7168, 18432, (256, 1)) == float("inf")  # no fit for this shape
+    assert wgmma_stream_k_time_us(256, 7168, 18432, (64, 4)) == float("inf")  # no fit for this shape
+    # (256, 1), fitted in the twenty-sixth session: 0.127-0.130 ms at 256 rows on 18432x7168, 0.067 on 7168x7168
+    assert abs(wgmma_stream_k_time_us(256, 7168, 18432, (256, 1)) - 130) < 7
+    assert abs(wgmma_stream_k_time_us(256, 7168, 7168, (256, 1)) - 67) < 4
     # 111 chunks: stream-K's units are pairs of chunks, so the kernel would run whole tiles
     assert wgmma_stream_k_time_us(64, 7104, 18432, (64, 2)) == float("inf")
     assert best_wgmma_config(64, 7104, 18432)[0][2] != 0

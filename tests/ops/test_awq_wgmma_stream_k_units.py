@@ -21,13 +21,13 @@ def i32(v):
     return v
 
 
-def kgroups(tw):
-    return 2 if tw == 2 else 1
+def kgroups(bm, tw):  # consumer warpgroups per block (kGroups)
+    return 2 if tw == 2 or bm == 256 else 1
 
 
 def ops_plan(M, N, K, BM, TW, dp_tiles, sms):
     """ops.cpp awq_wgmma_cuda with splits 0: tiles, the capped dp_tiles, tickets and partial slots (None: refused)."""
-    sets = 1 if TW == 2 else 4 // TW
+    sets = 4 // (TW * kgroups(BM, TW))
     tiles = (N // 64 + 3) // 4 * sets * ((M + BM - 1) // BM)
     if tiles >= I32 or tiles * (K // 64) >= I32:
         return None
@@ -37,7 +37,7 @@ def ops_plan(M, N, K, BM, TW, dp_tiles, sms):
 
 def launch_blocks(M, N, K, BM, TW, dp):
     """awq_wgmma_launch + launch: (stream-K instantiation?, blocks)."""
-    ncols = i32((N // 64 + 3) // 4 * (4 // (TW * kgroups(TW))))
+    ncols = i32((N // 64 + 3) // 4 * (4 // (TW * kgroups(BM, TW))))
     tiles = i32(ncols * ((M + BM - 1) // BM))
     if K // 64 % 2 == 0:
         return True, min(dp, i32(tiles * (K // 128)))
@@ -46,7 +46,7 @@ def launch_blocks(M, N, K, BM, TW, dp):
 
 class Kernel:
     def __init__(self, M, N, K, BM, TW, grid):
-        self.ncols = i32((N // 64 + 3) // 4 * (4 // (TW * kgroups(TW))))
+        self.ncols = i32((N // 64 + 3) // 4 * (4 // (TW * kgroups(BM, TW))))
         self.mblocks = i32((M + BM - 1) // BM)
         self.chunks = i32(K // 64)
         self.grid = grid
@@ -132,6 +132,8 @@ def test_model_mirrors_the_source():
                  "parts = block_of(s.pid * pairs + pairs - 1) - b_first + 1;",
                  "index = 2 * static_cast<size_t>(b_first + j) + (first_tile(b_first + j) == s.pid ? 0 : 1);",
                  "SK ? std::min(dp_tiles, tiles * (K / 128))",
+                 "constexpr int kGroups = TW == 2 || BM == 256 ? 2 : 1;",
+                 "const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<BM, TW>));",
                  "if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())"]:
         assert line in cu, line
     ops = (SRC / "ops.cpp").read_text()

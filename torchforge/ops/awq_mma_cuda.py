@@ -199,6 +199,8 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 # - A last round of few blocks in K slices (dp_tiles): 18432x7168 at 256 rows 0.148 against 0.196.
 # - Every tile in K slices at 56-128 rows (twelfth session): 18432x7168 at 64 rows 0.068 against 0.077; 7168x7168 and
 #   14336x4096 at 64 rows 0.032 / 0.033 against the decode kernel's 0.038 / 0.041.
+# - (256, 1) blocks with two warpgroups sharing the x tile (twenty-sixth session) take most of 129-512 rows: 7168x7168
+#   at 256 rows in 2 K slices 0.056 against 0.074, 18432x7168 at 512 rows 0.232 against 0.258.
 WGMMA_MIN_ROWS = 32
 WGMMA_MAX_M = 512
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
@@ -207,7 +209,8 @@ _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, 
 def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool, int]:
     """(block_m, tile_set, splits, group_m, producer_warp, dp_tiles) for x [m, k] and n output columns on `sms` SMs:
     what the time model (awq_wgmma_cost) finds fastest, warp-specialized: whole tiles, the tiles of a last, nearly
-    empty round of blocks in K slices (dp_tiles > 0), or, up to 128 rows, every tile in K slices (dp_tiles = 0)."""
+    empty round of blocks in K slices (dp_tiles > 0), up to 256 rows every tile in K slices (dp_tiles = 0), or
+    stream-K (splits 0)."""
     (block_m, tile_set, splits, dp_tiles), _ = best_wgmma_config(int(m), int(k), int(n), sms)  # see wgmma_rows_ok
     return block_m, tile_set, splits, 8, True, dp_tiles
 

@@ -6,13 +6,13 @@ from 129), instead of row thresholds fitted to two matrix shapes.
 
 Why a model: a block of the kernel runs one output tile over the whole K, so its time is K / 64 chunks at a
 per-chunk cost of its block shape, and the GPU runs ceil(blocks / SMs) rounds of them. K slices cut a tile's chunks
-at the price of fp32 partials: for the tiles of a last, nearly empty round (wgmma_tail_time_us), and up to 128 rows
+at the price of fp32 partials: for the tiles of a last, nearly empty round (wgmma_tail_time_us), and up to 256 rows
 for every tile, where few tiles would leave SMs idle (wgmma_split_time_us; twelfth session, once the split
-reduction was fixed: slicing every tile had lost in every sweep before). The block counts differ a lot between the shapes: (256, 1) makes 4x as
-many blocks along the columns as (128, 2), (64, 2) 2x as many along the rows. A shape that leaves a last round
-nearly empty loses to one with fewer, bigger blocks (18432 columns at 256 rows: 288 blocks of (256, 1) take 3
-rounds of 132, 144 of (128, 2) take 2), and on narrow matrices every shape leaves SMs idle (4096 columns: 64 blocks
-of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy wins.
+reduction was fixed: slicing every tile had lost in every sweep before). The block counts differ between the shapes:
+(256, 1) makes 2x as many blocks along the columns as (128, 2), (64, 2) 2x as many along the rows. A shape that
+leaves a last round nearly empty loses to one with fewer, bigger blocks (18432 columns at 160 rows: 216 blocks of
+(64, 2) take 2 rounds of 132, 144 of (128, 2) too), and on narrow matrices every shape leaves SMs idle (4096 columns:
+32 blocks of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy may win.
 """
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ __all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "TAIL_SPLITS", "wgmma_blocks", "wgm
 
 H100_SMS = 132
 # Microseconds per 64-k chunk of one block while every block of its round runs (one block per SM), fitted on the H100
-# runs: (256, 1) 0.54-0.59 over five shapes, (128, 2) 0.82-0.98, (64, 2) 0.67-0.78. Blocks compute 256 x 64,
-# 128 x 256 and 64 x 256 outputs: (128, 2) does the most work per microsecond, (256, 1) has the finest grain.
-WGMMA_US_PER_CHUNK = {(128, 2): 0.87, (256, 1): 0.58, (64, 2): 0.72}
+# runs: (128, 2) 0.82-0.98 over five shapes, (64, 2) 0.67-0.78. Blocks compute 128 x 256, 256 x 128 and 64 x 256
+# outputs. (256, 1) has two warpgroups since the twenty-sixth session (one before, 256 x 64 outputs at 0.54-0.59):
+# 0.84-0.91 of (128, 2)'s time for the same outputs in the same run (18432x7168 and 7168x7168 at 256, 512 and 4096
+# rows), as it decodes each weight once per 256 rows instead of once per 128.
+WGMMA_US_PER_CHUNK = {(128, 2): 0.87, (256, 1): 0.77, (64, 2): 0.72}
 WGMMA_FIXED_US = 3.0  # the x image kernel and the launches
 # dequantize + cuBLAS: a pass that reads the int4 weight and writes it in bf16 (2.5 bytes an element), then a bf16
 # GEMM bound by its weight reads or by the tensor cores. Fitted: the pass took 15 / 52 / 118 us on 16.8 M / 58.7 M /
@@ -43,7 +45,7 @@ DEQUANT_FIXED_US = 2.0
 TAIL_SPLITS = (2, 3, 4, 6, 8)
 TAIL_FIXUP_US = 10.0
 TAIL_FIXUP_US_PER_SLICE = 3.5
-# Every tile in K slices (dp_tiles = 0): where few tiles leave SMs idle, at up to 128 rows. Twelfth session (since
+# Every tile in K slices (dp_tiles = 0): where few tiles leave SMs idle, at up to 256 rows. Twelfth session (since
 # the eleventh session's fix of the split reduction; before it, slicing every tile lost in every sweep): 18432x7168 at
 # 64 rows, (64, 2) in 3 slices, 0.068 ms against 0.077 whole; 7168x7168, 4 slices, 0.032 against the decode kernel's
 # 0.038; 14336x4096, 2 slices, 0.033 against 0.041. Cost: ceil(tiles x splits / SMs) rounds of ceil(chunks / splits)
@@ -54,7 +56,9 @@ SPLIT_SPLITS = (2, 3, 4, 6)
 SPLIT_FIXED_US = 2.0
 SPLIT_ROUND_US = 3.0
 SPLIT_US_PER_SLICE = 3.0
-SPLIT_MAX_M = 128
+# (Up to 128 rows until the twenty-sixth session. Two-warpgroup (256, 1) blocks on 7168x7168 at 256 rows: 56 tiles in 2
+# slices, 0.056 ms against 0.080 whole; the estimate 0.057.)
+SPLIT_MAX_M = 256
 # Stream-K (splits 0, twenty-first session): one block per SM, each running an equal share of the (tile, pair of
 # chunks) units, so no SM idles through a partial last round; a tile cut between blocks costs fp32 partials and a
 # reduction by its last block, in part order. Per shape (fixed us, us per chunk per SM, us per part of a tile), fitted
@@ -67,7 +71,8 @@ SPLIT_MAX_M = 128
 # parts, whose serial reduction made it 9% slower than 4 K slices (0.035 against 0.032 ms). At least
 # STREAM_K_MIN_CHUNKS chunks per SM: 14336x4096 at 48-64 rows (27 per SM) ran 8% slower than 2 K slices (0.035
 # against 0.032-0.033).
-STREAM_K_US = {(64, 2): (9.9, 0.70, 1.78), (128, 2): (8.7, 1.03, 5.2)}
+# (256, 1) fitted in the twenty-sixth session on the same two matrices at 256 and 512 rows, within 5%.
+STREAM_K_US = {(64, 2): (9.9, 0.70, 1.78), (128, 2): (8.7, 1.03, 5.2), (256, 1): (3.0, 1.05, 5.0)}
 STREAM_K_MAX_PARTS = 3.0
 STREAM_K_MIN_CHUNKS = 32
 # The decode kernel (csrc/awq_mma.cu, up to 128 rows) dequantizes every weight once per 16 rows of x: its time steps
@@ -78,12 +83,18 @@ DECODE_BYTES_PER_S = 2.4e12
 DECODE_FIXED_US = 1.0
 
 
-def wgmma_blocks(m: int, n: int, shape: tuple[int, int]) -> int:
-    """Blocks of the kernel for m rows and n output columns: 256 columns x block_m rows each, and 4 / tile_set of them
-    along each 256 columns when one warpgroup takes tile_set of the 4 column tiles ((256, 1): 4; (128, 2) and (64, 2),
-    two warpgroups on the two halves: 1)."""
+def _groups(shape: tuple[int, int]) -> int:
+    """Consumer warpgroups per block (csrc/awq_wgmma.cu, kGroups): two, but one for (64, 4)."""
     block_m, tile_set = shape
-    per_256 = 1 if tile_set == 2 else 4 // tile_set
+    return 2 if tile_set == 2 or block_m == 256 else 1
+
+
+def wgmma_blocks(m: int, n: int, shape: tuple[int, int]) -> int:
+    """Blocks of the kernel for m rows and n output columns: each warpgroup takes tile_set of the 4 column tiles of
+    each 256 columns, on block_m rows ((128, 2) and (64, 2): one block per 256 columns; (256, 1): two; (64, 4), one
+    warpgroup: one)."""
+    block_m, tile_set = shape
+    per_256 = 4 // (tile_set * _groups(shape))
     return -(-n // 256) * per_256 * -(-m // block_m)
 
 
@@ -91,7 +102,7 @@ def _block_outputs(shape: tuple[int, int]) -> int:
     """Outputs of one block (rows x columns): the fp32 partials each of its K slices writes (ops.cpp's
     awq_wgmma_block_outputs)."""
     block_m, tile_set = shape
-    return block_m * (256 if tile_set == 2 else 64 * tile_set)
+    return block_m * 64 * tile_set * _groups(shape)
 
 
 def wgmma_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: int = H100_SMS) -> float:
