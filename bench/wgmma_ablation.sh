@@ -10,6 +10,7 @@
 #   else a macro, e.g. "TORCHFORGE_WGMMA_GROUPS256=2" or "TORCHFORGE_WGMMA_GROUPS256=2,128".
 #   BENCH: another script than bench/w4a16_linear.py (e.g. bench/wgmma_sk_grid.py).
 #   TESTS: pytest arguments run in each build's tree before its bench (e.g. "tests/ops/test_awq_wgmma_cuda.py").
+#   STEP_TIMEOUT: seconds for each test run and bench (a hung kernel ends the step, not the call).
 #   device run: ABLATIONS="1 2 3" SWEEP_ARGS="--shapes 18432x7168 --wgmma-sweep 16,64,256 --wgmma-ws
 #               --wgmma-only 64x2,128x2 --wgmma-splits 1" bash bench/wgmma_ablation.sh
 set -uo pipefail
@@ -43,11 +44,11 @@ for a in base ${ABLATIONS:-1 2 3}; do
   [ "$a" != base ] && dir=/tmp/ablate$t
   ls $dir/torchforge/_C*.so >/dev/null 2>&1 || { echo "ablation $a: no build"; tail -5 "$OUT/build_ablate$t.log"; continue; }
   if [ -n "${TESTS:-}" ] && [ "$a" != base ]; then
-    (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -x -p no:cacheprovider $TESTS \
+    (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout ${STEP_TIMEOUT:-0} python3 -m pytest -q -x -p no:cacheprovider $TESTS \
        > "$OUT/tests_ablate$t.log" 2>&1)
     echo "== ablation $a tests (rc $?): $(tail -1 "$OUT/tests_ablate$t.log")"
   fi
-  (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} python3 ${BENCH:-bench/w4a16_linear.py} ${SWEEP_ARGS:-} \
+  (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout ${STEP_TIMEOUT:-0} python3 ${BENCH:-bench/w4a16_linear.py} ${SWEEP_ARGS:-} \
      > "$OUT/sweep_ablate$t.log" 2>&1)
   echo "== ablation $a (rc $?)"
   grep -E '^\| [0-9]+x[0-9]+ \|' "$OUT/sweep_ablate$t.log" | cut -d'|' -f2-${CUT_FIELDS:-10}
