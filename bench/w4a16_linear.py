@@ -203,7 +203,7 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
             default = wgmma_cuda_config(M, IC, OC, sms)
             default = default if default[5] else default[:5]  # no tail slices: the plain 5-tuple the sweep makes
             configs = {default}
-            for bm, tw in ((64, 4), (64, 2), (128, 2), (256, 1)):
+            for bm, tw in ((64, 4), (64, 2), (128, 2), (192, 1), (256, 1)):
                 if bm > 2 * M and bm > 64:
                     continue
                 blocks = wgmma_blocks(M, OC, (bm, tw))

@@ -9,8 +9,8 @@
 // rows); the activations are the B operand, BM rows (wgmma's N) read from shared memory.
 // * Warpgroup = 4 warps on 4 layout column blocks (256 output columns), BM rows of x, and TW of each column block's
 //   4 column tiles of 16: warp w holds column block 4 cbg + w. A block has one warpgroup ((64, 4)), or two sharing
-//   the stage: on the two halves of the tiles (TW = 2), or on two of them (BM = 256, TW = 1); the blocks along grid.x
-//   walk the remaining tile sets.
+//   the stage: on the two halves of the tiles (TW = 2), or on two of them (BM = 192 or 256, TW = 1); the blocks along
+//   grid.x walk the remaining tile sets.
 //   The wgmma for tile T then covers the 64 columns {64 (4 cbg + w) + 16 T + r : w < 4, r < 16}, one 16-column tile
 //   per warp: exactly the rows of A each warp owns in the instruction, so every lane's layout word is its A
 //   fragment as it is (register r = nibbles r, r + 4). Accumulators: TW x BM / 2 floats per thread (128 at most).
@@ -86,9 +86,10 @@ using awq_mma_detail::Traits;
 // (256, 1): two warpgroups on two of the 4 column tiles, sharing the stage's 32 KB x tile. With one warpgroup (until
 // the twenty-sixth session) each block read that x tile and 8 KB of words from L2 for every 4 wgmmas: the ring of
 // copies alone took 0.056 ms at 256 rows on 7168x7168, and the kernel 0.074; two took 0.057 in 2 K slices (and 0.717
-// against 1.116 at 4096 rows; BENCHMARKS.md, twenty-sixth session).
+// against 1.116 at 4096 rows; BENCHMARKS.md, twenty-sixth session). (192, 1) is the same block on 192 rows: 160-192
+// and 384 rows without a half-empty row block (7168x7168 at 384 rows: 0.079 against (256, 1)'s 0.090).
 template <int BM, int TW>
-constexpr int kGroups = TW == 2 || BM == 256 ? 2 : 1;
+constexpr int kGroups = TW == 2 || BM >= 192 ? 2 : 1;
 template <int BM, int TW>
 constexpr int kThreads = 128 * kGroups<BM, TW>;  // the consumer warpgroups (+ the producer with WS)
 // WS producer: one warp beside one consumer warpgroup; a whole warpgroup beside two, which gives its registers to
@@ -754,7 +755,7 @@ bool producer_pool_ok() {
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m) { return (M + block_m - 1) / block_m * block_m; }
 
 // Outputs of one block (block_m rows x 64 tile_set columns per warpgroup): the fp32 partials a tile's K slice writes.
-static int64_t wgmma_groups(int64_t block_m, int64_t tile_set) { return tile_set == 2 || block_m == 256 ? 2 : 1; }
+static int64_t wgmma_groups(int64_t block_m, int64_t tile_set) { return tile_set == 2 || block_m >= 192 ? 2 : 1; }
 int64_t awq_wgmma_block_outputs(int64_t block_m, int64_t tile_set) {
   return block_m * 64 * tile_set * wgmma_groups(block_m, tile_set);
 }
@@ -766,7 +767,7 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 }
 
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype as in awq_mma.cu. (block_m, tile_set): (64, 4), (64, 2),
-// (128, 2) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
+// (128, 2), (192, 1) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
 // alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 0 <= splits <= K / 64, that the device is an
 // sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; with splits > 1, `tickets` holds
 // awq_wgmma_tiles(...) - dp_tiles zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats;
@@ -804,6 +805,7 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
     if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});
     if (block_m == 64 && tile_set == 2) return run(integral_constant<int, 64>{}, integral_constant<int, 2>{});
     if (block_m == 256 && tile_set == 1) return run(integral_constant<int, 256>{}, integral_constant<int, 1>{});
+    if (block_m == 192 && tile_set == 1) return run(integral_constant<int, 192>{}, integral_constant<int, 1>{});
     if (block_m == 128 && tile_set == 2) return run(integral_constant<int, 128>{}, integral_constant<int, 2>{});
     return cudaErrorInvalidValue;
   });

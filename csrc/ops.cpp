@@ -452,8 +452,8 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 }
 
 // Prefill form of awq_mma_cuda on Hopper's warpgroup MMA (csrc/awq_wgmma.cu, sm_90 devices only): same tensors and
-// result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 256 x 1} (rows of x per block, column tiles per warp),
-// group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses);
+// result; block_m x tile_set in {64 x 4, 64 x 2, 128 x 2, 192 x 1, 256 x 1} (rows of x per block, column tiles per
+// warp), group_m row blocks per raster group; producer_warp: the warp-specialized kernel (what the dispatch uses);
 // dp_tiles > 0 (with splits > 1): tiles [0, dp_tiles) run whole and only the rest in K slices (their blocks first).
 // splits == 0 (with producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' pairs of chunks evenly;
 // with an odd K / 64 (group_size 64) the kernel runs whole tiles instead.
@@ -472,9 +472,9 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                                          1, b);
   TORCH_CHECK(splits > 0 || producer_warp, op + "splits == 0 (stream-K) needs producer_warp=True");
   TORCH_CHECK((block_m == 64 && (tile_set == 4 || tile_set == 2)) || (block_m == 128 && tile_set == 2) ||
-                  (block_m == 256 && tile_set == 1),
-              op + "(block_m, tile_set) must be (64, 4), (64, 2), (128, 2) or (256, 1), got (" + i2s(block_m) + ", " +
-                  i2s(tile_set) + ")");
+                  ((block_m == 192 || block_m == 256) && tile_set == 1),
+              op + "(block_m, tile_set) must be (64, 4), (64, 2), (128, 2), (192, 1) or (256, 1), got (" +
+                  i2s(block_m) + ", " + i2s(tile_set) + ")");
   TORCH_CHECK(group_m >= 1, op + "group_m must be >= 1, got " + i2s(group_m));
   TORCH_CHECK(dp_tiles >= 0, op + "dp_tiles must be >= 0, got " + i2s(dp_tiles));
   group_m = std::min(group_m, (x.size(0) + block_m - 1) / block_m);  // more is the same raster; keeps 32-bit math

@@ -185,12 +185,14 @@ def test_wgmma_config_follows_the_sweep():
     # twenty-first session, when stream-K's estimate still had a 1.15 margin)
     assert ([wgmma_rows_ok(m, 7168, 7168) for m in (48, 64, 72, 128, 129, 384, 512)]
             == [False, True, False, True, True, True, True])
-    assert [wgmma_rows_ok(m, 4096, 4096) for m in (64, 129, 256, 384)] == [False, False, False, False]
+    # 4096x4096: (192, 1) in 4 K slices at 129-192 rows (twenty-sixth session: 0.027-0.028 ms against dequantize +
+    # cuBLAS's 0.031-0.033), cuBLAS above
+    assert [wgmma_rows_ok(m, 4096, 4096) for m in (64, 129, 192, 256, 384)] == [False, True, True, False, False]
     assert not wgmma_rows_ok(31, 64, 1 << 20)  # below WGMMA_MIN_ROWS whatever the model says
-    # the SM count enters: on 288 SMs, the 288 blocks of (64, 2) no longer need 3 rounds on 18432 columns at 256 rows
+    # the SM count enters: on 288 SMs, the 288 blocks of (192, 1) no longer need 3 rounds on 18432 columns at 256 rows
     from torchforge.ops.awq_wgmma_cost import best_wgmma_shape
     assert best_wgmma_shape(256, 7168, 18432)[0] == (256, 1)
-    assert best_wgmma_shape(256, 7168, 18432, sms=288)[0] == (64, 2)
+    assert best_wgmma_shape(256, 7168, 18432, sms=288)[0] == (192, 1)
     x = torch.randn(200, 64)
     qw, s, z = awq_quantize(torch.randn(64, 64), 64)
     assert not wgmma_cuda_ok(x, awq_to_mma_layout(qw), s, z, 64, None)  # CPU tensors: never

@@ -13,7 +13,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "csrc"
 I32 = 2 ** 31
-SHAPES = [(64, 4), (64, 2), (128, 2), (256, 1)]
+SHAPES = [(64, 4), (64, 2), (128, 2), (192, 1), (256, 1)]
 
 
 def i32(v):
@@ -22,7 +22,7 @@ def i32(v):
 
 
 def kgroups(bm, tw):  # consumer warpgroups per block (kGroups)
-    return 2 if tw == 2 or bm == 256 else 1
+    return 2 if tw == 2 or bm >= 192 else 1
 
 
 def ops_plan(M, N, K, BM, TW, dp_tiles, sms):
@@ -132,7 +132,7 @@ def test_model_mirrors_the_source():
                  "parts = block_of(s.pid * pairs + pairs - 1) - b_first + 1;",
                  "index = 2 * static_cast<size_t>(b_first + j) + (first_tile(b_first + j) == s.pid ? 0 : 1);",
                  "SK ? std::min(dp_tiles, tiles * (K / 128))",
-                 "constexpr int kGroups = TW == 2 || BM == 256 ? 2 : 1;",
+                 "constexpr int kGroups = TW == 2 || BM >= 192 ? 2 : 1;",
                  "const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<BM, TW>));",
                  "if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())"]:
         assert line in cu, line

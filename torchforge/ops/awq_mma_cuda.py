@@ -199,11 +199,13 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 # - A last round of few blocks in K slices (dp_tiles): 18432x7168 at 256 rows 0.148 against 0.196.
 # - Every tile in K slices at 56-128 rows (twelfth session): 18432x7168 at 64 rows 0.068 against 0.077; 7168x7168 and
 #   14336x4096 at 64 rows 0.032 / 0.033 against the decode kernel's 0.038 / 0.041.
-# - (256, 1) blocks with two warpgroups sharing the x tile (twenty-sixth session) take most of 129-512 rows: 7168x7168
-#   at 256 rows in 2 K slices 0.056 against 0.074, 18432x7168 at 512 rows 0.232 against 0.258.
+# - (256, 1) blocks with two warpgroups sharing the x tile (twenty-sixth session) take most of 256-512 rows: 7168x7168
+#   at 256 rows in 2 K slices 0.056 against 0.074, 18432x7168 at 512 rows 0.232 against 0.258. (192, 1), the same
+#   block on 192 rows, takes 129-192 rows and some 384s: 18432x7168 at 192 rows 0.108 against 0.124, 7168x7168 at 384
+#   0.081 against 0.090, 4096x4096 at 129-192 0.027-0.028 against dequantize + cuBLAS's 0.031-0.033.
 WGMMA_MIN_ROWS = 32
 WGMMA_MAX_M = 512
-_WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (256, 1))  # (rows of x per block, column tiles per warp)
+_WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (192, 1), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
 def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool, int]:

@@ -26,8 +26,9 @@ H100_SMS = 132
 # runs: (128, 2) 0.82-0.98 over five shapes, (64, 2) 0.67-0.78. Blocks compute 128 x 256, 256 x 128 and 64 x 256
 # outputs. (256, 1) has two warpgroups since the twenty-sixth session (one before, 256 x 64 outputs at 0.54-0.59):
 # 0.84-0.91 of (128, 2)'s time for the same outputs in the same run (18432x7168 and 7168x7168 at 256, 512 and 4096
-# rows), as it decodes each weight once per 256 rows instead of once per 128.
-WGMMA_US_PER_CHUNK = {(128, 2): 0.87, (256, 1): 0.77, (64, 2): 0.72}
+# rows), as it decodes each weight once per 256 rows instead of once per 128. (192, 1) (twenty-sixth session, the
+# same two warpgroups on 192 rows: 128 x 192 outputs): 0.66-0.74 at full rounds on four shapes at 160-384 rows.
+WGMMA_US_PER_CHUNK = {(128, 2): 0.87, (256, 1): 0.77, (192, 1): 0.70, (64, 2): 0.72}
 WGMMA_FIXED_US = 3.0  # the x image kernel and the launches
 # dequantize + cuBLAS: a pass that reads the int4 weight and writes it in bf16 (2.5 bytes an element), then a bf16
 # GEMM bound by its weight reads or by the tensor cores. Fitted: the pass took 15 / 52 / 118 us on 16.8 M / 58.7 M /
@@ -71,8 +72,10 @@ SPLIT_MAX_M = 256
 # parts, whose serial reduction made it 9% slower than 4 K slices (0.035 against 0.032 ms). At least
 # STREAM_K_MIN_CHUNKS chunks per SM: 14336x4096 at 48-64 rows (27 per SM) ran 8% slower than 2 K slices (0.035
 # against 0.032-0.033).
-# (256, 1) fitted in the twenty-sixth session on the same two matrices at 256 and 512 rows, within 5%.
-STREAM_K_US = {(64, 2): (9.9, 0.70, 1.78), (128, 2): (8.7, 1.03, 5.2), (256, 1): (3.0, 1.05, 5.0)}
+# (256, 1) fitted in the twenty-sixth session on the same two matrices at 256 and 512 rows, within 5%; (192, 1) on
+# 18432x7168, 7168x7168, 14336x4096 and 4096x14336 at 160-384 rows, within 5%.
+STREAM_K_US = {(64, 2): (9.9, 0.70, 1.78), (128, 2): (8.7, 1.03, 5.2), (256, 1): (3.0, 1.05, 5.0),
+               (192, 1): (4.0, 0.82, 5.0)}
 STREAM_K_MAX_PARTS = 3.0
 STREAM_K_MIN_CHUNKS = 32
 # The decode kernel (csrc/awq_mma.cu, up to 128 rows) dequantizes every weight once per 16 rows of x: its time steps
@@ -86,7 +89,7 @@ DECODE_FIXED_US = 1.0
 def _groups(shape: tuple[int, int]) -> int:
     """Consumer warpgroups per block (csrc/awq_wgmma.cu, kGroups): two, but one for (64, 4)."""
     block_m, tile_set = shape
-    return 2 if tile_set == 2 or block_m == 256 else 1
+    return 2 if tile_set == 2 or block_m >= 192 else 1
 
 
 def wgmma_blocks(m: int, n: int, shape: tuple[int, int]) -> int:
