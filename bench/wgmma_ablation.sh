@@ -44,12 +44,12 @@ for a in base ${ABLATIONS:-1 2 3}; do
   [ "$a" != base ] && dir=/tmp/ablate$t
   ls $dir/torchforge/_C*.so >/dev/null 2>&1 || { echo "ablation $a: no build"; tail -5 "$OUT/build_ablate$t.log"; continue; }
   if [ -n "${TESTS:-}" ] && [ "$a" != base ]; then
-    (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout ${STEP_TIMEOUT:-0} python3 -m pytest -q -x -p no:cacheprovider $TESTS \
-       > "$OUT/tests_ablate$t.log" 2>&1)
+    (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout ${STEP_TIMEOUT:-0} \
+       python3 -m pytest -q -x -p no:cacheprovider $TESTS > "$OUT/tests_ablate$t.log" 2>&1)
     echo "== ablation $a tests (rc $?): $(tail -1 "$OUT/tests_ablate$t.log")"
   fi
-  (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout ${STEP_TIMEOUT:-0} python3 ${BENCH:-bench/w4a16_linear.py} ${SWEEP_ARGS:-} \
-     > "$OUT/sweep_ablate$t.log" 2>&1)
+  (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout ${STEP_TIMEOUT:-0} \
+     python3 ${BENCH:-bench/w4a16_linear.py} ${SWEEP_ARGS:-} > "$OUT/sweep_ablate$t.log" 2>&1)
   echo "== ablation $a (rc $?)"
   grep -E '^\| [0-9]+x[0-9]+ \|' "$OUT/sweep_ablate$t.log" | cut -d'|' -f2-${CUT_FIELDS:-10}
 done
