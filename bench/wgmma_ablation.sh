@@ -7,7 +7,7 @@
 # build and on the "base" one: the extension already in torchforge/ (carried from an earlier build), so a change to
 # csrc/ is timed against the build before it in one call. Logs under $OUT.
 #   An entry of ABLATIONS may also be other build flags, comma-separated: a number is an ablation setting, anything
-#   else a macro, e.g. "TORCHFORGE_WGMMA_GROUPS256=2" or "TORCHFORGE_WGMMA_GROUPS256=2,128".
+#   else a macro, e.g. "TORCHFORGE_WGMMA_MAX_STAGES=4" or "TORCHFORGE_WGMMA_MAX_STAGES=4,128".
 #   BENCH: another script than bench/w4a16_linear.py (e.g. bench/wgmma_sk_grid.py).
 #   TESTS: pytest arguments run in each build's tree before its bench (e.g. "tests/ops/test_awq_wgmma_cuda.py").
 #   STEP_TIMEOUT: seconds for each test run and bench (a hung kernel ends the step, not the call).

@@ -94,7 +94,8 @@ template <int BM, int TW>
 constexpr int kThreads = 128 * kGroups<BM, TW>;  // the consumer warpgroups (+ the producer with WS)
 // WS producer: one warp beside one consumer warpgroup; a whole warpgroup beside two, which gives its registers to
 // them (setmaxnreg): ptxas caps a block of 288 or 384 threads at 168 registers, and two consumer warpgroups need
-// more (254 for (128, 2), 168 with spills and serialized wgmmas for (64, 2)). 384 x 168 = 128 x 24 + 256 x 240.
+// more (254 for (128, 2), 168 with spills and serialized wgmmas for (64, 2); (256, 1) holds as many accumulators as
+// (128, 2), (192, 1) three quarters). 384 x 168 = 128 x 24 + 256 x 240.
 template <int BM, int TW>
 constexpr int kProducerThreads = kGroups<BM, TW> == 2 ? 128 : 32;
 constexpr int kProducerRegs = 24;
@@ -105,7 +106,8 @@ constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, i
 
 // A ring of kStages stages: the consumers hold two (the chunk whose wgmmas may still be in flight, the next one whose
 // words they have loaded), the producer fills the rest ahead. As many as fit up to 8 (at 64 rows, 8 ran 3-5% faster
-// than 4, fourteenth session); 4 for blocks of 256 rows, where 5 ran 6% slower (7168x7168, 256 rows).
+// than 4, fourteenth session); 4 for blocks of 256 rows, where 5 ran 6% slower with one warpgroup (7168x7168, 256
+// rows) and no faster with two (twenty-sixth session); 6 fit for 192 rows.
 #ifndef TORCHFORGE_WGMMA_MAX_STAGES  // (a build flag for sweeps of the ring size)
 #define TORCHFORGE_WGMMA_MAX_STAGES 8
 #endif
@@ -191,7 +193,7 @@ struct Pair<__half> {
   }
 };
 
-// The TW words of this lane's layout uint4 that the block's tile set tq uses.
+// The TW words of this lane's layout uint4 that this warpgroup's tile set tq uses (tq < 4 / TW).
 template <int TW>
 __device__ __forceinline__ void lds_words(uint32_t (&w)[TW], const uint8_t* p, int tq) {
   if constexpr (TW == 4) {

@@ -24,7 +24,7 @@ def test_blocks_and_rounds():
 
 
 def test_choices_on_the_swept_shapes():
-    # measured best block shapes (eleventh session): a round fewer decides
+    # measured best block shapes: a round fewer decides, or at the same rounds the lower per-chunk cost
     # 160 rows on 18432x7168, whole tiles: (64, 2) 0.177 ms against (128, 2)'s 0.195 (eleventh session); (192, 1), 144
     # blocks in 2 rounds, 0.146 (twenty-sixth)
     assert best_wgmma_shape(160, 7168, 18432)[0] == (192, 1)
@@ -37,6 +37,16 @@ def test_choices_on_the_swept_shapes():
     # dequantize + cuBLAS where the kernel leaves most SMs idle (64 blocks at most on 4096 columns)
     assert best_wgmma_shape(256, 4096, 4096)[1] > dequant_cublas_time_us(256, 4096, 4096)  # 0.041 against 0.035
     assert best_wgmma_shape(256, 7168, 18432)[1] < dequant_cublas_time_us(256, 7168, 18432)  # 0.196 against 0.228
+
+
+def test_block_outputs_match_the_kernel():
+    # ops.cpp sizes partials by awq_wgmma_block_outputs; the kernel writes kAcc x kThreads = TW (BM / 2) x 128 kGroups
+    # floats per part: the model's _block_outputs and _groups agree with both
+    from torchforge.ops.awq_wgmma_cost import _block_outputs, _groups
+    for (bm, tw), groups in {(64, 4): 1, (64, 2): 2, (128, 2): 2, (192, 1): 2, (256, 1): 2}.items():
+        assert _groups((bm, tw)) == groups
+        assert _block_outputs((bm, tw)) == tw * (bm // 2) * 128 * groups
+        assert wgmma_blocks(bm, 256, (bm, tw)) == 4 // (tw * groups)
 
 
 def test_decode_kernel_steps_every_16_rows():

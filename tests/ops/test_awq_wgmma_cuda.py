@@ -104,7 +104,7 @@ def test_producer_warp_gives_the_same_bits(shape, k, G, splits, scale_dtype):
     assert torch.equal(op(x, mma, s, z, G, None, splits, shape[0], shape[1], 8, True), base)  # deterministic
 
 
-@pytest.mark.parametrize("shape", [(64, 2), (128, 2)])
+@pytest.mark.parametrize("shape", [(64, 2), (128, 2), (192, 1), (256, 1)])
 def test_producer_warpgroup_with_fp16_x(shape):
     """fp16 x and scales through the two-warpgroup WS kernels (the producer warpgroup that hands its registers to the
     consumers): the same bits as the default kernel, and the dequantized matmul within tolerance."""

@@ -134,11 +134,16 @@ def test_model_mirrors_the_source():
                  "SK ? std::min(dp_tiles, tiles * (K / 128))",
                  "constexpr int kGroups = TW == 2 || BM >= 192 ? 2 : 1;",
                  "const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<BM, TW>));",
+                 "constexpr int kSets = 4 / (TW * kGroups<BM, TW>);",
+                 "const int ncols = (nblocks + 3) / 4 * kSets;",
                  "if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())"]:
         assert line in cu, line
     ops = (SRC / "ops.cpp").read_text()
     assert "dp_tiles = std::min(dp_tiles > 0 ? dp_tiles : sms, std::max<int64_t>(1, tiles * (K / 128)));" in ops
     assert "const int64_t part_slots = splits == 0 ? 2 * dp_tiles" in ops
+    # ops_plan's tile count mirrors awq_wgmma_tiles (in awq_wgmma.cu)
+    assert "{ return tile_set == 2 || block_m >= 192 ? 2 : 1; }" in cu
+    assert "const int64_t sets = 4 / (tile_set * wgmma_groups(block_m, tile_set));" in cu
 
 
 @pytest.mark.parametrize("shape", SHAPES)

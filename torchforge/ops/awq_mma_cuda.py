@@ -194,7 +194,8 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 # reaches about 70% of the tensor peak at large M, this kernel 55%. What the model changed (ms, eleventh session):
 # - 18432x7168 at 56-64 rows: (64, 2) blocks, 0.078 against 0.086 for the decode kernel (whose time steps up every
 #   16 rows, where the wgmma kernel dequantizes each weight once per block of 64 or 128 rows).
-# - 14336x4096: (128, 2) blocks from 129 rows (0.059 against 0.078 for the (256, 1) of the row rule before).
+# - 14336x4096: (128, 2) blocks from 129 rows (0.059 against 0.078 for the one-warpgroup (256, 1) of the row rule
+#   before; since the twenty-sixth session the two-warpgroup (192, 1) and (256, 1), see below).
 # - 4096-column matrices up to 256 rows: dequantize + cuBLAS (4096x4096 at 256 rows: 0.034 against 0.041).
 # - A last round of few blocks in K slices (dp_tiles): 18432x7168 at 256 rows 0.148 against 0.196.
 # - Every tile in K slices at 56-128 rows (twelfth session): 18432x7168 at 64 rows 0.068 against 0.077; 7168x7168 and

@@ -10,9 +10,10 @@ at the price of fp32 partials: for the tiles of a last, nearly empty round (wgmm
 for every tile, where few tiles would leave SMs idle (wgmma_split_time_us; twelfth session, once the split
 reduction was fixed: slicing every tile had lost in every sweep before). The block counts differ between the shapes:
 (256, 1) makes 2x as many blocks along the columns as (128, 2), (64, 2) 2x as many along the rows. A shape that
-leaves a last round nearly empty loses to one with fewer, bigger blocks (18432 columns at 160 rows: 216 blocks of
-(64, 2) take 2 rounds of 132, 144 of (128, 2) too), and on narrow matrices every shape leaves SMs idle (4096 columns:
-32 blocks of (256, 1) at most up to 256 rows), where cuBLAS on a dequantized copy may win.
+leaves a last round nearly empty loses to one with fewer, bigger blocks (18432 columns at 256 rows: 288 blocks of
+(64, 2) take 3 rounds of 132, 144 of (128, 2) or (256, 1) take 2), and on narrow matrices every shape leaves SMs idle
+(4096 columns up to 256 rows: 64 blocks of (64, 2) at most, 32 of (256, 1)), where cuBLAS on a dequantized copy may
+win.
 """
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ SPLIT_MAX_M = 256
 # parts, whose serial reduction made it 9% slower than 4 K slices (0.035 against 0.032 ms). At least
 # STREAM_K_MIN_CHUNKS chunks per SM: 14336x4096 at 48-64 rows (27 per SM) ran 8% slower than 2 K slices (0.035
 # against 0.032-0.033).
-# (256, 1) fitted in the twenty-sixth session on the same two matrices at 256 and 512 rows, within 5%; (192, 1) on
-# 18432x7168, 7168x7168, 14336x4096 and 4096x14336 at 160-384 rows, within 5%.
+# (256, 1) fitted in the twenty-sixth session on the same two matrices at 256 and 512 rows: 136 us on 18432x7168 at
+# 256 rows against 0.127-0.130 ms measured (5-7% high, so its 4 tail slices, 0.129, are taken there), 65 against 0.067
+# on 7168x7168; (192, 1) on 18432x7168, 7168x7168, 14336x4096 and 4096x14336 at 160-384 rows, within 5%.
 STREAM_K_US = {(64, 2): (9.9, 0.70, 1.78), (128, 2): (8.7, 1.03, 5.2), (256, 1): (3.0, 1.05, 5.0),
                (192, 1): (4.0, 0.82, 5.0)}
 STREAM_K_MAX_PARTS = 3.0
