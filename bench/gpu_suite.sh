@@ -5,7 +5,7 @@
 #   decode only: SUITE=bench BENCHES=decode bash bench/gpu_suite.sh   (DECODE_ARGS: e.g. "--batches 1")
 #   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernels' tests; SANITIZE_SETS
 #                picks some of "quantize mma wgmma pdl")
-#   some tests: SUITE=tests TESTS="tests/ops/x.py ..." (PYTEST_ARGS too), or SHARD=1/2 then SHARD=2/2 for all of them; W4A16_ARGS / DECODE_ARGS / MOE_ARGS pass
+#   some tests: SUITE=tests TESTS="tests/ops/x.py ..." (PYTEST_ARGS="-k 'a or b'" too), or SHARD=1/2 then SHARD=2/2 for all of them; W4A16_ARGS / DECODE_ARGS / MOE_ARGS pass
 #   arguments to the benchmarks; BENCHES="w4a16 w4a16_sweep" runs w4a16_linear.py a second time with W4A16_SWEEP_ARGS
 set -uo pipefail
 OUT=${OUT:-/tmp/torchforge-out}
@@ -47,7 +47,10 @@ if [ -n "${SHARD:-}" ] && [ -z "${TESTS:-}" ]; then
   TESTS=$(find tests -name 'test_*.py' | sort | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" '(NR - i) % n == 0' | tr '\n' ' ')
   for t in ${SHARD_EXTRA:-}; do case " $TESTS " in *" $t "*) ;; *) TESTS="$TESTS $t" ;; esac; done  # changed files
 fi
-case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 --durations=15 -p no:cacheprovider ${TESTS:-tests} ${PYTEST_ARGS:-} ;; esac
+# PYTEST_ARGS is parsed with shell quoting, so PYTEST_ARGS="-k 'a or b'" keeps its expression whole (unquoted, it was
+# split at the spaces and pytest took "or" for a file: twenty-sixth session).
+eval "pytest_args=(${PYTEST_ARGS:-})"
+case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 --durations=15 -p no:cacheprovider ${TESTS:-tests} "${pytest_args[@]}" ;; esac
 case " $SUITE " in *" bench "*)
   for b in ${BENCHES:-w4a16 quantize moe gptq nvfp4}; do
     case $b in
