@@ -3,7 +3,7 @@ blocks on the SMs, and the choices it makes on the swept H100 shapes (BENCHMARKS
 import expecttest
 
 from torchforge.ops.awq_mma_cuda import wgmma_cuda_config, wgmma_rows_ok
-from torchforge.ops.awq_wgmma_cost import (SPLIT_SPLITS, TAIL_SPLITS, best_wgmma_config, best_wgmma_shape,
+from torchforge.ops.awq_wgmma_cost import (SPLIT_SPLITS, TAIL_SPLITS, WGMMA_MIN_M, best_wgmma_config, best_wgmma_shape,
                                            decode_mma_time_us, dequant_cublas_time_us, wgmma_blocks,
                                            wgmma_split_time_us, wgmma_stream_k_time_us, wgmma_tail_time_us,
                                            wgmma_time_us)
@@ -37,6 +37,17 @@ def test_choices_on_the_swept_shapes():
     # dequantize + cuBLAS where the kernel leaves most SMs idle (64 blocks at most on 4096 columns)
     assert best_wgmma_shape(256, 4096, 4096)[1] > dequant_cublas_time_us(256, 4096, 4096)  # 0.041 against 0.035
     assert best_wgmma_shape(256, 7168, 18432)[1] < dequant_cublas_time_us(256, 7168, 18432)  # 0.196 against 0.228
+
+
+def test_shapes_only_where_they_were_swept():
+    # (192, 1) and (256, 1) were timed from 160 rows: below 129 the model does not give them rows (2048x16384 at 100
+    # rows went to (192, 1), 92 of its rows empty, before this rule)
+    for m in (32, 64, 100, 128):
+        for n, k in ((16384, 2048), (18432, 7168), (7168, 7168), (4096, 14336)):
+            assert best_wgmma_config(m, k, n)[0][:2] not in WGMMA_MIN_M, (m, n, k)
+            assert best_wgmma_shape(m, k, n)[0] not in WGMMA_MIN_M, (m, n, k)
+    assert best_wgmma_config(100, 2048, 16384)[0][:2] == (64, 2)
+    assert best_wgmma_config(129, 4096, 4096)[0][:2] == (192, 1)
 
 
 def test_block_outputs_match_the_kernel():

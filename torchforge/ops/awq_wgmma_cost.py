@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us", "wgmma_tail_time_us",
-           "wgmma_split_time_us", "wgmma_stream_k_time_us", "best_wgmma_shape", "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
+__all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "WGMMA_MIN_M", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us",
+           "wgmma_tail_time_us", "wgmma_split_time_us", "wgmma_stream_k_time_us", "best_wgmma_shape",
+           "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
 
 H100_SMS = 132
 # Microseconds per 64-k chunk of one block while every block of its round runs (one block per SM), fitted on the H100
@@ -30,6 +31,10 @@ H100_SMS = 132
 # rows), as it decodes each weight once per 256 rows instead of once per 128. (192, 1) (twenty-sixth session, the
 # same two warpgroups on 192 rows: 128 x 192 outputs): 0.66-0.74 at full rounds on four shapes at 160-384 rows.
 WGMMA_US_PER_CHUNK = {(128, 2): 0.87, (256, 1): 0.77, (192, 1): 0.70, (64, 2): 0.72}
+# Rows from which a shape is considered: where it was swept. The two-warpgroup (192, 1) and (256, 1) were measured from
+# 160 rows; below 129 the model would give them rows it never timed them on (2048x16384 at 100 rows: (192, 1), 92 of
+# its rows empty, 0.6 us ahead of (64, 2) by the estimate).
+WGMMA_MIN_M = {(192, 1): 129, (256, 1): 129}
 WGMMA_FIXED_US = 3.0  # the x image kernel and the launches
 # dequantize + cuBLAS: a pass that reads the int4 weight and writes it in bf16 (2.5 bytes an element), then a bf16
 # GEMM bound by its weight reads or by the tensor cores. Fitted: the pass took 15 / 52 / 118 us on 16.8 M / 58.7 M /
@@ -110,6 +115,11 @@ def _block_outputs(shape: tuple[int, int]) -> int:
     return block_m * 64 * tile_set * _groups(shape)
 
 
+def _shapes_for(m: int) -> list[tuple[int, int]]:
+    """The block shapes of WGMMA_US_PER_CHUNK considered at m rows (WGMMA_MIN_M), in its order."""
+    return [s for s in WGMMA_US_PER_CHUNK if m >= WGMMA_MIN_M.get(s, 0)]
+
+
 def wgmma_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: int = H100_SMS) -> float:
     """Estimated microseconds of the WS kernel with blocks of `shape` on x [m, k] and n output columns."""
     rounds = -(-wgmma_blocks(m, n, shape) // sms)
@@ -165,7 +175,7 @@ def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tupl
     Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times), then to
     fewer slices."""
     options = []
-    for shape in WGMMA_US_PER_CHUNK:
+    for shape in _shapes_for(m):
         options.append(((*shape, 0, 0), wgmma_stream_k_time_us(m, k, n, shape, sms)))
         options.append(((*shape, 1, 0), wgmma_time_us(m, k, n, shape, sms)))
         blocks = wgmma_blocks(m, n, shape)
@@ -179,7 +189,7 @@ def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tupl
 def best_wgmma_shape(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int], float]:
     """The block shape with the least estimated time without K slices, and that time; ties go to the earlier shape
     in WGMMA_US_PER_CHUNK."""
-    return min(((s, wgmma_time_us(m, k, n, s, sms)) for s in WGMMA_US_PER_CHUNK), key=lambda st: st[1])
+    return min(((s, wgmma_time_us(m, k, n, s, sms)) for s in _shapes_for(m)), key=lambda st: st[1])
 
 
 def dequant_cublas_time_us(m: int, k: int, n: int) -> float:
