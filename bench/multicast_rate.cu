@@ -6,7 +6,10 @@
 //   1: clusters of 2, each block copies half of the stage into both blocks with cp.async.bulk .multicast::cluster
 //      (the twenty-sixth session's trial: 1.7-2.1x slower than mode 0 in the kernel, for half the L2 reads);
 //   2: clusters of 2, the same halves as 2-D TMA tensor copies with .multicast::cluster and a tensor map (what
-//      CUTLASS does on Hopper; not tried in the kernel).
+//      CUTLASS does on Hopper; not tried in the kernel);
+//   3: mode 1 with the kernel trial's remote arrive, mbarrier.arrive.release.cluster: ptxas puts MEMBAR.ALL.GPU
+//      (+ ERRBAR, CGAERRBAR) before it, which modes 1 and 2 (CUTLASS's ClusterBarrier::arrive form, default
+//      .release.cta) do not have.
 // The source is SRC_MB of global memory (default 4, so it stays in L2, as the kernel's x tiles do: every block of a
 // row block reads the same ones); block b reads stage-sized pieces from its own offset on. Prints, per mode, the bytes
 // landed in shared memory per second and the bytes read from L2 per second (half of it with multicast).
@@ -41,11 +44,21 @@ __device__ __forceinline__ void multicast_tensor(uint32_t dst, const CUtensorMap
       "h"(static_cast<uint16_t>(0x3))
       : "memory");
 }
+// kGpuFence: .release.cluster, which compiles to MEMBAR.ALL.GPU + ERRBAR + CGAERRBAR before the arrive (waiting for
+// every memory access the thread has outstanding); otherwise the default semantics (.release.cta), as CUTLASS's
+// ClusterBarrier::arrive(cta_id) does for a consumer releasing a stage that its peer's TMA multicast refills.
+template <bool kGpuFence>
 __device__ __forceinline__ void arrive_remote(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(bar), "r"(rank)
-      : "memory");
+  if constexpr (kGpuFence)
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(bar), "r"(rank)
+        : "memory");
+  else
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(bar), "r"(rank)
+        : "memory");
 }
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
@@ -57,7 +70,7 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // One warp a block; lane 0 is producer and consumer: issue stage it, then wait for stage it - (kStages - 1) and
-// release it, so that kStages - 1 stages are in flight.
+// release it, so that kStages - 1 to kStages stages are in flight.
 template <int MODE>
 __global__ void __launch_bounds__(32, 1) copy_kernel(const uint8_t* src, long long src_rows, int iters,
                                                      const __grid_constant__ CUtensorMap map) {
@@ -92,7 +105,7 @@ __global__ void __launch_bounds__(32, 1) copy_kernel(const uint8_t* src, long lo
         const uint32_t dst = base + st * kBytes;
         if constexpr (MODE == 0) {
           ptx::bulk_copy(dst, src + row * kRowBytes, kBytes, full0 + 8 * st);
-        } else if constexpr (MODE == 1) {
+        } else if constexpr (MODE == 1 || MODE == 3) {
           multicast_bulk(dst + rank * (kBytes / 2), src + (row + rank * kHalfRows) * kRowBytes, kBytes / 2,
                          full0 + 8 * st);
         } else {
@@ -104,7 +117,7 @@ __global__ void __launch_bounds__(32, 1) copy_kernel(const uint8_t* src, long lo
         const int st = done % kStages;
         ptx::mbar_wait(full0 + 8 * st, (done / kStages) & 1);
         ptx::mbar_arrive(empty0 + 8 * st);
-        if constexpr (kCluster) arrive_remote(empty0 + 8 * st, rank ^ 1);
+        if constexpr (kCluster) arrive_remote<MODE == 3>(empty0 + 8 * st, rank ^ 1);
       }
     }
   }
@@ -135,6 +148,12 @@ float run(const uint8_t* src, long long src_rows, int blocks, int iters, const C
   attr.val.clusterDim.x = MODE == 0 ? 1 : 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
+  if (MODE != 0) {  // clusters that cannot all be resident run in a second wave: the time would not be a rate
+    int max_clusters = 0;
+    CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg));
+    if (max_clusters < blocks / 2)
+      std::printf("warning: mode %d: %d clusters of 2, only %d resident at once\n", MODE, blocks / 2, max_clusters);
+  }
   for (int w = 0; w < 2; ++w) CHECK(cudaLaunchKernelEx(&cfg, kernel, src, src_rows, iters, map));
   CHECK(cudaDeviceSynchronize());
   cudaEvent_t a, b;
@@ -147,11 +166,17 @@ float run(const uint8_t* src, long long src_rows, int blocks, int iters, const C
   CHECK(cudaEventSynchronize(b));
   float ms = 0;
   CHECK(cudaEventElapsedTime(&ms, a, b));
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
   return ms / kReps;
 }
 
 int main(int argc, char** argv) {
   const int src_mb = argc > 1 ? std::atoi(argv[1]) : 4;
+  if (src_mb < 1) {
+    std::printf("SRC_MB must be >= 1\n");
+    return 1;
+  }
   const long long src_bytes = static_cast<long long>(src_mb) << 20;
   const long long src_rows = src_bytes / kRowBytes;
   uint8_t* src = nullptr;
@@ -185,11 +210,12 @@ int main(int argc, char** argv) {
   const int iters = 2000;
   std::printf("source %d MB, stages %d x %d KB, %d iterations a block\n", src_mb, kStages, kBytes / 1024, iters);
   std::printf("| mode | blocks | ms | smem fill TB/s | L2 read TB/s |\n|---|---|---|---|---|\n");
-  const char* names[3] = {"plain bulk copy", "bulk copy, multicast to 2", "TMA tensor, multicast to 2"};
+  const char* names[4] = {"plain bulk copy", "bulk copy, multicast to 2", "TMA tensor, multicast to 2",
+                          "bulk copy, multicast to 2, release.cluster arrive"};
   for (int blocks : {sms - sms % 2, 66}) {
-    const float t[3] = {run<0>(src, src_rows, blocks, iters, map), run<1>(src, src_rows, blocks, iters, map),
-                        run<2>(src, src_rows, blocks, iters, map)};
-    for (int m = 0; m < 3; ++m) {
+    const float t[4] = {run<0>(src, src_rows, blocks, iters, map), run<1>(src, src_rows, blocks, iters, map),
+                        run<2>(src, src_rows, blocks, iters, map), run<3>(src, src_rows, blocks, iters, map)};
+    for (int m = 0; m < 4; ++m) {
       const double landed = static_cast<double>(blocks) * iters * kBytes;
       const double read = m == 0 ? landed : landed / 2;
       std::printf("| %s | %d | %.3f | %.2f | %.2f |\n", names[m], blocks, t[m], landed / t[m] / 1e9,
