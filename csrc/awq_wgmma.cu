@@ -91,11 +91,6 @@ using awq_mma_detail::Traits;
 // and 384 rows without a half-empty row block (7168x7168 at 384 rows: 0.079 against (256, 1)'s 0.090).
 template <int BM, int TW>
 constexpr int kGroups = TW == 2 || BM >= 192 ? 2 : 1;
-// (192, 1) and (256, 1) blocks in clusters of two that share their stages' copies (CL in the kernel), a build flag for now.
-#ifndef TORCHFORGE_WGMMA_CLUSTER
-#define TORCHFORGE_WGMMA_CLUSTER 0
-#endif
-constexpr bool kClusterPairs = TORCHFORGE_WGMMA_CLUSTER != 0;
 template <int BM, int TW>
 constexpr int kThreads = 128 * kGroups<BM, TW>;  // the consumer warpgroups (+ the producer with WS)
 // WS producer: one warp beside one consumer warpgroup; a whole warpgroup beside two, which gives its registers to
@@ -104,12 +99,8 @@ constexpr int kThreads = 128 * kGroups<BM, TW>;  // the consumer warpgroups (+ t
 // (128, 2), (192, 1) three quarters). 384 x 168 = 128 x 24 + 256 x 240.
 template <int BM, int TW>
 constexpr int kProducerThreads = kGroups<BM, TW> == 2 ? 128 : 32;
-// CL (clusters, below): the producer's copies need more than 24 (ptxas spilled 156-184 bytes); (256, 1)'s consumers
-// fit in 232. 384 x 168 = 128 x 40 + 256 x 232.
-template <bool CL>
-constexpr int kProducerRegs = CL ? 56 : 24;
-template <bool CL>
-constexpr int kConsumerRegs = CL ? 224 : 240;
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
 constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
 constexpr int kMaxSmem = 232448;    // shared memory a block may opt into on sm_90 (227 KB), static included
 constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, is_last): 144 bytes, rounded up
@@ -246,7 +237,7 @@ struct Grouped {
   int E;
 };
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool CL = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
@@ -260,13 +251,6 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   using Tr = Traits<T>;
   constexpr bool kSplitScale = !std::is_same<T, S>::value;  // fp16 scales with bf16 x: s = hi + lo
   constexpr int kSets = 4 / (TW * kGroups<BM, TW>);  // blocks along the column tiles of one column block group
-  // CL: clusters of two blocks on the two tile sets of the same columns and rows ((192, 1), (256, 1)). Their stages hold the same
-  // bytes (x tile, words, scales, zero words), so each block copies half of every stage into both (multicast) and
-  // each stage is read from L2 once per pair. The work is scheduled per cluster: bid, grid and the tiles below count
-  // clusters, and a block's partial slots and tickets are its cluster's times two plus its rank.
-  constexpr int kCluster = CL ? 2 : 1;
-  static_assert(!CL || (WS && !GROUPED && kSets == kCluster), "clusters pair the two tile sets of (192, 1) or (256, 1), WS, dense");
-  constexpr int kSetsC = kSets / kCluster;
   extern __shared__ uint8_t smem_raw[];
   // The stages' base, 1024-byte aligned (the swizzle of wgmma's B operand), as an offset from smem_raw: a pointer
   // rebuilt from an integer lost the shared address space, and every load from it became a 64-bit generic one with its
@@ -284,11 +268,10 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   const int tid = threadIdx.x, warp = tid / 32 % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int nblocks = N / 64;
-  const int ncols = (nblocks + 3) / 4 * kSetsC;  // blocks (clusters) along the columns
+  const int ncols = (nblocks + 3) / 4 * kSets;  // blocks along the columns
   const int mblocks = (M + BM - 1) / BM;
   const int chunks = K / 64;
-  const int rank = CL ? static_cast<int>(ptx::cluster_rank()) : 0;
-  const int bid = static_cast<int>(blockIdx.x) / kCluster, grid = static_cast<int>(gridDim.x) / kCluster;
+  const int bid = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
   // A block's work is a list of segments: a tile (pid) and its chunks [c_begin, c_end).
   // * K slices (splits >= 1): one segment. The grid's first sliced_tiles x splits blocks run tiles [whole_tiles,
   //   whole_tiles + sliced_tiles) in K slices (slice-major), the rest tiles [0, whole_tiles) whole (see launch).
@@ -364,8 +347,8 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     const int mb = first_m + pid % per_group % rows_in_group;
     const int col = pid % per_group / rows_in_group;
     tl.m0 = mb * BM;
-    tl.cbg = col / kSetsC;
-    tl.tq = (col % kSetsC * kCluster + rank) * kGroups<BM, TW> + tid / 128;
+    tl.cbg = col / kSets;
+    tl.tq = col % kSets * kGroups<BM, TW> + tid / 128;
     tl.n0 = kBlockCols * tl.cbg;
     tl.valid_cbs = min(4, nblocks - 4 * tl.cbg);
     tl.s_bytes = min(kBlockCols, N - tl.n0) * static_cast<uint32_t>(sizeof(S));
@@ -432,49 +415,25 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     const uint32_t bar = bar_base + st * 8;
     constexpr bool kCopyX = (kAblate & 32) == 0, kCopyW = (kAblate & 64) == 0;
     ptx::mbar_expect_tx(bar, tl.stage_bytes - (kCopyX ? 0u : St::kX) - (kCopyW ? 0u : tl.valid_cbs * 2048u));
-    // CL: this block's half of the copies, into both blocks' stage (the barrier there counts them too)
-    auto copy = [&](uint32_t dst, const void* src, uint32_t bytes) {
-      if constexpr (CL)
-        ptx::bulk_copy_multicast(dst, src, bytes, bar, 0x3);
-      else
-        ptx::bulk_copy(dst, src, bytes, bar);
-    };
-    const T* x_src = tl.x_tiles + static_cast<size_t>(c) * (BM * 64);
-    if (kCopyX) copy(base + rank * (St::kX / kCluster), x_src + rank * (BM * 64 / kCluster), St::kX / kCluster);
-    for (int i = rank; kCopyW && i < tl.valid_cbs; i += kCluster)
-      copy(base + St::kX + i * 2048, tl.qw + (static_cast<size_t>(4 * tl.cbg + i) * chunks + c) * 128, 2048);
+    if (kCopyX) ptx::bulk_copy(base, tl.x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
+    for (int i = 0; kCopyW && i < tl.valid_cbs; ++i)
+      ptx::bulk_copy(base + St::kX + i * 2048, tl.qw + (static_cast<size_t>(4 * tl.cbg + i) * chunks + c) * 128, 2048,
+                     bar);
     const int group = group_of(c);
-    if (rank == 0) copy(base + St::kX + St::kW, tl.sc + static_cast<size_t>(group) * N + tl.n0, tl.s_bytes);
-    if (rank == kCluster - 1)
-      copy(base + St::kX + St::kW + St::kS, tl.qz + static_cast<size_t>(group) * (N / 8) + tl.n0 / 8, tl.z_bytes);
-  };
-  // A consumer thread is done with stage st: its block's producer may refill it. CL: the other block's too, whose
-  // copies write into this block's stage; one arrive per warp on each (a remote arrive per thread, 256 per stage,
-  // made the pair 50-70% slower than one block alone, twenty-sixth session).
-  auto release = [&](unsigned st) {
-    if constexpr (CL) {
-      __syncwarp();
-      if (lane == 0) {
-        ptx::mbar_arrive(empty_base + st * 8);
-        ptx::mbar_arrive_cluster(empty_base + st * 8, static_cast<uint32_t>(rank ^ 1));
-      }
-    } else {
-      ptx::mbar_arrive(empty_base + st * 8);
-    }
+    ptx::bulk_copy(base + St::kX + St::kW, tl.sc + static_cast<size_t>(group) * N + tl.n0, tl.s_bytes, bar);
+    ptx::bulk_copy(base + St::kX + St::kW + St::kS, tl.qz + static_cast<size_t>(group) * (N / 8) + tl.n0 / 8,
+                   tl.z_bytes, bar);
   };
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
     if constexpr (WS)
-      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, CL ? kThreads<BM, TW> / 32 * kCluster : kThreads<BM, TW>);
+      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<BM, TW>);
     ptx::mbar_fence_init();
   }
-  if constexpr (CL)
-    ptx::cluster_sync();  // the other block's barriers are initialized before any copy or arrive reaches them
-  else
-    __syncthreads();
+  __syncthreads();
   if constexpr (WS) {
     if (tid >= kThreads<BM, TW>) {  // the producer: fill stage it % kStages once its previous fill is released
-      if constexpr (kGroups<BM, TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs<CL>));
+      if constexpr (kGroups<BM, TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
       if (tid == kThreads<BM, TW> && (kAblate & 2) == 0) {
         unsigned it = 0;
         int u = u_begin;
@@ -487,10 +446,9 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
           }
         }
       }
-      if constexpr (CL) ptx::cluster_sync();  // see the end of the kernel
       return;  // the consumers sync among themselves from here on (consumer_sync)
     }
-    if constexpr (kGroups<BM, TW> == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs<CL>));
+    if constexpr (kGroups<BM, TW> == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
   }
   // A barrier of the consumer threads only (with WS the producer has left).
   auto consumer_sync = [] {
@@ -588,7 +546,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       // thread 0 refills the stage.
       if (c > s.c_begin) {
         if constexpr (WS) {
-          release((it - 1) % kStages);
+          ptx::mbar_arrive(empty_base + (it - 1) % kStages * 8);
         } else {
           __syncthreads();  // both warpgroups have retired chunk c - 1's wgmmas
           if (tid == 0 && c - 1 + kStages < s.c_end) load_stage(tl, c - 1 + kStages, (it - 1) % kStages);
@@ -611,7 +569,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       for (int e = 0; e < BM / 2; ++e) wgmma::fence_operand(acc[i][e]);
     // The segment's last stage: released here, for the producer's next segments (stream-K).
     if constexpr (WS)
-      if (s.c_end > s.c_begin) release((base + s.c_end - s.c_begin - 1) % kStages);
+      if (s.c_end > s.c_begin) ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
     base += static_cast<unsigned>(s.c_end - s.c_begin);
     // PDL: the next kernel may launch once every block is past its main loop (as in awq_mma.cu: earlier, a next
     // GEMM's prefetched weights would be evicted by this one's stream before their use). Not from the producer, whose
@@ -653,7 +611,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       auto part = [&](int j) {
         size_t index = static_cast<size_t>(j) * sliced_tiles + slot;
         if (stream_k) index = 2 * static_cast<size_t>(b_first + j) + (first_tile(b_first + j) == s.pid ? 0 : 1);
-        return partial + (index * kCluster + rank) * tile_floats + tid;
+        return partial + index * tile_floats + tid;
       };
       float* mine = part(my_part);
 #pragma unroll
@@ -662,7 +620,6 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
         for (int e = 0; e < BM / 2; ++e) __stcg(mine + (i * (BM / 2) + e) * kThreads<BM, TW>, acc[i][e]);
       __threadfence();  // this block's partials are visible before its ticket is taken
       consumer_sync();
-      ticket = ticket * kCluster + rank;
       if (tid == 0) is_last = atomicAdd(&tickets[ticket], 1u) == static_cast<unsigned>(parts - 1);
       consumer_sync();
       if (!is_last) continue;
@@ -702,8 +659,6 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       });
     }
   }
-  // CL: neither block exits while the other may still arrive on its barriers (every thread of both, the producers too)
-  if constexpr (CL) ptx::cluster_sync();
 #else
   __trap();  // built without sm_90a (TORCHFORGE_CUDA_ARCH): fail loudly rather than return an unwritten output
 #endif
@@ -742,11 +697,11 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
   reinterpret_cast<uint4*>(img)[piece] = v;
 }
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool CL = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1) {
-  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK, CL>;
+  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK>;
   constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
   int dev = 0;
@@ -771,55 +726,31 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   // 18432x7168 (eleventh and twelfth sessions).
   // SK (splits == 0): dp_tiles blocks share the tiles' pairs of chunks (at most one block per pair).
   static_assert(!SK || WS, "stream-K runs on the warp-specialized kernel");
-  // CL: tiles, dp_tiles (ops.cpp keeps it even) and blocks come in pairs; the kernel gets its tile counts per cluster.
-  constexpr int kCluster = CL ? 2 : 1;
   const int sliced = !SK && splits > 1 ? tiles - dp_tiles : 0;
   const int whole = tiles - sliced;
-  int blocks = SK ? std::min(dp_tiles, tiles * (K / 128)) : sliced * splits + whole;
+  const int blocks = SK ? std::min(dp_tiles, tiles * (K / 128)) : sliced * splits + whole;
   const dim3 block(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0));
-  if constexpr (CL && SK) {  // stream-K's blocks must all be resident at once: no more clusters than fit together
-    static int fit[64] = {};
-    if (dev >= 64 || fit[dev] == 0) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(blocks);
-      cfg.blockDim = block;
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = kCluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-      if (e != cudaSuccess) return e;
-      if (dev < 64) fit[dev] = std::max(clusters, 1);
-      blocks = std::min(blocks, kCluster * std::max(clusters, 1));
-    } else {
-      blocks = std::min(blocks, kCluster * fit[dev]);
-    }
-  }
-  return pdl::launch_clustered(kernel, false, kCluster, dim3(blocks), block, smem, stream,
-                               static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
-                               static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
-                               static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N, K,
-                               group_size / 64, splits, group_m, sliced / kCluster, whole / kCluster, gp);
+  return pdl::launch(kernel, false, dim3(blocks), block, smem, stream,
+                     static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
+                     reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
+                     tickets, M, N, K, group_size / 64, splits, group_m, sliced, whole, gp);
 }
 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
 // with a producer warpgroup starts at 168 registers (384 x 168 = 128 x 24 + 256 x 240), as ptxas builds it today.
 // A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
-template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false, bool CL = false>
+template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false>
 bool producer_pool_ok() {
   if constexpr (kGroups<BM, TW> == 1) return true;  // a producer warp: no setmaxnreg
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
-    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK, CL>) == cudaSuccess
+    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK>) == cudaSuccess
                ? attr.numRegs
                : 0;
   }
   return regs * (kThreads<BM, TW> + kProducerThreads<BM, TW>) >=
-         kProducerThreads<BM, TW> * kProducerRegs<CL> + kThreads<BM, TW> * kConsumerRegs<CL>;
+         kProducerThreads<BM, TW> * kProducerRegs + kThreads<BM, TW> * kConsumerRegs;
 }
 
 }  // namespace awq_wgmma_detail
@@ -829,12 +760,6 @@ int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m) { return (M + block_m -
 
 // Outputs of one block (block_m rows x 64 tile_set columns per warpgroup): the fp32 partials a tile's K slice writes.
 static int64_t wgmma_groups(int64_t block_m, int64_t tile_set) { return tile_set == 2 || block_m >= 192 ? 2 : 1; }
-
-// Blocks per cluster of the warp-specialized dense kernel with this shape: 2 where blocks pair up (CL), else 1. The
-// op keeps dp_tiles a multiple of it.
-int64_t awq_wgmma_cluster(int64_t block_m, int64_t tile_set) {
-  return awq_wgmma_detail::kClusterPairs && block_m >= 192 && tile_set == 1 ? 2 : 1;
-}
 int64_t awq_wgmma_block_outputs(int64_t block_m, int64_t tile_set) {
   return block_m * 64 * tile_set * wgmma_groups(block_m, tile_set);
 }
@@ -870,14 +795,13 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
       // Stream-K needs the producer and whole pairs of chunks (see the kernel); otherwise splits 0 runs whole tiles
       // (the dispatch's config must not turn into an error; ops.cpp refuses splits 0 without producer_warp itself).
-      constexpr bool CL = kClusterPairs && BM >= 192 && TW == 1;  // see awq_wgmma_cluster
-      if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true, CL>())
-        return launch<T, S, BM, TW, true, false, true, CL>(x, x_image, qweight, scales, qzeros, bias, out, partial,
+      if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())
+        return launch<T, S, BM, TW, true, false, true>(x, x_image, qweight, scales, qzeros, bias, out, partial,
                                                        tickets, m, n, k, gs, 0, gm, dp, stream);
       const int whole_s = s == 0 ? 1 : s, whole_dp = s == 0 ? 0 : dp;
-      if (producer_warp && producer_pool_ok<T, S, BM, TW, false, false, CL>())
-        return launch<T, S, BM, TW, true, false, false, CL>(x, x_image, qweight, scales, qzeros, bias, out, partial,
-                                                            tickets, m, n, k, gs, whole_s, gm, whole_dp, stream);
+      if (producer_warp && producer_pool_ok<T, S, BM, TW>())
+        return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
+                                          gs, whole_s, gm, whole_dp, stream);
       return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
                                          gs, whole_s, gm, whole_dp, stream);
     };

@@ -52,7 +52,6 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m);
 int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set);
 int64_t awq_wgmma_block_outputs(int64_t block_m, int64_t tile_set);
-int64_t awq_wgmma_cluster(int64_t block_m, int64_t tile_set);
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
@@ -505,10 +504,6 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                                                             i2s(tiles * (K / 64)) + "; use splits >= 1");
     dp_tiles = std::min(dp_tiles > 0 ? dp_tiles : sms, std::max<int64_t>(1, tiles * (K / 128)));
   }
-  // blocks in clusters (awq_wgmma_cluster): whole clusters of whole tiles, of stream-K blocks (tiles are even there)
-  const int64_t cluster = producer_warp ? awq_wgmma_cluster(block_m, tile_set) : 1;
-  if (cluster > 1 && splits != 1) dp_tiles = splits == 0 ? std::max(cluster, dp_tiles - dp_tiles % cluster)
-                                                         : dp_tiles - dp_tiles % cluster;
   TORCH_CHECK(splits == 0 || (dp_tiles >= 0 && dp_tiles < tiles),
               op + "dp_tiles must be in [0, " + i2s(tiles) + ") (the blocks of this call), got " + i2s(dp_tiles));
   if (splits == 1) dp_tiles = 0;

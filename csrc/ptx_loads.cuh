@@ -60,35 +60,5 @@ __device__ __forceinline__ void bulk_copy(uint32_t smem_addr, const void* gmem, 
                : "memory");
 }
 
-// Thread block clusters (sm_90). The bulk copy into the shared memory of every CTA of the cluster in cta_mask, at
-// smem_addr's offset in each, completing on each CTA's barrier at bar's offset.
-__device__ __forceinline__ void bulk_copy_multicast(uint32_t smem_addr, const void* gmem, uint32_t bytes, uint32_t bar,
-                                                    uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
-      ::"r"(smem_addr), "l"(gmem), "r"(bytes), "r"(bar), "h"(cta_mask)
-      : "memory");
-}
-// Arrives on the barrier at bar's offset in CTA `rank` of this cluster, with the default (.release.cta) semantics, as
-// CUTLASS's ClusterBarrier::arrive(cta_id) does: a consumer releasing a stage it has finished reading (its wgmmas
-// waited for) to the peer whose multicast copies refill it. .release.cluster compiles to MEMBAR.ALL.GPU + ERRBAR +
-// CGAERRBAR before the arrive; with it a ring of multicast copies filled 2.6x slower than with this form
-// (bench/multicast_rate.cu, twenty-seventh session).
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(bar), "r"(rank)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// Every thread of every CTA of the cluster (not exited) arrives, then waits for all.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
 }  // namespace ptx
 }  // namespace torchforge
