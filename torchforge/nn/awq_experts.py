@@ -167,8 +167,9 @@ class ForgeAWQExperts(nn.Module):
                                        (self.down_qweight, self.down_scales, self.down_qzeros), G, k, shared)
         if fused:
             # the same computation as below as two ops, whose decode path fuses SiLU * up and the weighted sum
-            # into the GEMVs' split-K reduce kernels (awq_moe_fused.py); they have no autograd formula, so
-            # router weights that need a gradient take the PyTorch epilogue below
+            # into the GEMVs' split-K reduce kernels (awq_moe_fused.py). Their backward (ops/moe_autograd.py)
+            # recomputes the gate_up rows; router weights that need a gradient (training) take the path below,
+            # whose autograd keeps them from the forward instead
             h = awq_moe_gate_up_silu(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
                                      self.gate_up_qzeros, G, k)
             return awq_moe_down_combine(h, flat_ids, top_k_weights, self.down_qweight, self.down_scales,

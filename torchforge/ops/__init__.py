@@ -74,3 +74,8 @@ __all__ += ["awq_mma_linear", "awq_mma_moe_gate_up_silu", "awq_mma_moe_down_comb
 from torchforge.ops.linear_autograd import register as _register_linear_autograd  # noqa: E402
 
 _register_linear_autograd()
+
+# Input (and router-weight) gradients of the quantized MoE expert ops (torchforge.ops.moe_autograd).
+from torchforge.ops.moe_autograd import register as _register_moe_autograd  # noqa: E402
+
+_register_moe_autograd()

@@ -1,0 +1,86 @@
+"""A quantized MoE model backpropagates to its inputs through its quantized experts (LoRA on the attention of a quantized
+DeepSeek model): the gradient equals that of the same model whose experts are HF's float experts holding the
+dequantized weights."""
+import copy
+
+import pytest
+import torch
+
+import torchforge
+from tests import models
+from torchforge.nn.pruned_moe import PrunedMoE, select_experts
+
+RECIPES = {"awq": {"scheme": "w4a16-rtn", "group_size": 32}, "awq-asym": {"scheme": "w4a16-rtn", "group_size": 32,
+                                                                          "symmetric": False}, "nvfp4": "nvfp4"}
+
+
+def _float_experts_reference(quantized, original):
+    """`quantized` with the routed experts of every MoE block replaced by HF's experts module of `original` holding
+    the dequantized weights (the kept experts only, for a pruned block)."""
+    ref = copy.deepcopy(quantized)
+    for (_, block), (_, hf_block) in zip(models.moe_blocks(ref), models.moe_blocks(original)):
+        n = hf_block.experts.gate_up_proj.shape[0]
+        kept = block.kept_original_ids() if isinstance(block, PrunedMoE) else torch.arange(n)
+        hf = select_experts(hf_block.experts, kept)
+        gate_up, down = block.experts.dequantized_weights(torch.float32)
+        hf.gate_up_proj.data.copy_(gate_up)
+        hf.down_proj.data.copy_(down)
+        block.experts = hf
+    return ref
+
+
+def _embedding_grad(model, tokens):
+    emb = model.model.embed_tokens(tokens).detach().requires_grad_(True)
+    out = model(inputs_embeds=emb).logits
+    out.float().square().mean().backward()
+    return out.detach().float(), emb.grad.float()
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _check_against_reference(quantized, original, dtype):
+    ref = _float_experts_reference(quantized, original)
+    tokens = torch.randint(0, original.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    out, grad = _embedding_grad(quantized, tokens)
+    ref_out, ref_grad = _embedding_grad(ref, tokens)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert _rel(out, ref_out) < tol, _rel(out, ref_out)
+    assert _rel(grad, ref_grad) < tol, _rel(grad, ref_grad)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_deepseek_v3_backpropagates_through_its_experts(recipe, dtype):
+    original = models.build("deepseek_v3", dtype=dtype)
+    quantized = torchforge.quantize(copy.deepcopy(original), RECIPES[recipe])
+    assert any(type(b.experts).__name__ in ("ForgeAWQExperts", "NVFP4Experts") for _, b in models.moe_blocks(quantized))
+    _check_against_reference(quantized, original, dtype)
+
+
+@pytest.mark.parametrize("mode", ["drop", "reroute"])
+def test_pruned_quantized_model_backpropagates(mode):
+    original = models.build("deepseek_v3")
+    quantized = torchforge.quantize(copy.deepcopy(original), RECIPES["awq"])
+    # keep 5 of 8 experts (two of each routing group at least, as reroute's group-limited top-k needs)
+    row = torch.tensor([[0, -1, 1, 2, -1, 3, 4, -1]], dtype=torch.int32)
+    torchforge.prune_experts(quantized, row, mode=mode)
+    assert all(isinstance(b, PrunedMoE) for _, b in models.moe_blocks(quantized))
+    _check_against_reference(quantized, original, torch.float32)
+
+
+def test_router_gradient_flows_through_the_quantized_experts():
+    """The router's weight gets the gradient that the float-experts reference gives it (top-k weights requiring grad)."""
+    original = models.build("deepseek_v3")
+    quantized = torchforge.quantize(copy.deepcopy(original), RECIPES["awq"])
+    ref = _float_experts_reference(quantized, original)
+    tokens = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for m in (quantized, ref):
+        m.zero_grad()
+        m(tokens).logits.square().mean().backward()
+        grads.append(models.moe_blocks(m)[0][1].gate.weight.grad)
+    assert grads[0].abs().sum() > 0
+    assert _rel(grads[0], grads[1]) < 1e-4
