@@ -58,9 +58,10 @@
 //   - Twice the consumer warps ((64, 1), four warpgroups) gained nothing.
 //   - (256, 1) with one warpgroup was bound by its copies from L2 (a 32 KB x tile per 64 columns and chunk); two
 //     warpgroups sharing it took 7168x7168 at 256 rows from 0.074 to 0.056 ms (twenty-sixth session). Clusters of two
-//     such blocks sharing their stages by multicast bulk copies (commit 1767af8) were 1.3-1.7x slower, but released
-//     stages with mbarrier.arrive.release.cluster, a MEMBAR.ALL.GPU per warp and stage (CUTLASS's plain
-//     mbarrier.arrive.shared::cluster has none): open, see bench/multicast_rate.cu.
+//     such blocks sharing their stages by multicast bulk copies were 1.3-1.7x slower with a fenced remote release
+//     (mbarrier.arrive.release.cluster: a MEMBAR.ALL.GPU per warp and stage; commit 1767af8), and still 1-17% slower
+//     with CUTLASS's plain mbarrier.arrive.shared::cluster (commit 0a508fe, (192, 1) too), though alone such copies
+//     fill a ring 1.7x faster than plain ones (bench/multicast_rate.cu; twenty-seventh session).
 // * Grouped form for MoE prefill (GROUPED, op awq_wgmma_moe_cuda): the routed rows sorted by expert into blocks of BM
 //   (moe_align), the x image gathered from them, each tile on its block's expert's weights, fp32 sums scattered back to
 //   the routed rows. With many rows per expert this decodes each weight once per 64 rows instead of once per 8 or 16
