@@ -105,9 +105,15 @@ def test_every_tile_in_slices_at_few_rows():
             assert best_wgmma_config(64, k, n)[0] == (64, 2, splits, 0)
     assert wgmma_split_time_us(64, 7168, 18432, (64, 2), 3) < wgmma_time_us(64, 7168, 18432, (64, 2))
     # up to 256 rows since the twenty-sixth session (7168x7168 at 256 rows: (256, 1) in 2 slices, 0.056 ms against
-    # 0.080 whole; the estimate 0.057); not past it (unmeasured), nor more slices than chunks
+    # 0.080 whole; the estimate 0.057); past it only in one round of blocks up to 512 rows (twenty-seventh session:
+    # 4096x14336 at 512 rows, 64 tiles of (256, 1) in 2 slices, 0.109 ms against stream-K's 0.122; 18432x7168 at 384
+    # rows in 3 slices of (128, 2), 3 rounds, was slower than whole tiles); nor more slices than chunks
     assert abs(wgmma_split_time_us(256, 7168, 7168, (256, 1), 2) - 57) < 3
     assert wgmma_split_time_us(257, 7168, 18432, (128, 2), 2) == float("inf")
+    assert wgmma_split_time_us(384, 7168, 18432, (128, 2), 3) == float("inf")
+    assert wgmma_blocks(512, 4096, (256, 1)) * 2 <= 132 and abs(wgmma_split_time_us(512, 14336, 4096, (256, 1), 2) - 109) < 10
+    assert best_wgmma_config(512, 14336, 4096)[0] == (256, 1, 2, 0)
+    assert wgmma_split_time_us(513, 14336, 4096, (256, 1), 2) == float("inf")
     assert wgmma_split_time_us(64, 128, 18432, (64, 2), 3) == float("inf")
 
 
@@ -148,8 +154,8 @@ class TestDispatchTable(expecttest.TestCase):
 18432x7168        -  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/sk 192x1/sk 192x1/sk 192x1/sk 256x1/4t    128x2 256x1/4t        -
  7168x7168        -        -   64x2/4   64x2/4        -  128x2/4  128x2/4  192x1/2  192x1/2  192x1/2  256x1/2    192x1    256x1        -
 14336x4096        -        -   64x2/2   64x2/2  128x2/2  128x2/2  128x2/2    192x1    192x1    192x1    256x1    192x1    256x1        -
-4096x14336        -        -        -        -        -   64x2/4   64x2/4  192x1/4  192x1/4  192x1/4  256x1/4 192x1/sk 256x1/sk        -
- 4096x4096        -        -        -        -        -        -        -  192x1/4  192x1/4  192x1/4        -        -        -        -""")
+4096x14336        -        -        -        -        -   64x2/4   64x2/4  192x1/4  192x1/4  192x1/4  256x1/4  192x1/2  256x1/2        -
+ 4096x4096        -        -        -        -        -        -        -  192x1/4  192x1/4  192x1/4        -  192x1/2  256x1/2        -""")
 
 
 def test_stream_k():

@@ -204,6 +204,9 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 #   at 256 rows in 2 K slices 0.056 against 0.074, 18432x7168 at 512 rows 0.232 against 0.258. (192, 1), the same
 #   block on 192 rows, takes 129-192 rows and some 384s: 18432x7168 at 192 rows 0.108 against 0.124, 7168x7168 at 384
 #   0.081 against 0.090, 4096x4096 at 129-192 0.027-0.028 against dequantize + cuBLAS's 0.031-0.033.
+# - Every tile in 2 K slices at 257-512 rows where they fit in one round (twenty-seventh session): 4096x14336 and
+#   4096x12288 at 320-512 rows 0.077-0.109 against stream-K's 0.085-0.122; 4096x4096 at 384 rows 0.034 against
+#   dequantize + cuBLAS's 0.037, but at 512 0.041 against its 0.039 (the model has cuBLAS at 0.046 there).
 WGMMA_MIN_ROWS = 32
 WGMMA_MAX_M = 512
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (192, 1), (256, 1))  # (rows of x per block, column tiles per warp)
@@ -212,8 +215,8 @@ _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (192, 1), (256, 1))  # (rows of x p
 def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool, int]:
     """(block_m, tile_set, splits, group_m, producer_warp, dp_tiles) for x [m, k] and n output columns on `sms` SMs:
     what the time model (awq_wgmma_cost) finds fastest, warp-specialized: whole tiles, the tiles of a last, nearly
-    empty round of blocks in K slices (dp_tiles > 0), up to 256 rows every tile in K slices (dp_tiles = 0), or
-    stream-K (splits 0)."""
+    empty round of blocks in K slices (dp_tiles > 0), every tile in K slices (dp_tiles = 0; up to 256 rows, up to 512 in
+    one round of blocks), or stream-K (splits 0)."""
     (block_m, tile_set, splits, dp_tiles), _ = best_wgmma_config(int(m), int(k), int(n), sms)  # see wgmma_rows_ok
     return block_m, tile_set, splits, 8, True, dp_tiles
 

@@ -64,8 +64,14 @@ SPLIT_FIXED_US = 2.0
 SPLIT_ROUND_US = 3.0
 SPLIT_US_PER_SLICE = 3.0
 # (Up to 128 rows until the twenty-sixth session. Two-warpgroup (256, 1) blocks on 7168x7168 at 256 rows: 56 tiles in 2
-# slices, 0.056 ms against 0.080 whole; the estimate 0.057.)
+# slices, 0.056 ms against 0.080 whole; the estimate 0.057.) Up to SPLIT_ONE_ROUND_MAX_M rows where all the slices run
+# in one round (twenty-seventh session: 4096x14336 and 4096x12288 at 320-512 rows, 64 tiles of (192, 1) or (256, 1) in
+# 2 slices, 0.077-0.109 ms against stream-K's 0.085-0.122, estimated within 8% low; where they took several rounds,
+# 18432x7168 and 7168x18432 at 320-384 rows, (128, 2) in 3 slices measured slower than whole tiles, though the
+# estimate had them 2-9% faster). 512: the dispatch's last row for the kernel (awq_mma_cuda.WGMMA_MAX_M) and the
+# sweeps' (past it the model would send 2048x7168 at 748-1024 rows to one round of slices, never measured).
 SPLIT_MAX_M = 256
+SPLIT_ONE_ROUND_MAX_M = 512
 # Stream-K (splits 0, twenty-first session): one block per SM, each running an equal share of the (tile, pair of
 # chunks) units, so no SM idles through a partial last round; a tile cut between blocks costs fp32 partials and a
 # reduction by its last block, in part order. Per shape (fixed us, us per chunk per SM, us per part of a tile), fitted
@@ -140,12 +146,12 @@ def wgmma_tail_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: i
 
 
 def wgmma_split_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: int, sms: int = H100_SMS) -> float:
-    """Estimated microseconds with every tile in `splits` K slices (inf past SPLIT_MAX_M rows, or where K has fewer
-    than `splits` chunks of 64)."""
+    """Estimated microseconds with every tile in `splits` K slices (inf past SPLIT_MAX_M rows, or SPLIT_ONE_ROUND_MAX_M
+    where the slices run in one round, or where K has fewer than `splits` chunks of 64)."""
     chunks = k // 64
-    if m > SPLIT_MAX_M or splits > chunks:
-        return float("inf")
     rounds = -(-wgmma_blocks(m, n, shape) * splits // sms)
+    if m > (SPLIT_ONE_ROUND_MAX_M if rounds == 1 else SPLIT_MAX_M) or splits > chunks:
+        return float("inf")
     return (WGMMA_FIXED_US + rounds * (-(-chunks // splits) * WGMMA_US_PER_CHUNK[shape] + SPLIT_ROUND_US)
             + SPLIT_FIXED_US + SPLIT_US_PER_SLICE * splits * _block_outputs(shape) / (128 * 256))
 
