@@ -199,3 +199,49 @@ def test_opcheck(op):
     torch.library.opcheck(getattr(torch.ops.torchforge, op), args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
+
+
+def _cuda(*ts):
+    return tuple(t.cuda() if isinstance(t, torch.Tensor) else (_cuda(*t) if isinstance(t, tuple) else t) for t in ts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gradients_on_cuda(dtype):
+    """The backward on the GPU (torch._grouped_mm's bf16 kernel, or its fallback for fp16) through the CUDA forwards:
+    the AWQ-layout grouped GEMM, its gate_up / down_combine halves, and the mma-layout experts op with a shared
+    expert; fp16 scales with fp16 x, as the kernels take them."""
+    x, ids, weights, gate_up, down, extra, gu, dn = _mma_case(shared=True)
+    (gu_q, gu_s, gu_z), gu_awq = _awq_experts(2 * I, H, 1)
+    (dn_q, dn_s, dn_z), dn_awq = _awq_experts(H, I, 2)
+    scale = torch.float16 if dtype == torch.float16 else dtype
+    gate_up = (gate_up[0], gate_up[1].to(scale), gate_up[2])
+    down = (down[0], down[1].to(scale), down[2])
+    extra = tuple((q, s.to(scale), z) for q, s, z in extra)
+    gu_s, dn_s = gu_s.to(scale), dn_s.to(scale)
+    x = x.detach().to(dtype).cuda().requires_grad_(True)
+    weights = weights.detach().cuda().requires_grad_(True)
+    ids, gu, dn, gu_awq, dn_awq = _cuda(ids, gu, dn, gu_awq, dn_awq)
+    gate_up, down, extra = _cuda(gate_up, down, extra)
+    gu_q, gu_s, gu_z, dn_q, dn_s, dn_z = _cuda(gu_q, gu_s, gu_z, dn_q, dn_s, dn_z)
+
+    # the reference uses the weights as the ops round them: dequantized with the scales in `scale`, in x's dtype
+    def ref(t):
+        return t.to(dtype).float()
+
+    xr, wr = x.detach().float().requires_grad_(True), weights.detach().requires_grad_(True)
+    want_x, want_w = _grads(_ref_down_combine(_ref_gate_up_silu(xr, ids, ref(gu)), ids, wr, ref(dn)), [xr, wr])
+    out = awq_mma_moe_experts(x, ids, weights, gate_up, down, G, K, extra)
+    _close(_grads(out, [x, weights]), [want_x.to(dtype), want_w], 3e-2)
+
+    plain = ids.clamp(max=E - 2)  # AWQ-layout ops: routed experts only
+    (want,) = _grads(_ref_rows(xr, plain, ref(gu_awq), K), [xr])
+    _close(_grads(ops.awq_moe_gemm(x, plain, gu_q, gu_s, gu_z, G, K), [x]), [want.to(dtype)], 3e-2)
+    h = ops.awq_moe_gate_up_silu(x, plain, gu_q, gu_s, gu_z, G, K)
+    (want,) = _grads(_ref_gate_up_silu(xr, plain, ref(gu_awq)), [xr])
+    _close(_grads(h, [x]), [want.to(dtype)], 3e-2)
+    h = h.detach().requires_grad_(True)
+    hr = h.detach().float().requires_grad_(True)
+    want = _grads(_ref_down_combine(hr, plain, wr, ref(dn_awq)), [hr, wr])
+    out = ops.awq_moe_down_combine(h, plain, weights, dn_q, dn_s, dn_z, G)
+    _close(_grads(out, [h, weights]), [want[0].to(dtype), want[1]], 3e-2)
