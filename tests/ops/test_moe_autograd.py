@@ -44,7 +44,7 @@ def _ref_down_combine(h, ids, weights, w):
 
 def _grads(out, inputs, seed=3):
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
-    return torch.autograd.grad(out.float(), inputs, g.to(out.dtype))
+    return torch.autograd.grad(out.float(), inputs, g.to(out.device, out.dtype))
 
 
 def _close(got, want, tol):
@@ -206,15 +206,15 @@ def _cuda(*ts):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gradients_on_cuda(dtype):
+@pytest.mark.parametrize("dtype,scale", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16),
+                                         (torch.float16, torch.float16)])
+def test_gradients_on_cuda(dtype, scale):
     """The backward on the GPU (torch._grouped_mm's bf16 kernel, or its fallback for fp16) through the CUDA forwards:
     the AWQ-layout grouped GEMM, its gate_up / down_combine halves, and the mma-layout experts op with a shared
-    expert; fp16 scales with fp16 x, as the kernels take them."""
+    expert; the scale dtypes the kernels take (fp16 with either x, as AWQ checkpoints hold them; bf16 with bf16)."""
     x, ids, weights, gate_up, down, extra, gu, dn = _mma_case(shared=True)
     (gu_q, gu_s, gu_z), gu_awq = _awq_experts(2 * I, H, 1)
     (dn_q, dn_s, dn_z), dn_awq = _awq_experts(H, I, 2)
-    scale = torch.float16 if dtype == torch.float16 else dtype
     gate_up = (gate_up[0], gate_up[1].to(scale), gate_up[2])
     down = (down[0], down[1].to(scale), down[2])
     extra = tuple((q, s.to(scale), z) for q, s, z in extra)
@@ -245,3 +245,32 @@ def test_gradients_on_cuda(dtype):
     want = _grads(_ref_down_combine(hr, plain, wr, ref(dn_awq)), [hr, wr])
     out = ops.awq_moe_down_combine(h, plain, weights, dn_q, dn_s, dn_z, G)
     _close(_grads(out, [h, weights]), [want[0].to(dtype), want[1]], 3e-2)
+
+
+def test_grouped_mm_any_dtype_opcheck():
+    """The fp32 / fp16 grouped GEMM of the backward (a shape-only fake where aten's takes bf16 only): opcheck, and the
+    same product as one matmul per group."""
+    from torchforge.ops.moe_autograd import _grouped_mm_any_dtype
+
+    g = torch.Generator().manual_seed(0)
+    rows, weight = torch.randn(7, 16, generator=g), torch.randn(3, 16, 8, generator=g)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)  # the middle group is empty
+    torch.library.opcheck(_grouped_mm_any_dtype, (rows, weight, offs))
+    want = torch.cat([rows[:2] @ weight[0], rows[2:] @ weight[2]])
+    torch.testing.assert_close(_grouped_mm_any_dtype(rows, weight, offs), want)
+
+
+def test_experts_dequantized_in_chunks_give_the_same_gradient(monkeypatch):
+    """The backward dequantizes a bounded number of experts at a time (moe_autograd._CHUNK_WEIGHTS): one expert a
+    chunk gives the same bits as all at once."""
+    import torchforge.ops.moe_autograd as moe_autograd
+
+    x, ids, weights = _case()
+    (gu_q, gu_s, gu_z), _ = _awq_experts(2 * I, H, 1)
+
+    def grad():
+        return _grads(ops.awq_moe_gemm(x, ids, gu_q, gu_s, gu_z, G, K), [x])[0]
+
+    whole = grad()
+    monkeypatch.setattr(moe_autograd, "_CHUNK_WEIGHTS", 2 * I * H)
+    assert torch.equal(grad(), whole)

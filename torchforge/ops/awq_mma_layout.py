@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torchforge.ops._chunks import map_leading_chunks
 from torchforge.ops.awq_reference import awq_pack_ref, awq_unpack_ref, w4a16_linear_ref
 
 __all__ = ["awq_to_mma_layout", "mma_layout_to_awq", "awq_mma_linear_ref", "check_mma_layout_shape",
@@ -50,15 +51,9 @@ _CHUNK_WEIGHTS = 1 << 27  # matrices converted at a time along the leading dims:
 def _by_chunks(fn, t: Tensor, out_shape: tuple, weights_per_matrix: int) -> Tensor:
     """fn over the leading dims of t in chunks (load time, not a hot path): the temporaries stay bounded whatever
     the number of experts (all 256 experts of a DeepSeek-V3 layer at once needed 28 GB)."""
-    lead = t.shape[:-2]
     flat = t.reshape(-1, *t.shape[-2:])
-    step = max(1, _CHUNK_WEIGHTS // max(1, weights_per_matrix))
-    if flat.shape[0] <= step:
-        return fn(t)
-    out = torch.empty((flat.shape[0], *out_shape), dtype=torch.int32, device=t.device)
-    for i in range(0, flat.shape[0], step):
-        out[i:i + step] = fn(flat[i:i + step])
-    return out.reshape(*lead, *out_shape)
+    out = map_leading_chunks(fn, (flat,), out_shape, weights_per_matrix, _CHUNK_WEIGHTS, torch.int32)
+    return out.reshape(*t.shape[:-2], *out_shape)
 
 
 def awq_to_mma_layout(qweight: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchforge.ops.awq_reference import _is_traced
+from torchforge.ops._chunks import map_leading_chunks
 
 
 def _rows_times_experts(rows: Tensor, expert_ids: Tensor, weight: Tensor) -> Tensor:
@@ -32,13 +32,23 @@ def _rows_times_experts(rows: Tensor, expert_ids: Tensor, weight: Tensor) -> Ten
     valid = (ids >= 0) & (ids < num_experts)
     ids = torch.where(valid, ids, 0)
     rows = torch.where(valid[:, None], rows.to(weight.dtype), 0)  # where, not a product: NaN rows become 0
-    if weight.dtype != torch.bfloat16 and _is_traced(rows, weight):
-        # aten._grouped_mm's fake implementation takes bf16 only: traced fp32 multiplies with one weight per row
-        return torch.bmm(rows.float()[:, None], weight.float()[ids]).squeeze(1)
     order = torch.argsort(ids, stable=True)
     offs = torch.searchsorted(ids[order], torch.arange(num_experts, device=ids.device), right=True)
-    out = torch._grouped_mm(rows[order], weight, offs=offs.to(torch.int32))
+    mm = torch._grouped_mm if weight.dtype == torch.bfloat16 else _grouped_mm_any_dtype
+    out = mm(rows[order], weight, offs=offs.to(torch.int32))
     return torch.empty_like(out).index_copy_(0, order, out).float()
+
+
+@torch.library.custom_op("torchforge::_grouped_mm_any_dtype", mutates_args=())
+def _grouped_mm_any_dtype(rows: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
+    """torch._grouped_mm for fp32 / fp16, whose aten fake takes bf16 only: a shape-only fake instead of a gather of
+    one [A, B] weight per row under torch.compile."""
+    return torch._grouped_mm(rows, weight, offs=offs)
+
+
+@_grouped_mm_any_dtype.register_fake
+def _(rows, weight, offs):
+    return rows.new_empty((rows.shape[0], weight.shape[-1]))
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -80,10 +90,17 @@ def _combine_grads(needs_h: bool, needs_w: bool, grad_out: Tensor, h: Tensor, ex
 
 
 # ------------------------------------------------------------------------------------ dequantized experts [E, N, K]
+# Experts dequantized at a time: the reference dequantization holds about 20 bytes a weight of temporaries (a whole
+# DeepSeek-V3 layer's gate_up at once: about 150 GB), the result 2 (bf16) or 4.
+_CHUNK_WEIGHTS = 1 << 26
+
+
 def _awq(qweight, scales, qzeros, group_size, dtype):
     from torchforge.ops import awq_dequantize
 
-    return awq_dequantize(qweight, scales.float(), qzeros, group_size).to(dtype)
+    ic, oc = qweight.shape[1], qweight.shape[2] * 8
+    return map_leading_chunks(lambda q, s, z: awq_dequantize(q, s.float(), z, group_size).to(dtype),
+                              (qweight, scales, qzeros), (oc, ic), ic * oc, _CHUNK_WEIGHTS, dtype)
 
 
 def _awq_mma(qweight_mma, scales, qzeros, group_size, dtype, shared=(None, None, None)):
@@ -98,7 +115,9 @@ def _awq_mma(qweight_mma, scales, qzeros, group_size, dtype, shared=(None, None,
 def _nvfp4(packed, scales, weight_scale_2, dtype):
     from torchforge.ops import nvfp4_dequantize
 
-    return nvfp4_dequantize(packed, scales, weight_scale_2, torch.float32).to(dtype)
+    n, k = packed.shape[1], packed.shape[2] * 2
+    return map_leading_chunks(lambda p, s, s2: nvfp4_dequantize(p, s, s2, torch.float32).to(dtype),
+                              (packed, scales, weight_scale_2), (n, k), n * k, _CHUNK_WEIGHTS, dtype)
 
 
 # --------------------------------------------------------------------------------------------------- backwards
