@@ -8,7 +8,7 @@ learns through them. Rows whose expert id lies outside [0, E) (E counting a shar
 forwards raise on them and CUDA forwards write NaN rows, which must not leak into the gradient of x or of the weights.
 
 The backward multiplies with the dequantized experts [E, N, K] (all of a layer's experts, transiently: a copy of the
-layer's weights in bf16 / fp32) through one grouped GEMM over the rows sorted by expert (`torch._grouped_mm`): no Python
+layer's weights in bf16 / fp32, dequantized a bounded chunk of experts at a time) through one grouped GEMM over the rows sorted by expert (`torch._grouped_mm`): no Python
 loop over experts and no per-row copy of a weight; the sort needs no host sync (PyTorch's own grouped-GEMM fallback,
 taken for non-bf16 inputs and GPUs before Hopper, reads the offsets on the host). bf16 activations multiply in bf16 as
 their forward does; other dtypes in fp32. The pre-activations of SiLU(gate) * up and the down rows that the router
