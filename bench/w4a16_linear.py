@@ -22,6 +22,7 @@ configurations (`--best`: the fastest and the default per M).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -232,6 +233,30 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
             print("done", shape, M, flush=True)
     out.sort(key=lambda r: (r[0], r[1], r[7]))
     L2Rotation.stop()
+    return out
+
+
+def dispatch_audit(rows: list, takes_wgmma, decode_max_m: int) -> list:
+    """Per matrix and M of a wgmma sweep's rows: the path awq_mma_linear dispatches to (the Hopper kernel where
+    `takes_wgmma(m, k, n)`, else the decode kernel up to `decode_max_m` rows, else dequantize + cuBLAS), its time, the
+    fastest path measured (any swept kernel configuration, the decode kernel, dequantize + cuBLAS) and the ratio of
+    the two: where the time model's choice is off, and by how much (1.00: it took the fastest)."""
+    out = []
+    for (shape, m), group in itertools.groupby(rows, key=lambda r: (r[0], r[1])):
+        group = list(group)
+        n, k = map(int, shape.split("x"))
+        times = {f"wgmma {r[2]}x{r[3]}/{r[4]} {r[5]}".rstrip(): r[7] for r in group}
+        times["decode kernel"], times["dequant+cuBLAS"] = group[0][12], group[0][13]
+        default = next((r[7] for r in group if r[6] == "*"), float("nan"))
+        if takes_wgmma(m, k, n):
+            path, t_path = "wgmma (default)", default
+        elif m <= decode_max_m:
+            path, t_path = "decode kernel", times["decode kernel"]
+        else:
+            path, t_path = "dequant+cuBLAS", times["dequant+cuBLAS"]
+        measured = {name: t for name, t in times.items() if t == t}  # NaN: not run at this M
+        best = min(measured, key=measured.get)
+        out.append([shape, m, path, t_path, best, measured[best], t_path / measured[best]])
     return out
 
 
@@ -531,6 +556,12 @@ def main() -> int:
     if args.wgmma_sweep:
         wrows = wgmma_sweep(args.shapes, args.wgmma_sweep, args.wgmma_ws, args.wgmma_only,
                             args.wgmma_splits, args.wgmma_tail)
+        from torchforge.ops.awq_mma_cuda import MMA_CUDA_MAX_M, wgmma_rows_ok
+
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        print("\nDispatch audit: awq_mma_linear's path against the fastest measured (same run):")
+        print(markdown_table(["W", "M", "dispatched", "ms", "fastest", "ms", "dispatched / fastest"],
+                             dispatch_audit(wrows, lambda m, k, n: wgmma_rows_ok(m, k, n, sms), MMA_CUDA_MAX_M)))
         if args.best:
             wrows = [r for i, r in enumerate(wrows) if i == 0 or r[:2] != wrows[i - 1][:2] or r[6] == "*"]
         return _report(wrows,

@@ -1,0 +1,32 @@
+"""bench/w4a16_linear.py's dispatch audit (CPU, rows shaped like a wgmma sweep's): the path the dispatch takes, its
+time, the fastest measured path and their ratio."""
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
+import w4a16_linear  # noqa: E402
+
+NAN = float("nan")
+
+
+def _row(shape, m, cfg, kind, default, ms, decode, dequant):
+    # the sweep's columns: W, M, block_m, tile_set, splits, kernel, default, ms, model ms, TFLOP/s, int4 GB/s, bf16 ms,
+    # decode kernel ms, dequant+cuBLAS ms, tinygemm ms, bf16/ms, rel err
+    return [shape, m, *cfg, kind, default, ms, NAN, 0.0, 0.0, 0.1, decode, dequant, NAN, 1.0, "1e-3"]
+
+
+def test_audit_names_the_dispatched_and_the_fastest_path():
+    rows = [  # sorted by (W, M, ms), as wgmma_sweep returns them
+        _row("3072x7168", 300, (192, 1, 2), "ws", "", 0.046, NAN, 0.054),
+        _row("3072x7168", 300, (64, 2, 0), "stream-K", "*", 0.049, NAN, 0.054),
+        _row("4096x4096", 64, (64, 2, 4), "ws", "*", 0.020, 0.018, 0.030),
+        _row("4096x4096", 512, (256, 1, 2), "ws", "*", 0.041, NAN, 0.039),
+    ]
+    taken = {("3072x7168", 300): False, ("4096x4096", 64): False, ("4096x4096", 512): True}
+    audit = w4a16_linear.dispatch_audit(rows, lambda m, k, n: taken[(f"{n}x{k}", m)], decode_max_m=128)
+    assert [r[:3] for r in audit] == [["3072x7168", 300, "dequant+cuBLAS"], ["4096x4096", 64, "decode kernel"],
+                                      ["4096x4096", 512, "wgmma (default)"]]
+    assert [r[4] for r in audit] == ["wgmma 192x1/2 ws", "decode kernel", "dequant+cuBLAS"]
+    assert math.isclose(audit[0][6], 0.054 / 0.046) and audit[1][6] == 1.0
+    assert math.isclose(audit[2][6], 0.041 / 0.039)
