@@ -40,9 +40,11 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def _check_against_reference(quantized, original, dtype):
-    ref = _float_experts_reference(quantized, original)
+def _check_against_reference(quantized, original, dtype, device="cpu"):
+    ref = _float_experts_reference(quantized, original).to(device)
+    quantized = quantized.to(device)
     tokens = torch.randint(0, original.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
     out, grad = _embedding_grad(quantized, tokens)
     ref_out, ref_grad = _embedding_grad(ref, tokens)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -58,6 +60,16 @@ def test_quantized_deepseek_v3_backpropagates_through_its_experts(recipe, dtype)
     quantized = torchforge.quantize(copy.deepcopy(original), RECIPES[recipe])
     assert any(type(b.experts).__name__ in ("ForgeAWQExperts", "NVFP4Experts") for _, b in models.moe_blocks(quantized))
     _check_against_reference(quantized, original, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["awq", "nvfp4"])
+def test_backpropagates_on_cuda(recipe):
+    """The same on the GPU in bf16: the CUDA / Triton forwards of the expert ops, and the backward's bf16 grouped
+    GEMM."""
+    original = models.build("deepseek_v3", dtype=torch.bfloat16)
+    quantized = torchforge.quantize(copy.deepcopy(original), RECIPES[recipe])
+    _check_against_reference(quantized, original, torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("mode", ["drop", "reroute"])
