@@ -62,6 +62,27 @@ def test_quantized_deepseek_v3_backpropagates_through_its_experts(recipe, dtype)
     _check_against_reference(quantized, original, dtype)
 
 
+def test_mma_layout_backpropagates_through_the_fused_experts_op():
+    """Experts on the mma layout (dims and group size multiples of 64) take awq_mma_moe_experts in training too: the
+    same gradients, and no conversion of the experts to the AWQ layout on the way."""
+    original = models.build("deepseek_v3", hidden_size=128, moe_intermediate_size=64)
+    recipe = {"scheme": "w4a16-rtn", "group_size": 64, "ignore": ["lm_head", "re:.*self_attn.*"]}  # MLA dims of 32
+    quantized = torchforge.quantize(copy.deepcopy(original), recipe)
+    assert torchforge.use_mma_layout(quantized) > 0
+    experts = [b.experts for _, b in models.moe_blocks(quantized)]
+    assert all(e.weight_layout == "mma" for e in experts)
+    calls = []
+    for e in experts:
+        e.awq_qweights = lambda real=e.awq_qweights: calls.append(1) or real()
+    ref = _float_experts_reference(quantized, original)  # (reads the AWQ-layout weights once, before the check)
+    calls.clear()
+    tokens = torch.randint(0, original.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    out, grad = _embedding_grad(quantized, tokens)
+    assert not calls
+    ref_out, ref_grad = _embedding_grad(ref, tokens)
+    assert _rel(out, ref_out) < 1e-4 and _rel(grad, ref_grad) < 1e-4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("recipe", ["awq", "nvfp4"])
 def test_backpropagates_on_cuda(recipe):

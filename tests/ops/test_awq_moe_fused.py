@@ -125,9 +125,10 @@ def test_zero_tokens():
     assert h.shape == (0, I) and out.shape == (0, H)
 
 
-def test_experts_module_takes_the_fused_ops_and_falls_back_for_router_gradients(monkeypatch):
-    """No gradient needed: ForgeAWQExperts runs the two fused ops. Router weights that need a gradient: the
-    PyTorch epilogue, whose gradient w.r.t. the weights is each pick's down-projection output."""
+def test_experts_module_takes_the_fused_ops_with_router_gradients_too(monkeypatch):
+    """ForgeAWQExperts runs the two fused ops, with no gradient needed and with router weights that need one (the
+    ops' backward, ops/moe_autograd.py, since the twenty-seventh session; a PyTorch epilogue before): the gradient
+    w.r.t. the weights is each pick's down-projection output."""
     import torchforge.nn.awq_experts as mod
     from torchforge.nn import ForgeAWQExperts
 
@@ -145,7 +146,7 @@ def test_experts_module_takes_the_fused_ops_and_falls_back_for_router_gradients(
     assert calls == [1]
     w_grad = w.clone().requires_grad_(True)
     out = experts(x, ids, w_grad)
-    assert calls == [1]  # the fallback did not call the fused op
+    assert calls == [1, 1]  # the fused op again
     torch.testing.assert_close(out, fused)
     out.sum().backward()
     h = awq_moe_gate_up_silu(x, ids.reshape(-1), experts.gate_up_qweight, experts.gate_up_scales,

@@ -156,10 +156,13 @@ class ForgeAWQExperts(nn.Module):
         T, k = top_k_index.shape
         G = self.group_size
         flat_ids = top_k_index.reshape(-1)  # row t*k + j is token t's j-th pick
-        fused = _is_silu(self.act_fn) and not (torch.is_grad_enabled() and top_k_weights.requires_grad)
+        # SiLU experts take the fused ops, in training too: they have gradients for x and the router weights
+        # (ops/moe_autograd.py), and on the mma layout the path below would convert every expert to the AWQ layout
+        # on each call
+        fused = _is_silu(self.act_fn)
         if shared is not None and not (fused and self.weight_layout == "mma"):
-            raise ValueError("ForgeAWQExperts: a shared expert is only taken on the mma layout with SiLU experts and "
-                             "no autograd through the router weights; add it separately")
+            raise ValueError("ForgeAWQExperts: a shared expert is only taken on the mma layout with SiLU experts; "
+                             "add it separately")
         if fused and self.weight_layout == "mma":
             # one op for both halves: where the rows are sorted by expert, gate_up and down share one sort
             return awq_mma_moe_experts(hidden_states, flat_ids, top_k_weights,
@@ -167,14 +170,12 @@ class ForgeAWQExperts(nn.Module):
                                        (self.down_qweight, self.down_scales, self.down_qzeros), G, k, shared)
         if fused:
             # the same computation as below as two ops, whose decode path fuses SiLU * up and the weighted sum
-            # into the GEMVs' split-K reduce kernels (awq_moe_fused.py). Their backward (ops/moe_autograd.py)
-            # recomputes the gate_up rows; router weights that need a gradient (training) take the path below,
-            # whose autograd keeps them from the forward instead
+            # into the GEMVs' split-K reduce kernels (awq_moe_fused.py)
             h = awq_moe_gate_up_silu(hidden_states, flat_ids, self.gate_up_qweight, self.gate_up_scales,
                                      self.gate_up_qzeros, G, k)
             return awq_moe_down_combine(h, flat_ids, top_k_weights, self.down_qweight, self.down_scales,
                                         self.down_qzeros, G)
-        gate_up_q, down_q = self.awq_qweights()  # other activations / autograd: AWQ layout (a copy on mma)
+        gate_up_q, down_q = self.awq_qweights()  # other activations: AWQ layout (a copy on mma)
         gate_up = awq_moe_gemm(hidden_states, flat_ids, gate_up_q, self.gate_up_scales, self.gate_up_qzeros, G, k)
         gate, up = gate_up.chunk(2, dim=-1)
         down = awq_moe_gemm(self.act_fn(gate) * up, flat_ids, down_q, self.down_scales, self.down_qzeros, G, 1)
