@@ -30,3 +30,12 @@ def test_audit_names_the_dispatched_and_the_fastest_path():
     assert [r[4] for r in audit] == ["wgmma 192x1/2 ws", "decode kernel", "dequant+cuBLAS"]
     assert math.isclose(audit[0][6], 0.054 / 0.046) and audit[1][6] == 1.0
     assert math.isclose(audit[2][6], 0.041 / 0.039)
+
+
+def test_a_config_swept_twice_counts_with_its_faster_time():
+    """A stream-K default is swept twice under one name (as the default and as the stream-K entry): the fastest
+    path is its faster time, so the ratio is never below 1."""
+    rows = [_row("7168x7168", 64, (64, 2, 0), "stream-K", "*", 0.049, 0.060, 0.090),
+            _row("7168x7168", 64, (64, 2, 0), "stream-K", "", 0.050, 0.060, 0.090)]
+    (audit,) = w4a16_linear.dispatch_audit(rows, lambda m, k, n: True, decode_max_m=128)
+    assert audit[2:] == ["wgmma (default)", 0.049, "wgmma 64x2/0 stream-K", 0.049, 1.0]

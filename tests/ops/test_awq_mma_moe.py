@@ -29,12 +29,14 @@ def _run(x, ids, w, gu, down, G, k):
     return h, awq_mma_moe_down_combine(h, ids, w, awq_to_mma_layout(down[0]), down[1], down[2], G)
 
 
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("chunked", [False, True, "under one matrix"])
 def test_batched_layout_round_trip(chunked, monkeypatch):
     import torchforge.ops.awq_mma_layout as layout
 
     if chunked:  # experts converted a few at a time (bounded temporaries), as for 256 DeepSeek-V3 experts
         monkeypatch.setattr(layout, "_CHUNK_WEIGHTS", 2 * H * I)
+    if chunked == "under one matrix":  # a chunk smaller than one matrix: one matrix a chunk (it recursed forever)
+        monkeypatch.setattr(layout, "_CHUNK_WEIGHTS", 64)
     gu, down = _experts(5, 64, "cpu")
     for qw in (gu[0], down[0]):
         mma = awq_to_mma_layout(qw)

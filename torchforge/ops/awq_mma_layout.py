@@ -65,7 +65,7 @@ def awq_to_mma_layout(qweight: Tensor) -> Tensor:
     *lead, ic, ocp = qweight.shape
     oc = ocp * 8
     check_mma_layout_shape(ic, oc, "awq_to_mma_layout")
-    if lead and qweight.numel() * 8 > _CHUNK_WEIGHTS:
+    if lead and qweight.numel() * 8 > max(_CHUNK_WEIGHTS, ic * oc):  # (one matrix a chunk at most: no recursion)
         return _by_chunks(awq_to_mma_layout, qweight, (oc // 64, ic * 8), ic * oc)
     codes = awq_unpack_ref(qweight).transpose(-1, -2)  # uint8 [..., OC, IC]
     nl = len(lead)
@@ -84,7 +84,7 @@ def mma_layout_to_awq(qweight_mma: Tensor) -> Tensor:
                          f"64, got {qweight_mma.dtype} {tuple(qweight_mma.shape)}")
     *lead, nb, k8 = qweight_mma.shape
     oc, ic = nb * 64, k8 // 8
-    if lead and qweight_mma.numel() * 8 > _CHUNK_WEIGHTS:
+    if lead and qweight_mma.numel() * 8 > max(_CHUNK_WEIGHTS, ic * oc):
         return _by_chunks(mma_layout_to_awq, qweight_mma, (ic, oc // 8), ic * oc)
     nl = len(lead)
     shifts = 4 * torch.arange(8, device=qweight_mma.device, dtype=torch.int32)

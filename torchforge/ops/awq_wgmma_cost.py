@@ -7,8 +7,9 @@ from 129), instead of row thresholds fitted to two matrix shapes.
 Why a model: a block of the kernel runs one output tile over the whole K, so its time is K / 64 chunks at a
 per-chunk cost of its block shape, and the GPU runs ceil(blocks / SMs) rounds of them. K slices cut a tile's chunks
 at the price of fp32 partials: for the tiles of a last, nearly empty round (wgmma_tail_time_us), and up to 256 rows
-for every tile, where few tiles would leave SMs idle (wgmma_split_time_us; twelfth session, once the split
-reduction was fixed: slicing every tile had lost in every sweep before). The block counts differ between the shapes:
+(512 where the slices fit in one round) for every tile, where few tiles would leave SMs idle (wgmma_split_time_us;
+twelfth session, once the split reduction was fixed: slicing every tile had lost in every sweep before). The block
+counts differ between the shapes:
 (256, 1) makes 2x as many blocks along the columns as (128, 2), (64, 2) 2x as many along the rows. A shape that
 leaves a last round nearly empty loses to one with fewer, bigger blocks (18432 columns at 256 rows: 288 blocks of
 (64, 2) take 3 rounds of 132, 144 of (128, 2) or (256, 1) take 2), and on narrow matrices every shape leaves SMs idle
@@ -177,7 +178,7 @@ def wgmma_stream_k_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: 
 def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int, int, int], float]:
     """((block_m, tile_set, splits, dp_tiles), estimated us) with the least estimated time: every block shape whole
     (splits 1, dp_tiles 0), with its last round's tiles in TAIL_SPLITS slices (dp_tiles > 0), with every tile in
-    SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows), or stream-K (splits 0, dp_tiles 0: one block per SM).
+    SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows, SPLIT_ONE_ROUND_MAX_M in one round), or stream-K (splits 0, dp_tiles 0: one block per SM).
     Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times), then to
     fewer slices."""
     options = []
