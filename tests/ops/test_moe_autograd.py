@@ -267,10 +267,14 @@ def test_experts_dequantized_in_chunks_give_the_same_gradient(monkeypatch):
 
     x, ids, weights = _case()
     (gu_q, gu_s, gu_z), _ = _awq_experts(2 * I, H, 1)
-
-    def grad():
-        return _grads(ops.awq_moe_gemm(x, ids, gu_q, gu_s, gu_z, G, K), [x])[0]
-
-    whole = grad()
+    mma_q = awq_to_mma_layout(gu_q)
+    packed, scales, s2 = ops.nvfp4_quantize(torch.randn(E, 2 * I, H, generator=torch.Generator().manual_seed(1)))
+    calls = {  # AWQ layout, mma layout (the halves' dequantization), NVFP4
+        "awq": lambda: ops.awq_moe_gemm(x, ids, gu_q, gu_s, gu_z, G, K),
+        "mma": lambda: awq_mma_moe_gate_up_silu(x, ids, mma_q, gu_s, gu_z, G, K),
+        "nvfp4": lambda: ops.nvfp4_grouped_linear(x, ids, packed, scales, s2, None, x_row_div=K),
+    }
+    whole = {name: _grads(f(), [x])[0] for name, f in calls.items()}
     monkeypatch.setattr(moe_autograd, "_CHUNK_WEIGHTS", 2 * I * H)
-    assert torch.equal(grad(), whole)
+    for name, f in calls.items():
+        assert torch.equal(_grads(f(), [x])[0], whole[name]), name
