@@ -163,13 +163,22 @@ def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8") -> l
 
 def _model_ms(m: int, k: int, n: int, cfg: tuple, sms: int) -> float:
     """The dispatch's time model (torchforge/ops/awq_wgmma_cost.py) for a swept WS configuration, to check its fit
-    against the measured column (nan where it has no estimate: non-WS kernels, every tile in K slices)."""
-    from torchforge.ops.awq_wgmma_cost import WGMMA_US_PER_CHUNK, wgmma_tail_time_us, wgmma_time_us
+    against the measured column (nan where it has no estimate: non-WS kernels, shapes without a fit, and inf where the
+    model rules a configuration out)."""
+    from torchforge.ops.awq_wgmma_cost import (WGMMA_US_PER_CHUNK, wgmma_split_time_us, wgmma_stream_k_time_us,
+                                               wgmma_tail_time_us, wgmma_time_us)
 
     shape, splits, ws, dp = tuple(cfg[:2]), cfg[2], cfg[4], (cfg[5] if len(cfg) > 5 else 0)
-    if not ws or shape not in WGMMA_US_PER_CHUNK or (splits != 1 and not dp):
+    if not ws or shape not in WGMMA_US_PER_CHUNK:
         return float("nan")
-    us = wgmma_tail_time_us(m, k, n, shape, splits, sms) if dp else wgmma_time_us(m, k, n, shape, sms)
+    if splits == 0:
+        us = wgmma_stream_k_time_us(m, k, n, shape, sms)
+    elif dp:
+        us = wgmma_tail_time_us(m, k, n, shape, splits, sms)
+    elif splits > 1:
+        us = wgmma_split_time_us(m, k, n, shape, splits, sms)
+    else:
+        us = wgmma_time_us(m, k, n, shape, sms)
     return us / 1e3
 
 

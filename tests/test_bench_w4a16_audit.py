@@ -39,3 +39,20 @@ def test_a_config_swept_twice_counts_with_its_faster_time():
             _row("7168x7168", 64, (64, 2, 0), "stream-K", "", 0.050, 0.060, 0.090)]
     (audit,) = w4a16_linear.dispatch_audit(rows, lambda m, k, n: True, decode_max_m=128)
     assert audit[2:] == ["wgmma (default)", 0.049, "wgmma 64x2/0 stream-K", 0.049, 1.0]
+
+
+def test_model_column_estimates_every_ws_config_kind():
+    """The sweep's "model ms" column: the time model's estimate for whole tiles, tail slices, every tile in slices and
+    stream-K (the ones the dispatch chooses between), nan for the kernel without the producer."""
+    from torchforge.ops import awq_wgmma_cost as cost
+
+    def model_us(m, k, n, cfg):
+        return w4a16_linear._model_ms(m, k, n, cfg, 132) * 1e3
+
+    m, k, n = 512, 14336, 4096
+    assert math.isclose(model_us(m, k, n, (256, 1, 1, 8, True)), cost.wgmma_time_us(m, k, n, (256, 1)))
+    assert math.isclose(model_us(m, k, n, (256, 1, 2, 8, True)), cost.wgmma_split_time_us(m, k, n, (256, 1), 2))
+    assert math.isclose(model_us(m, k, n, (256, 1, 0, 8, True, 0)), cost.wgmma_stream_k_time_us(m, k, n, (256, 1)))
+    assert math.isclose(model_us(512, 7168, 18432, (256, 1, 4, 8, True, 264)),
+                        cost.wgmma_tail_time_us(512, 7168, 18432, (256, 1), 4))
+    assert math.isnan(w4a16_linear._model_ms(m, k, n, (256, 1, 2, 8, False), 132))
