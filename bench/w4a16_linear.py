@@ -245,6 +245,33 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
     return out
 
 
+def cublas_fit(shapes: str, ms: str) -> list:
+    """The dequantize + cuBLAS fallback in its two parts (the mma-layout dequantization kernel alone, then x @ W.T in
+    cuBLAS on the dequantized weight) and together, against awq_wgmma_cost.dequant_cublas_time_us: the numbers to
+    refit that estimate from, which the dispatch compares with the kernels' estimates."""
+    from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.awq_wgmma_cost import dequant_cublas_time_us
+
+    out = []
+    for shape in shapes.split(","):
+        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+        mma = awq_to_mma_layout(qw)
+        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
+        t_dq = bench_graph_ms(lambda: launch_awq_mma_dequantize_t(mma, sc, qz, G, torch.bfloat16), rep_ms=50)
+        wt = launch_awq_mma_dequantize_t(mma, sc, qz, G, torch.bfloat16)
+        L2Rotation.active.add(wt)  # cuBLAS reads it from DRAM, as it would right after the dequantization
+        for M in map(int, ms.split(",")):
+            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+            t_mm = bench_graph_ms(lambda: x @ wt, rep_ms=50)
+            t_both = bench_graph_ms(lambda: x @ launch_awq_mma_dequantize_t(mma, sc, qz, G, x.dtype), rep_ms=50)
+            model = dequant_cublas_time_us(M, IC, OC) / 1e3
+            out.append([shape, M, t_dq, t_mm, t_both, model, model / t_both, 2 * M * OC * IC / t_mm / 1e9])
+        print("done", shape, flush=True)
+        L2Rotation.stop()
+    return out
+
+
 def dispatch_audit(rows: list, takes_wgmma, decode_max_m: int) -> list:
     """Per matrix and M of a wgmma sweep's rows: the path awq_mma_linear dispatches to (the Hopper kernel where
     `takes_wgmma(m, k, n)`, else the decode kernel up to `decode_max_m` rows, else dequantize + cuBLAS), its time, the
@@ -503,6 +530,8 @@ def main() -> int:
                     help="time the extension's batch-1 GEMV (csrc/awq_gemv.cu) over its configurations, then stop")
     ap.add_argument("--mma-cuda-sweep", default="",
                     help="M list: time the extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu), then stop")
+    ap.add_argument("--cublas-fit", default="", help="M list: time dequantize + cuBLAS in parts against the "
+                                                     "dispatch's estimate of it, then stop")
     ap.add_argument("--mma-splits", default="1,2,3,4,6,8", help="with --mma-cuda-sweep: the K slice counts tried")
     ap.add_argument("--mma-sweep", default="", help="M list: time the tensor-core kernel's configurations, then stop")
     ap.add_argument("--wgmma-sweep", default="",
@@ -559,6 +588,11 @@ def main() -> int:
                        ["W", "M", "bf16", "L0", "L1", "L2", "np", "bf16/L0", "bf16/L1", "bf16/L2", "bf16/np",
                         "bf16 norm", "L0 norm", "L1 norm", "L2 norm", "np norm", "bf16/L0 norm", "bf16/L1 norm",
                         "bf16/L2 norm", "bf16/np norm"])
+    if args.cublas_fit:
+        return _report(cublas_fit(args.shapes, args.cublas_fit),
+                       "dequantize + cuBLAS in parts (weights rotated, bf16 x, fp16 scales, CUDA graphs), ms, against "
+                       "the dispatch's estimate (awq_wgmma_cost.dequant_cublas_time_us):",
+                       ["W", "M", "dequant ms", "matmul ms", "both ms", "model ms", "model / both", "matmul TFLOP/s"])
     if args.stream_k_check:
         return _report(stream_k_check(args.shapes, args.stream_k_check, args.scale_dtype),
                        f"wgmma dispatch with stream-K (new) and without (old), CUDA graphs, weights rotated, bf16 x, "

@@ -54,6 +54,14 @@ namespace awq_mma_detail {
 // W warps per block (8, or 4: mma_cuda_warps, mma_cuda_launch_config); 16 warps per SM either way
 // (<= 128 registers). PF: the prefetching loop (accumulate, awq_mma.cuh), whose two item buffers need up to 255 registers
 // (16 rows): 8 warps per SM, one block of 8 or two of 4 (three of 4 at 168 registers spilled 848 bytes).
+// Timing-only builds (bench/wgmma_ablation.sh, results wrong): 1 = every lane reads row 0's x, so x costs what it
+// costs at one row (how much of the 16-row time is the x traffic from L2; a block reads 16 x K of x, as many bytes as
+// its int4 words). Twenty-eighth session, H100, 16 rows as dispatched: 7168x7168 14.6 -> 13.2 us, 18432x7168 33.1 ->
+// 30.9 (30.0 in one slice of 4-warp blocks). So even with x free the 7168x7168 decode misses 3x bf16 (12.6 us).
+#ifndef TORCHFORGE_MMA_ABLATE
+#define TORCHFORGE_MMA_ABLATE 0
+#endif
+
 template <int W, bool PF>
 constexpr int kMinBlocks = PF ? 8 / W : 16 / W;
 
@@ -82,7 +90,7 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int m = mc * kRows + 8 * j + g;  // the B fragment's column (row of x) of this lane
-    xoff[j] = (m < M ? m : 0) * (K / 8);
+    xoff[j] = (m < M && !(TORCHFORGE_MMA_ABLATE & 1) ? m : 0) * (K / 8);
   }
 
   // The words of the block's first items (two rounds of its warps: what they load first) go to L2 in two bulk

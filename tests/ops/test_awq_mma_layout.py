@@ -186,10 +186,13 @@ def test_wgmma_config_follows_the_sweep():
     assert ([wgmma_rows_ok(m, 7168, 7168) for m in (48, 64, 72, 128, 129, 384, 512)]
             == [False, True, False, True, True, True, True])
     # 4096x4096: (192, 1) in 4 K slices at 129-192 rows (twenty-sixth session: 0.027-0.028 ms against dequantize +
-    # cuBLAS's 0.031-0.033), cuBLAS at 256, 2 K slices in one round of blocks at 321-512 (twenty-seventh session: 0.034
-    # against 0.037 at 384 rows)
+    # cuBLAS's 0.031-0.033), 2 K slices in one round of blocks at 321-512 (twenty-seventh session: 0.034 against 0.037
+    # at 384 rows); 256-320 since the cuBLAS estimate's K walk (twenty-eighth: 0.033 against 0.035-0.036)
     assert ([wgmma_rows_ok(m, 4096, 4096) for m in (64, 129, 192, 256, 320, 384, 512)]
-            == [False, True, True, False, False, True, True])
+            == [False, True, True, True, True, True, True])
+    # 3072x7168 (twenty-eighth session): the kernel at 193-256 rows, 0.039-0.040 ms against cuBLAS's 0.050-0.052,
+    # which the estimate without the K walk had sent them to
+    assert [wgmma_rows_ok(m, 7168, 3072) for m in (193, 256, 384)] == [True, True, True]
     assert not wgmma_rows_ok(31, 64, 1 << 20)  # below WGMMA_MIN_ROWS whatever the model says
     # the SM count enters: on 288 SMs, the 288 blocks of (192, 1) no longer need 3 rounds on 18432 columns at 256 rows
     from torchforge.ops.awq_wgmma_cost import best_wgmma_shape

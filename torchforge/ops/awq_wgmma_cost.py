@@ -38,12 +38,17 @@ WGMMA_US_PER_CHUNK = {(128, 2): 0.87, (256, 1): 0.77, (192, 1): 0.70, (64, 2): 0
 WGMMA_MIN_M = {(192, 1): 129, (256, 1): 129}
 WGMMA_FIXED_US = 3.0  # the x image kernel and the launches
 # dequantize + cuBLAS: a pass that reads the int4 weight and writes it in bf16 (2.5 bytes an element), then a bf16
-# GEMM bound by its weight reads or by the tensor cores. Fitted: the pass took 15 / 52 / 118 us on 16.8 M / 58.7 M /
-# 132 M elements; cuBLAS reached 2.4-2.8 TB/s and 540-680 TFLOP/s at 160-512 rows.
+# GEMM bound by its weight reads or by the tensor cores plus one block's walk over K, the least time of any tile
+# whatever the rows (GEMM_US_PER_K). Without that term the estimate was 19% low on narrow matrices at 256-384 rows
+# (3072x7168: cuBLAS at 417-454 TFLOP/s) and 15-26% high past 512 rows. Fitted on 8 matrices at 128-1024 rows
+# (twenty-eighth session, `bench/w4a16_linear.py --cublas-fit`): the pass took 13 / 47 / 120 us on 14.7 M / 51.4 M /
+# 132 M elements; the whole within 0.88-1.18x of the measured (rms 7%; 0.81-1.26x, rms 12%, before).
 DEQUANT_BYTES_PER_S = 2.8e12
-GEMM_BYTES_PER_S = 2.6e12
-GEMM_FLOP_PER_S = 600e12
 DEQUANT_FIXED_US = 2.0
+GEMM_BYTES_PER_S = 2.46e12
+GEMM_FLOP_PER_S = 775e12
+GEMM_FIXED_US = 0.65
+GEMM_US_PER_K = 1.3e-3
 # A last round of few tiles can run in K slices (dp_tiles: the full rounds' tiles whole, the rest in `splits` slices
 # each, their blocks first in the launch). The SMs that run a slice still run a whole tile after it, so the slice's
 # fp32 partials and the reduction (one block reads every slice of its tile) add to the time: about 10 us + 3.5 us per
@@ -202,8 +207,8 @@ def best_wgmma_shape(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple
 def dequant_cublas_time_us(m: int, k: int, n: int) -> float:
     """Estimated microseconds of the fallback: dequantize the weight to bf16, then x @ W.T in cuBLAS."""
     elems = n * k
-    gemm = max(2 * elems / GEMM_BYTES_PER_S, 2 * m * elems / GEMM_FLOP_PER_S)
-    return DEQUANT_FIXED_US + (2.5 * elems / DEQUANT_BYTES_PER_S + gemm) * 1e6
+    gemm = max(2 * elems / GEMM_BYTES_PER_S * 1e6, GEMM_FIXED_US + 2 * m * elems / GEMM_FLOP_PER_S * 1e6 + GEMM_US_PER_K * k)
+    return DEQUANT_FIXED_US + 2.5 * elems / DEQUANT_BYTES_PER_S * 1e6 + gemm
 
 
 def decode_mma_time_us(m: int, k: int, n: int) -> float:
