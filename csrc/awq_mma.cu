@@ -41,6 +41,10 @@
 //   the ALU pipe is its busiest (67%, the dequantization's LOP3 / SHF). 4 row tiles (32 rows) per warp, which
 //   halves the dequantization per row (709 instead of 2 x 554 SASS instructions per item) at 254 registers (one
 //   block per SM): 3-8% faster at M = 64, 4-20% slower at M = 32..48 on the DeepSeek-V3 shapes; not kept.
+//   Blocks on two column blocks, half the warps on each walking the same items, so that the second half's x loads
+//   hit L1 (twenty-eighth session, after TORCHFORGE_MMA_ABLATE=1 put 10% of the 16-row time on x): right, but the
+//   grid of half as many blocks lost more than the L2 reads saved: 7168x7168 at 16 rows 16.6 against 14.4 us, at
+//   one row 13.9 against 11.3; 18432x7168 at 16 rows 34.7 against 33.1 (best configuration of each build).
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
