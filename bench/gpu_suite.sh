@@ -60,6 +60,7 @@ case " $SUITE " in *" bench "*)
       w4a16_sweep) if [ -n "${W4A16_SWEEP_ARGS:-}" ]; then TAIL=22 step bench_w4a16_sweep python3 bench/w4a16_linear.py $W4A16_SWEEP_ARGS
                    else echo "== bench_w4a16_sweep: skipped, W4A16_SWEEP_ARGS is empty"; fi ;;  # a second run, e.g. a sweep
       quantize) TAIL=12 step bench_awq_quantize python3 bench/awq_quantize.py ;;
+      dequant) TAIL=12 step bench_awq_dequantize python3 bench/awq_dequantize.py ${DEQUANT_ARGS:-} ;;  # the backward's dequantization
       moe) TAIL=${MOE_TAIL:-10} step bench_moe_w4a16 python3 bench/moe_w4a16.py ${MOE_ARGS:-} ;;
       gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
       nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6

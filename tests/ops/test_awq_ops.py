@@ -161,6 +161,7 @@ def test_opcheck_all_ops():
         (ops.awq_quantize.default, (w.reshape(2, 8, 64), 32, True)),
         (ops.awq_dequantize.default, (qweight, scales, qzeros, 32)),
         (ops.awq_dequantize.default, (qw_e, s_e, qz_e, 32)),
+        (ops.awq_dequantize.default, (qw_e, s_e, qz_e, 32, torch.bfloat16)),
         (ops.w4a16_linear.default, (x, qweight, scales, qzeros, 32, None)),
         (ops.w4a16_linear.default, (x.half(), qweight, scales, qzeros, 32, torch.randn(16).half())),
         (ops.awq_grouped_linear.default, (x[0], torch.tensor([2, 0, 2]), qw_e, s_e, qz_e, 32)),

@@ -60,3 +60,22 @@ def test_dequant_t_kernel_matches_independent_dequantization(G):
     qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(40, 256), G, symmetric=False))
     w_t = launch_awq_dequantize_t(qw, s, z, G, torch.float32)
     assert torch.equal(w_t, dequant_independent(qw, s, z, G).T.contiguous())
+
+
+@pytest.mark.parametrize("lead,ic,oc,G", [((), 256, 40, 128), ((3,), 128, 136, 32), ((5,), 64, 16, 64)])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])
+def test_dequant_kernel_is_the_reference_op(lead, ic, oc, G, dtype):
+    """awq_dequantize's CUDA path (one launch for a stack of matrices, W [.., OC, IC] straight in `dtype`) gives the
+    reference's bits: (q - z) * s in fp32, rounded once; and its W^T form on a stack is the stack of W^T."""
+    from torchforge.ops.awq_dequant_triton import launch_awq_dequantize, launch_awq_dequantize_t
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+
+    torch.manual_seed(ic + oc)
+    qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(*lead, oc, ic), G, symmetric=False))
+    want32 = awq_dequantize_ref(qw, s.float(), z, G)
+    want = want32.to(s.dtype if dtype is None else dtype)
+    if want.dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter truncates fp32 -> bf16 (GPUs round)
+        want = (want32.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    out = launch_awq_dequantize(qw, s, z, G, want.dtype)
+    assert out.dtype == want.dtype and out.is_contiguous() and torch.equal(out, want)
+    assert torch.equal(launch_awq_dequantize_t(qw, s, z, G, want.dtype), want.transpose(-1, -2))

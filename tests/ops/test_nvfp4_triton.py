@@ -143,3 +143,21 @@ def test_grouped_kernel_fp16_exact_for_small_block_scales(w4a4):
     tol = k * 2.0**-24 * mag + (4 * 2.0**-24 + 2.0**-11) * exact.abs() + 1e-30
     err = (out.double() - exact).abs()
     assert bool((err[:, 1:] <= tol[:, 1:]).all()), float((err[:, 1:] / tol[:, 1:]).max())
+
+
+@pytest.mark.parametrize("lead,n,k", [((), 40, 48), ((3,), 72, 128), ((2,), 64, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dequant_kernel_is_the_reference_op(lead, n, k, dtype):
+    """nvfp4_dequantize's CUDA path (one launch for a stack of experts) gives the reference's bits: E2M1 * scale
+    (exact) times weight_scale_2 in fp32, rounded once to `dtype`; N not a multiple of the tile, K of 16 only."""
+    from torchforge.ops.nvfp4_reference import dequantize_fp32, nvfp4_dequantize_ref
+    from torchforge.ops.nvfp4_triton import launch_nvfp4_dequantize
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(*lead, n, k, generator=g) * 3
+    p, s, ws2 = on_device(*nvfp4_quantize(w))
+    want = nvfp4_dequantize_ref(p, s, ws2, dtype)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter truncates fp32 -> bf16 (GPUs round)
+        want = (dequantize_fp32(p, s, ws2).view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    out = launch_nvfp4_dequantize(p, s, ws2, dtype)
+    assert out.dtype == dtype and out.shape == want.shape and torch.equal(out, want)

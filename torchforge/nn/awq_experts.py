@@ -125,8 +125,8 @@ class ForgeAWQExperts(nn.Module):
         """(gate_up [E, 2I, H], down [E, H, I]) in HF's layout, in `dtype` (exact in fp32, rounded once)."""
         G = self.group_size
         gate_up_q, down_q = self.awq_qweights()
-        return (ops.awq_dequantize(gate_up_q, self.gate_up_scales.float(), self.gate_up_qzeros, G).to(dtype),
-                ops.awq_dequantize(down_q, self.down_scales.float(), self.down_qzeros, G).to(dtype))
+        return (ops.awq_dequantize(gate_up_q, self.gate_up_scales, self.gate_up_qzeros, G, dtype),
+                ops.awq_dequantize(down_q, self.down_scales, self.down_qzeros, G, dtype))
 
     def awq_qweights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up_qweight, down_qweight) in vLLM's AWQ layout, whatever layout the module runs with."""

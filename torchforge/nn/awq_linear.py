@@ -95,7 +95,7 @@ class ForgeAWQLinear(W4LinearMixin, nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [OC, IC] this layer computes with, in `dtype`: (q - z) * s exact in fp32, rounded once (scales
         rounded to `dtype` first would round twice)."""
-        return ops.awq_dequantize(self.awq_qweight(), self.scales.float(), self.qzeros, self.group_size).to(dtype)
+        return ops.awq_dequantize(self.awq_qweight(), self.scales, self.qzeros, self.group_size, dtype)
 
     @torch.no_grad()
     def use_mma_layout(self) -> bool:

@@ -36,7 +36,7 @@ from torchforge.ops.awq_reference import (
     awq_unpack_ref,
     w4a16_linear_ref,
 )
-from torchforge.ops.awq_dequant_triton import launch_awq_dequantize_t
+from torchforge.ops.awq_dequant_triton import launch_awq_dequantize, launch_awq_dequantize_t
 from torchforge.ops.awq_gemv_cuda import cuda_gemv_ok, launch_awq_gemv_cuda
 from torchforge.ops.awq_gemv_triton import launch_w4a16_gemv
 from torchforge.ops.awq_mma_triton import launch_w4a16_mma
@@ -313,16 +313,20 @@ def _(weight: Tensor, group_size: int, symmetric: bool) -> Tuple[Tensor, Tensor,
     )
 
 
-@custom_op("torchforge::awq_dequantize", mutates_args=())
-def _awq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int) -> Tensor:
+@_define_kernel_op("torchforge::awq_dequantize", mutates_args=())
+def _awq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
+                    dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_packed_weight("awq_dequantize", qweight, scales, qzeros, group_size, batched=None)
-    return awq_dequantize_ref(qweight, scales, qzeros, group_size)
+    dtype = scales.dtype if dtype is None else dtype
+    if use_triton(qweight):  # one launch for any stack of matrices, no temporaries (the reference holds ~20 B a weight)
+        return launch_awq_dequantize(qweight, scales, qzeros, group_size, dtype)
+    return awq_dequantize_ref(qweight, scales.float(), qzeros, group_size).to(dtype)
 
 
 @_awq_dequantize.register_fake
-def _(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int) -> Tensor:
+def _(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int, dtype: Optional[torch.dtype] = None) -> Tensor:
     ic, oc = _check_packed_weight("awq_dequantize", qweight, scales, qzeros, group_size, batched=None)
-    return scales.new_empty((*qweight.shape[:-2], oc, ic))
+    return scales.new_empty((*qweight.shape[:-2], oc, ic), dtype=scales.dtype if dtype is None else dtype)
 
 
 @_define_kernel_op("torchforge::w4a16_linear", mutates_args=())
@@ -414,12 +418,13 @@ def awq_quantize(weight: Tensor, group_size: int = 128, symmetric: bool = True) 
     return torch.ops.torchforge.awq_quantize(weight, group_size, symmetric)
 
 
-def awq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int = 128) -> Tensor:
-    """AWQ tensors -> float weight ``[..., OC, IC]`` (nn.Linear layout) in ``scales.dtype``:
-    ``W[oc, ic] = (q - z) * s`` computed in fp32."""
+def awq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int = 128,
+                   dtype: Optional[torch.dtype] = None) -> Tensor:
+    """AWQ tensors -> float weight ``[..., OC, IC]`` (nn.Linear layout) in ``dtype`` (default ``scales.dtype``):
+    ``W[oc, ic] = (q - z) * s`` computed in fp32, rounded once. CUDA: one Triton launch for any stack of experts."""
     if _eager():
         _check_packed_weight("awq_dequantize", qweight, scales, qzeros, group_size, batched=None)
-    return torch.ops.torchforge.awq_dequantize(qweight, scales, qzeros, group_size)
+    return torch.ops.torchforge.awq_dequantize(qweight, scales, qzeros, group_size, dtype)
 
 
 def w4a16_linear(

@@ -47,9 +47,9 @@ def register() -> None:
     from torchforge.ops import awq_dequantize, gptq_dequantize, mma_layout_to_awq, nvfp4_dequantize
 
     # inputs: (x, qweight, scales, qzeros, group_size, bias)
-    _register("w4a16_linear", 5, lambda q, s, z, g: awq_dequantize(q, s.float(), z, g))
+    _register("w4a16_linear", 5, lambda q, s, z, g: awq_dequantize(q, s, z, g, torch.float32))
     # (x, qweight_mma, scales, qzeros, group_size, bias, tickets)
-    _register("awq_mma_linear", 5, lambda q, s, z, g: awq_dequantize(mma_layout_to_awq(q), s.float(), z, g))
+    _register("awq_mma_linear", 5, lambda q, s, z, g: awq_dequantize(mma_layout_to_awq(q), s, z, g, torch.float32))
     # (x, qweight, scales, qzeros, g_idx, bias)
     _register("w4a16_gptq_linear", 5, lambda q, s, z, g_idx: gptq_dequantize(q, s.float(), z, g_idx))
     # (x, packed, scales, weight_scale_2, input_scale, bias): input_scale is not a weight input

@@ -8,7 +8,9 @@ learns through them. Rows whose expert id lies outside [0, E) (E counting a shar
 forwards raise on them and CUDA forwards write NaN rows, which must not leak into the gradient of x or of the weights.
 
 The backward multiplies with the dequantized experts [E, N, K] (all of a layer's experts, transiently: a copy of the
-layer's weights in bf16 / fp32, dequantized a bounded chunk of experts at a time) through one grouped GEMM over the rows sorted by expert (`torch._grouped_mm`): no Python
+layer's weights in bf16 / fp32; on CUDA one Triton launch straight into that dtype, 28x faster than the reference's
+chunks on a DeepSeek-V3 layer, BENCHMARKS.md twenty-eighth session; on CPU the reference, a bounded chunk of experts at a
+time) through one grouped GEMM over the rows sorted by expert (`torch._grouped_mm`): no Python
 loop over experts and no per-row copy of a weight; the sort needs no host sync (PyTorch's own grouped-GEMM fallback,
 taken for non-bf16 inputs and GPUs before Hopper, reads the offsets on the host). bf16 activations multiply in bf16 as
 their forward does; other dtypes in fp32. The pre-activations of SiLU(gate) * up and the down rows that the router
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torchforge.ops._chunks import map_leading_chunks
+from torchforge.ops._triton import use_triton
 
 
 def _rows_times_experts(rows: Tensor, expert_ids: Tensor, weight: Tensor) -> Tensor:
@@ -99,8 +102,10 @@ def _awq(qweight, scales, qzeros, group_size, dtype):
     from torchforge.ops import awq_dequantize
 
     ic, oc = qweight.shape[1], qweight.shape[2] * 8
-    return map_leading_chunks(lambda q, s, z: awq_dequantize(q, s.float(), z, group_size).to(dtype),
-                              (qweight, scales, qzeros), (oc, ic), ic * oc, _CHUNK_WEIGHTS, dtype)
+    # CUDA: one Triton launch for all experts, straight into `dtype` (no temporaries, so no chunks)
+    chunk = qweight.shape[0] * ic * oc if use_triton(qweight) else _CHUNK_WEIGHTS
+    return map_leading_chunks(lambda q, s, z: awq_dequantize(q, s, z, group_size, dtype),
+                              (qweight, scales, qzeros), (oc, ic), ic * oc, chunk, dtype)
 
 
 def _awq_mma(qweight_mma, scales, qzeros, group_size, dtype, shared=(None, None, None)):
@@ -116,8 +121,9 @@ def _nvfp4(packed, scales, weight_scale_2, dtype):
     from torchforge.ops import nvfp4_dequantize
 
     n, k = packed.shape[1], packed.shape[2] * 2
-    return map_leading_chunks(lambda p, s, s2: nvfp4_dequantize(p, s, s2, torch.float32).to(dtype),
-                              (packed, scales, weight_scale_2), (n, k), n * k, _CHUNK_WEIGHTS, dtype)
+    chunk = packed.shape[0] * n * k if use_triton(packed) else _CHUNK_WEIGHTS  # CUDA: one launch, as _awq
+    return map_leading_chunks(lambda p, s, s2: nvfp4_dequantize(p, s, s2, dtype),
+                              (packed, scales, weight_scale_2), (n, k), n * k, chunk, dtype)
 
 
 # --------------------------------------------------------------------------------------------------- backwards

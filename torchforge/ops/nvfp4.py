@@ -43,7 +43,7 @@ from torchforge.ops.nvfp4_reference import (
     unswizzle_scales_ref,
 )
 from torchforge.ops.nvfp4_gemv_triton import launch_nvfp4_grouped_gemv, use_grouped_gemv
-from torchforge.ops.nvfp4_triton import launch_nvfp4_grouped_linear
+from torchforge.ops.nvfp4_triton import launch_nvfp4_dequantize, launch_nvfp4_grouped_linear
 
 if HAS_TRITON:
     from torch.library import triton_op as _define_kernel_op
@@ -227,9 +227,11 @@ def _(weight: Tensor, weight_scale_2: Optional[Tensor]) -> Tuple[Tensor, Tensor,
             weight.new_empty(tuple(lead), dtype=torch.float32))
 
 
-@custom_op("torchforge::nvfp4_dequantize", mutates_args=())
+@_define_kernel_op("torchforge::nvfp4_dequantize", mutates_args=())
 def _nvfp4_dequantize(packed: Tensor, scales: Tensor, weight_scale_2: Tensor, dtype: torch.dtype) -> Tensor:
     _check_packed("nvfp4_dequantize", packed, scales, weight_scale_2, lead_dims=None)
+    if use_triton(packed):  # one launch for any stack of experts (the MoE backward dequantizes a layer's at once)
+        return launch_nvfp4_dequantize(packed, scales, weight_scale_2, dtype)
     return nvfp4_dequantize_ref(packed, scales, weight_scale_2, dtype)
 
 

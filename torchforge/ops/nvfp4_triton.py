@@ -145,6 +145,21 @@ if HAS_TRITON:
         return wf.to(tl.float32) * sf
 
     @triton.jit
+    def _nvfp4_dequant_kernel(w_ptr, s_ptr, ws2_ptr, out_ptr, N, K, KP, KS,
+                              BN: tl.constexpr, BK: tl.constexpr):
+        """out[b, n, k] = (E2M1 * scale) * weight_scale_2[b] in fp32 (the reference's order), then rounded."""
+        pid_n = tl.program_id(0)
+        k0 = tl.program_id(1) * BK
+        b = tl.program_id(2).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+        w = _nvfp4_weight_tile(w_ptr + b * N * KP, s_ptr + b * N * KS, offs_n, mask_n, k0, KP, KS, BK, BN)
+        w = w * tl.load(ws2_ptr + b)
+        offs_k = k0 + tl.arange(0, BK)
+        out = out_ptr + b * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None])
+
+    @triton.jit
     def _nvfp4_grouped_gemm_kernel(
         x_ptr, sorted_ptr, ids_ptr, w_ptr, s_ptr, ws2_ptr, ins_ptr, out_ptr,
         N, K, E, stride_xr, stride_or, X_ROW_DIV,
@@ -197,6 +212,28 @@ if HAS_TRITON:
 def _require_triton():
     if not HAS_TRITON:
         raise RuntimeError("torchforge NVFP4 Triton kernels need triton; install it or use CPU tensors")
+
+
+def launch_nvfp4_dequantize(packed: Tensor, scales: Tensor, weight_scale_2: Tensor, dtype: torch.dtype) -> Tensor:
+    """NVFP4 [..., N, K/2] -> W [..., N, K] in `dtype`, the bits of nvfp4_dequantize_ref: one launch for a stack of
+    experts (the reference holds several fp32 temporaries a weight)."""
+    _require_triton()
+    *lead, n, kp = packed.shape
+    k = kp * 2
+    batch = 1
+    for d in lead:
+        batch *= d
+    out = torch.empty((*lead, n, k), dtype=dtype, device=packed.device)
+    if out.numel() == 0:
+        return out
+    bk = next(b for b in (64, 32, 16) if k % b == 0)
+    bn = 64
+    ws2 = weight_scale_2.reshape(-1).to(torch.float32).expand(batch).contiguous()  # one per matrix (a scalar: all)
+    grid = (triton.cdiv(n, bn), k // bk, batch)
+    torch.library.wrap_triton(_nvfp4_dequant_kernel)[grid](
+        packed.contiguous(), scales.contiguous().view(torch.uint8), ws2, out, n, k, kp, k // 16, BN=bn, BK=bk,
+        num_warps=4)  # the fp8 scales as bytes: the tile decodes them
+    return out
 
 
 def launch_nvfp4_align(expert_ids: Tensor, num_experts: int, block_m: int) -> Tensor:
