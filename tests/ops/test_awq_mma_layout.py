@@ -187,7 +187,7 @@ def test_wgmma_config_follows_the_sweep():
             == [False, True, False, True, True, True, True])
     # 4096x4096: (192, 1) in 4 K slices at 129-192 rows (twenty-sixth session: 0.027-0.028 ms against dequantize +
     # cuBLAS's 0.031-0.033), 2 K slices in one round of blocks at 321-512 (twenty-seventh session: 0.034 against 0.037
-    # at 384 rows); 256-320 since the cuBLAS estimate's K walk (twenty-eighth: 0.033 against 0.035-0.036)
+    # at 384 rows); 217-256 and 276-320 since the cuBLAS estimate's K walk (twenty-eighth: 0.033 against 0.035-0.036)
     assert ([wgmma_rows_ok(m, 4096, 4096) for m in (64, 129, 192, 256, 320, 384, 512)]
             == [False, True, True, True, True, True, True])
     # 3072x7168 (twenty-eighth session): the kernel at 193-256 rows, 0.039-0.040 ms against cuBLAS's 0.050-0.052,

@@ -79,3 +79,33 @@ def test_dequant_kernel_is_the_reference_op(lead, ic, oc, G, dtype):
     out = launch_awq_dequantize(qw, s, z, G, want.dtype)
     assert out.dtype == want.dtype and out.is_contiguous() and torch.equal(out, want)
     assert torch.equal(launch_awq_dequantize_t(qw, s, z, G, want.dtype), want.transpose(-1, -2))
+
+
+def test_dequant_launches_bound_every_input_in_int32(monkeypatch):
+    """The stack is split so that each launch's qweight, scales and qzeros stay below _MAX_LAUNCH_ELEMS elements (the
+    tiles index them in int32). Scales hold 8 / G of qweight's words: with G = 4 twice as many, which a bound on the
+    qweight words alone let past the limit (2^31 - 1 on a GPU, 100 here); the split launches give the reference."""
+    import torchforge.ops.awq_dequant_triton as D
+    from torchforge.ops.awq_reference import awq_dequantize_ref
+
+    limit = 100
+    monkeypatch.setattr(D, "_MAX_LAUNCH_ELEMS", limit)
+    real, sizes = D.torch.library.wrap_triton, []
+
+    def recording(kernel):
+        launcher = real(kernel)
+
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(q, s, z, *args, **kw):
+                    sizes.append((q.numel(), s.numel(), z.numel()))
+                    return launcher[grid](q, s, z, *args, **kw)
+                return launch
+        return Grid()
+
+    monkeypatch.setattr(D.torch.library, "wrap_triton", recording)
+    torch.manual_seed(0)
+    qw, s, z = (t.to(DEVICE) for t in awq_quantize(torch.randn(5, 8, 16), 4, symmetric=False))  # 16 words, 32 scales
+    out = D.launch_awq_dequantize(qw, s, z, 4, torch.float32)
+    assert len(sizes) > 1 and all(max(n) <= limit for n in sizes), sizes
+    assert torch.equal(out, awq_dequantize_ref(qw, s.float(), z, 4))

@@ -161,3 +161,57 @@ def test_dequant_kernel_is_the_reference_op(lead, n, k, dtype):
         want = (dequantize_fp32(p, s, ws2).view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
     out = launch_nvfp4_dequantize(p, s, ws2, dtype)
     assert out.dtype == dtype and out.shape == want.shape and torch.equal(out, want)
+
+
+def test_dequant_kernel_splits_stacks_past_the_grid_limit(monkeypatch):
+    """The matrices go on grid dimension 2, which CUDA caps at 65535: a larger stack must take several launches
+    (a single one fails on a GPU with 'invalid argument'). With the cap lowered to 2, the launches give the
+    reference's bits on a stack of 5 (and 2 x 3)."""
+    import torchforge.ops.nvfp4_triton as T
+    from torchforge.ops.nvfp4_reference import nvfp4_dequantize_ref
+
+    real, grids = T.torch.library.wrap_triton, []
+
+    def recording(kernel):
+        launcher = real(kernel)
+
+        class Grid:
+            def __getitem__(self, grid):
+                grids.append(tuple(grid))
+                return launcher[grid]
+        return Grid()
+
+    monkeypatch.setattr(T.torch.library, "wrap_triton", recording)
+    monkeypatch.setattr(T, "_MAX_GRID_Z", 2)
+    g = torch.Generator().manual_seed(5)
+    p, s, ws2 = on_device(*nvfp4_quantize(torch.randn(6, 40, 32, generator=g)))
+    for lead in ((5,), (2, 3)):
+        b = 1
+        for d in lead:
+            b *= d
+        pl, sl, wl = p[:b].reshape(*lead, 40, 16), s[:b].reshape(*lead, 40, 2), ws2[:b].reshape(lead)
+        grids.clear()
+        out = T.launch_nvfp4_dequantize(pl, sl, wl, torch.float32)
+        assert len(grids) == (b + 1) // 2 and all(gr[2] <= 2 for gr in grids), grids
+        assert torch.equal(out, nvfp4_dequantize_ref(pl, sl, wl, torch.float32))
+
+
+def test_dequant_kernel_grid_within_cuda_limits(monkeypatch):
+    """70000 small matrices (a stack the op accepts): every launch's grid within CUDA's (2^31 - 1, 65535, 65535).
+    The launches are recorded, not run (the interpreter would take minutes)."""
+    import torchforge.ops.nvfp4_triton as T
+
+    grids = []
+
+    class Grid:
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return lambda *a, **kw: None
+
+    monkeypatch.setattr(T.torch.library, "wrap_triton", lambda kernel: Grid())
+    e = 70000
+    p = torch.zeros(e, 1, 8, dtype=torch.uint8)
+    s = torch.zeros(e, 1, 1, dtype=torch.float8_e4m3fn)
+    T.launch_nvfp4_dequantize(p, s, torch.ones(e), torch.bfloat16)
+    assert grids and all(g[1] <= 65535 and g[2] <= 65535 for g in grids), grids
+    assert sum(g[2] for g in grids) == e

@@ -12,6 +12,10 @@ from torchforge.ops._triton import HAS_TRITON, tl, triton
 
 __all__ = ["launch_awq_dequantize", "launch_awq_dequantize_t"]
 
+# The tile loads index the stacked words of each input in int32: a launch's qweight, scales and qzeros must each stay
+# below 2^31 elements (scales hold 8 / group_size of qweight's words: more than qweight for groups below 8).
+_MAX_LAUNCH_ELEMS = 2 ** 31 - 1
+
 if HAS_TRITON:
     from torchforge.ops.awq_triton import _awq_dequant_tile
 
@@ -50,10 +54,15 @@ def _launch(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int, dt
         return out
     strides = (ic * oc, oc, 1) if transposed else (oc * ic, 1, ic)
     q, sc, z, o = (t.contiguous().view(batch, *t.shape[len(lead):]) for t in (qweight, scales, qzeros, out))
-    # The tile loads index the stacked words in int32: a launch takes at most 2^31 - 1 words of matrices.
-    step = max(1, (2 ** 31 - 1) // (ic * np_))
-    for i in range(0, batch, step):
-        n = min(step, batch - i)
+    # The tile loads index the stacked inputs in int32 (_MAX_LAUNCH_ELEMS): qweight's ic * np_ words a matrix, and
+    # scales' (ic // group_size) * oc, which is the larger for group sizes below 8.
+    words = max(ic * np_, (ic // group_size) * oc)
+    if batch * words <= _MAX_LAUNCH_ELEMS:  # one launch (and no specialization of a dynamic batch under compile)
+        launches = [(0, batch)]
+    else:
+        step = max(1, _MAX_LAUNCH_ELEMS // words)
+        launches = [(i, min(step, batch - i)) for i in range(0, batch, step)]
+    for i, n in launches:
         torch.library.wrap_triton(_awq_dequant_t_kernel)[(n * ic // bk, triton.cdiv(oc, bn))](
             q[i:i + n], sc[i:i + n], z[i:i + n], o[i:i + n], oc, np_, ic, *strides,
             GROUP_SIZE=group_size, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps)

@@ -214,6 +214,9 @@ def _require_triton():
         raise RuntimeError("torchforge NVFP4 Triton kernels need triton; install it or use CPU tensors")
 
 
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
+
+
 def launch_nvfp4_dequantize(packed: Tensor, scales: Tensor, weight_scale_2: Tensor, dtype: torch.dtype) -> Tensor:
     """NVFP4 [..., N, K/2] -> W [..., N, K] in `dtype`, the bits of nvfp4_dequantize_ref: one launch for a stack of
     experts (the reference holds several fp32 temporaries a weight)."""
@@ -229,10 +232,14 @@ def launch_nvfp4_dequantize(packed: Tensor, scales: Tensor, weight_scale_2: Tens
     bk = next(b for b in (64, 32, 16) if k % b == 0)
     bn = 64
     ws2 = weight_scale_2.reshape(-1).to(torch.float32).expand(batch).contiguous()  # one per matrix (a scalar: all)
-    grid = (triton.cdiv(n, bn), k // bk, batch)
-    torch.library.wrap_triton(_nvfp4_dequant_kernel)[grid](
-        packed.contiguous(), scales.contiguous().view(torch.uint8), ws2, out, n, k, kp, k // 16, BN=bn, BK=bk,
-        num_warps=4)  # the fp8 scales as bytes: the tile decodes them
+    p, s, o = (t.contiguous().view(batch, *t.shape[len(lead):]) for t in (packed, scales, out))
+    s = s.view(torch.uint8)  # the fp8 scales as bytes: the tile decodes them
+    # The matrices go on grid dimension 2, which CUDA caps at 65535: larger stacks take several launches.
+    launches = ([(0, batch)] if batch <= _MAX_GRID_Z  # one launch (a dynamic batch stays dynamic under compile)
+                else [(i, min(_MAX_GRID_Z, batch - i)) for i in range(0, batch, _MAX_GRID_Z)])
+    for i, nb in launches:
+        torch.library.wrap_triton(_nvfp4_dequant_kernel)[(triton.cdiv(n, bn), k // bk, nb)](
+            p[i:i + nb], s[i:i + nb], ws2[i:i + nb], o[i:i + nb], n, k, kp, k // 16, BN=bn, BK=bk, num_warps=4)
     return out
 
 
