@@ -152,4 +152,6 @@ def test_experts_module_takes_the_fused_ops_with_router_gradients_too(monkeypatc
     h = awq_moe_gate_up_silu(x, ids.reshape(-1), experts.gate_up_qweight, experts.gate_up_scales,
                              experts.gate_up_qzeros, G, 2)
     down = awq_moe_gemm(h, ids.reshape(-1), experts.down_qweight, experts.down_scales, experts.down_qzeros, G, 1)
-    torch.testing.assert_close(w_grad.grad, down.view(3, 2, H).sum(-1))
+    # on CUDA the backward's down rows come from a cuBLAS fp32 GEMM, the fused op's from its own kernel: fp32 sums of
+    # H products in two orders (H100: 4e-6 relative apart)
+    torch.testing.assert_close(w_grad.grad, down.view(3, 2, H).sum(-1), rtol=2e-5, atol=1e-5)
