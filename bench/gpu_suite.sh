@@ -43,7 +43,8 @@ SUITE=${SUITE:-tests bench demo}
 # sixteenth session) runs in n calls; --durations names the slowest cases to mark. Twenty-first session: 1/2 took
 # 233 s, but 2/2 ran past 540 s; 2/4 then 4/4 (which together are 2/2) took 395 s and 230 s.
 # Twenty-fourth session: 1/4, 2/4, 3/4, 4/4 took 229, 207, 283 and 248 s (1/2 had reached 541 s).
-# Twenty-seventh session: 267 s, over 290 (cut at 93%), 277 (with the rest of 2/4) and 385 s: give each shard
+# Twenty-seventh session: 267 s, over 290 (cut at 93%), 277 (with the rest of 2/4) and 385 s; twenty-eighth: 209, 264,
+# 269 and 427 s (4/4 near its limit: SHARD=i/5 from now on would be safer). Give each shard
 # STEP_TIMEOUT=540, one shard per call.
 if [ -n "${SHARD:-}" ] && [ -z "${TESTS:-}" ]; then
   TESTS=$(find tests -name 'test_*.py' | sort | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" '(NR - i) % n == 0' | tr '\n' ' ')
