@@ -62,6 +62,7 @@ case " $SUITE " in *" bench "*)
                    else echo "== bench_w4a16_sweep: skipped, W4A16_SWEEP_ARGS is empty"; fi ;;  # a second run, e.g. a sweep
       quantize) TAIL=12 step bench_awq_quantize python3 bench/awq_quantize.py ;;
       dequant) TAIL=12 step bench_awq_dequantize python3 bench/awq_dequantize.py ${DEQUANT_ARGS:-} ;;  # the backward's dequantization
+      grouped_mm) TAIL=10 step bench_grouped_mm python3 bench/grouped_mm.py ${GROUPED_MM_ARGS:-} ;;  # the backward's fp32 grouped GEMM
       moe) TAIL=${MOE_TAIL:-10} step bench_moe_w4a16 python3 bench/moe_w4a16.py ${MOE_ARGS:-} ;;
       gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
       nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6

@@ -11,8 +11,9 @@ The backward multiplies with the dequantized experts [E, N, K] (all of a layer's
 layer's weights in bf16 / fp32; on CUDA one Triton launch straight into that dtype, 28x faster than the reference's
 chunks on a DeepSeek-V3 layer, BENCHMARKS.md twenty-eighth session; on CPU the reference, a bounded chunk of experts at a
 time) through one grouped GEMM over the rows sorted by expert (`torch._grouped_mm`): no Python
-loop over experts and no per-row copy of a weight; the sort needs no host sync (PyTorch's own grouped-GEMM fallback,
-taken for non-bf16 inputs and GPUs before Hopper, reads the offsets on the host). bf16 activations multiply in bf16 as
+loop over experts and no per-row copy of a weight; the sort needs no host sync. fp32 on CUDA runs a Triton grouped GEMM
+(grouped_mm_triton.py): PyTorch's own grouped GEMM takes non-bf16 inputs (and GPUs before Hopper) through a fallback
+that reads the offsets on the host and loops over the experts. bf16 activations multiply in bf16 as
 their forward does; other dtypes in fp32. The pre-activations of SiLU(gate) * up and the down rows that the router
 gradient needs are recomputed from the saved input (one grouped GEMM) instead of being kept from the forward: the input
 is alive anyway (the router reads it), the [T * k, 2I] pre-activations would be one more tensor per layer.
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from torchforge.ops._chunks import map_leading_chunks
 from torchforge.ops._triton import use_triton
+from torchforge.ops.grouped_mm_triton import launch_grouped_rows_mm
 
 
 def _rows_times_experts(rows: Tensor, expert_ids: Tensor, weight: Tensor) -> Tensor:
@@ -42,10 +44,14 @@ def _rows_times_experts(rows: Tensor, expert_ids: Tensor, weight: Tensor) -> Ten
     return torch.empty_like(out).index_copy_(0, order, out).float()
 
 
+# custom_op, not triton_op: compile must not trace into torch._grouped_mm, whose fake takes bf16 only
 @torch.library.custom_op("torchforge::_grouped_mm_any_dtype", mutates_args=())
 def _grouped_mm_any_dtype(rows: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
     """torch._grouped_mm for fp32 / fp16, whose aten fake takes bf16 only: a shape-only fake instead of a gather of
-    one [A, B] weight per row under torch.compile."""
+    one [A, B] weight per row under torch.compile. fp32 on CUDA: a Triton grouped GEMM (grouped_mm_triton.py), since
+    PyTorch's fallback for it syncs with the host and loops over the experts."""
+    if use_triton(rows) and rows.dtype == weight.dtype == torch.float32:
+        return launch_grouped_rows_mm(rows, weight, offs)
     return torch._grouped_mm(rows, weight, offs=offs)
 
 
