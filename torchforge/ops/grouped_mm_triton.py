@@ -17,7 +17,7 @@ if HAS_TRITON:
     @triton.jit
     def _grouped_rows_mm_kernel(a_ptr, w_ptr, offs_ptr, tile_start_ptr, out_ptr, E, A, B,
                                 stride_ar, stride_aa, stride_we, stride_wa, stride_wb, stride_or,
-                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m >= tl.load(tile_start_ptr + E):  # the grid holds cdiv(R, BM) + E tiles: an upper bound
@@ -47,12 +47,13 @@ if HAS_TRITON:
                         mask=mask_r[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_base + ks.to(tl.int64)[:, None] * stride_wa + cols[None, :] * stride_wb,
                         mask=mask_k[:, None] & mask_c[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_or + cols[None, :], acc,
                  mask=mask_r[:, None] & mask_c[None, :])
 
 
-def launch_grouped_rows_mm(rows: Tensor, weight: Tensor, offs: Tensor, block_m: int = 64) -> Tensor:
+def launch_grouped_rows_mm(rows: Tensor, weight: Tensor, offs: Tensor, block_m: int = 64,
+                           precision: str = "ieee") -> Tensor:
     """rows fp32 [R, A] sorted by expert, weight fp32 [E, A, B] (any strides), offs int32 [E] (the end of each expert's
     rows, offs[E - 1] == R) -> fp32 [R, B]."""
     if not HAS_TRITON:
@@ -69,5 +70,6 @@ def launch_grouped_rows_mm(rows: Tensor, weight: Tensor, offs: Tensor, block_m: 
     grid = (-(-r // block_m) + e, triton.cdiv(b, bn))
     torch.library.wrap_triton(_grouped_rows_mm_kernel)[grid](
         rows, weight, offs, tile_start, out, e, a, b, rows.stride(0), rows.stride(1), weight.stride(0),
-        weight.stride(1), weight.stride(2), out.stride(0), BM=block_m, BN=bn, BK=bk, num_warps=4)
+        weight.stride(1), weight.stride(2), out.stride(0), BM=block_m, BN=bn, BK=bk, PRECISION=precision,
+        num_warps=4)
     return out
