@@ -1,4 +1,4 @@
-"""awq_dequantize (and nvfp4_dequantize) on CUDA (one Triton launch for a stack of experts, straight into the compute dtype) against what the
+"""awq_dequantize (and nvfp4_dequantize, gptq_dequantize) on CUDA (one Triton launch for a stack of experts, straight into the compute dtype) against what the
 op did before the twenty-eighth session: the pure-PyTorch reference, a bounded chunk of experts at a time (its
 temporaries are about 20 bytes a weight), then a cast. This is the dequantization the quantized MoE backward
 (`torchforge/ops/moe_autograd.py`) and the dense W4A16 backward run on every call. Also the device-to-device copy
@@ -77,6 +77,25 @@ def time_nvfp4_case(name: str, e: int, n: int, k: int) -> list:
     return [name, f"{e}x{n}x{k}", t_old, t_new, t_old / t_new, nbytes / t_new / 1e6] + ([""] * 4 if SWEEP else [])
 
 
+def time_gptq_case(name: str, oc: int, ic: int) -> list:
+    """gptq_dequantize (act-order g_idx) the same way: its Triton launch against the reference, in fp32 as the GPTQ
+    linear's backward asks for it."""
+    import torchforge
+    from torchforge.ops.gptq_reference import gptq_dequantize_ref
+
+    qw = torch.randint(-2 ** 31, 2 ** 31 - 1, (ic // 8, oc), dtype=torch.int32, device="cuda")
+    s = torch.rand(ic // G, oc, device="cuda") * 0.02 + 1e-3
+    z = torch.randint(-2 ** 31, 2 ** 31 - 1, (ic // G, oc // 8), dtype=torch.int32, device="cuda")
+    g_idx = (torch.arange(ic, device="cuda") // G)[torch.randperm(ic, device="cuda")].int()
+    new = lambda: torchforge.ops.gptq_dequantize(qw, s, z, g_idx)  # noqa: E731
+    old = lambda: gptq_dequantize_ref(qw, s, z, g_idx)  # noqa: E731
+    assert torch.equal(new(), old())
+    t_new = bench_ms(new, warmup_ms=50, rep_ms=300)
+    t_old = bench_ms(old, warmup_ms=50, rep_ms=300)
+    nbytes = oc * ic * (0.5 + 4) + s.numel() * 4 + z.numel() * 4
+    return [name, f"{oc}x{ic}", t_old, t_new, t_old / t_new, nbytes / t_new / 1e6] + ([""] * 4 if SWEEP else [])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=256)
@@ -89,13 +108,15 @@ def main() -> int:
                             ("dense", 1, 18432, 7168)]:
         rows.append(time_case(name, e, oc, ic))
         torch.cuda.empty_cache()
+    rows.append(time_gptq_case("GPTQ dense, act order, to fp32", 18432, 7168))
+    torch.cuda.empty_cache()
     for name, e, n, k in [("nvfp4 gate_up", args.experts, 4096, 7168), ("nvfp4 down", args.experts, 7168, 2048)]:
         rows.append(time_nvfp4_case(name, e, n, k))
         torch.cuda.empty_cache()
     print(device_line())
     print(f"device-to-device copy: {copy_bandwidth_gbs(1 << 30):.0f} GB/s")
-    print("awq_dequantize / nvfp4_dequantize to bf16, ms: the reference in chunks of 2^26 weights (before) against "
-          "the Triton launch:")
+    print("awq_dequantize / gptq_dequantize / nvfp4_dequantize to bf16 (GPTQ: fp32), ms: the reference (in chunks of "
+          "2^26 weights for the stacks) before, against the Triton launch:")
     extra = ["k32 w8 ms", "k64 w4 ms", "k64 w8 ms", "k128 w8 ms"] if SWEEP else []
     print(markdown_table(["weights", "shape", "reference ms", "Triton ms", "speedup", "Triton GB/s", *extra], rows))
     return 0

@@ -124,6 +124,31 @@ def test_triton_kernel(dtype, m, ic, oc, g, act_order, blocks):
     torch.testing.assert_close(out, _oracle(x, qweight, scales, qzeros, g_idx, bias), **TOL[dtype])
 
 
+@pytest.mark.skipif(not HAS_KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("ic, oc, g, act_order, stack", [(64, 16, 32, False, 0), (96, 40, 32, True, 0),
+                                                         (136, 72, 8, True, 3)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dequant_kernel_is_the_reference(ic, oc, g, act_order, stack, dtype):
+    """gptq_dequantize's CUDA path (one launch for a stack) gives the reference's bits, IC and OC tails and act-order
+    g_idx included; a g_idx outside the groups gives NaN in its column, not a read past the scales."""
+    from torchforge.ops.gptq_reference import gptq_dequantize_ref
+    from torchforge.ops.gptq_triton import launch_gptq_dequantize
+
+    parts = [random_gptq(ic, oc, g, seed=ic + i, act_order=act_order) for i in range(max(stack, 1))]
+    q, s, z = (torch.stack([p[i] for p in parts]) if stack else parts[0][i] for i in range(3))
+    g_idx = parts[0][3]
+    s = s.to(dtype)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, s, z, g_idx = q.to(dev), s.to(dev), z.to(dev), g_idx.to(dev)
+    out = launch_gptq_dequantize(q, s, z, g_idx)
+    want = gptq_dequantize_ref(q, s, z, g_idx)
+    assert out.dtype == dtype and out.shape == want.shape and torch.equal(out, want)
+    bad = g_idx.clone()
+    bad[5] = ic // g  # one past the last group
+    out = launch_gptq_dequantize(q, s, z, bad)
+    assert out[..., 5].isnan().all() and torch.equal(out[..., 6:], want[..., 6:])
+
+
 def test_opcheck():
     qweight, scales, qzeros, g_idx, codes, _ = random_gptq(64, 16, 32, seed=3)
     x = torch.randn(3, 64)

@@ -26,7 +26,7 @@ from torchforge.ops.gptq_reference import (
     trivial_g_idx,
     w4a16_gptq_linear_ref,
 )
-from torchforge.ops.gptq_triton import launch_w4a16_gptq_linear
+from torchforge.ops.gptq_triton import launch_gptq_dequantize, launch_w4a16_gptq_linear
 
 if HAS_TRITON:
     from torch.library import triton_op as _define_kernel_op
@@ -134,10 +134,12 @@ def _(qweight: Tensor) -> Tensor:
     return qweight.new_empty((*qweight.shape[:-2], qweight.shape[-2] * 8, qweight.shape[-1]), dtype=torch.uint8)
 
 
-@custom_op("torchforge::gptq_dequantize", mutates_args=())
+@_define_kernel_op("torchforge::gptq_dequantize", mutates_args=())
 def _gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_idx: Tensor) -> Tensor:
     _check_packed("gptq_dequantize", qweight, scales, qzeros, g_idx)
     _check_g_idx_values(g_idx, scales.shape[-2])
+    if use_triton(qweight):  # one launch, no temporaries (the GPTQ linear's backward dequantizes on every call)
+        return launch_gptq_dequantize(qweight, scales, qzeros, g_idx)
     return gptq_dequantize_ref(qweight, scales, qzeros, g_idx)
 
 

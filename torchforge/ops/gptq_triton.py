@@ -17,7 +17,7 @@ from torch import Tensor
 from torchforge.ops._triton import HAS_TRITON, tl, triton
 from torchforge.ops.awq_triton import tile_config
 
-__all__ = ["launch_w4a16_gptq_linear"]
+__all__ = ["launch_gptq_dequantize", "launch_w4a16_gptq_linear"]
 
 if HAS_TRITON:
 
@@ -62,6 +62,59 @@ if HAS_TRITON:
             acc = acc + b[None, :]
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _gptq_dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, NP, NG,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[b, n, k] = (q - (z + 1)) * s in fp32 for group g_idx[k], rounded to out's dtype: the GEMM kernel's tile,
+        stored as W (k contiguous). A k whose g_idx lies outside [0, NG) gives NaN (no read past scales: on CUDA the
+        op does not check g_idx, which would need a host sync)."""
+        pid_k = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_k = offs_k < K
+        mask_n = offs_n < N
+        g = tl.load(g_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+        ok_g = (g >= 0) & (g < NG)
+        wmask = (mask_k & ok_g)[:, None] & mask_n[None, :]
+        qw = tl.load(qw_ptr + b * (K // 8) * N + (offs_k // 8).to(tl.int64)[:, None] * N + offs_n[None, :],
+                     mask=wmask, other=0)
+        s = tl.load(s_ptr + b * NG * N + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+        zw = tl.load(z_ptr + b * NG * NP + g[:, None] * NP + (offs_n // 8)[None, :], mask=wmask, other=0)
+        q = (qw >> ((offs_k % 8) * 4)[:, None]) & 0xF
+        z = ((zw >> ((offs_n % 8) * 4)[None, :]) & 0xF) + 1
+        w = tl.where(ok_g[:, None], (q - z).to(tl.float32) * s, float("nan"))
+        out = out_ptr + b * N * K + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
+
+
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
+
+
+def launch_gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_idx: Tensor) -> Tensor:
+    """GPTQ [..., IC // 8, OC] -> W [..., OC, IC] in scales' dtype, the bits of gptq_dequantize_ref: one launch for a
+    stack of matrices (the reference's temporaries are several fp32 tensors of the weight's size)."""
+    if not HAS_TRITON:
+        raise RuntimeError("torchforge GPTQ Triton kernels need triton; install it or use CPU tensors")
+    *lead, kp, oc = qweight.shape
+    ic, ng, np_ = kp * 8, scales.shape[-2], qzeros.shape[-1]
+    batch = 1
+    for d in lead:
+        batch *= d
+    out = torch.empty((*lead, oc, ic), dtype=scales.dtype, device=qweight.device)
+    if out.numel() == 0:
+        return out
+    q, s, z, o = (t.contiguous().view(batch, *t.shape[len(lead):]) for t in (qweight, scales, qzeros, out))
+    bk, bn = 64, 64
+    launches = ([(0, batch)] if batch <= _MAX_GRID_Z
+                else [(i, min(_MAX_GRID_Z, batch - i)) for i in range(0, batch, _MAX_GRID_Z)])
+    for i, nb in launches:
+        torch.library.wrap_triton(_gptq_dequant_kernel)[(triton.cdiv(ic, bk), triton.cdiv(oc, bn), nb)](
+            q[i:i + nb], s[i:i + nb], z[i:i + nb], g_idx.contiguous(), o[i:i + nb], oc, ic, np_, ng,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return out
 
 
 def launch_w4a16_gptq_linear(
