@@ -29,3 +29,15 @@ def use_triton(t) -> bool:
 def can_launch(t) -> bool:
     """True when a Triton kernel can be launched on `t`: CUDA, or CPU under the interpreter."""
     return HAS_TRITON and (t.device.type == "cuda" or (t.device.type == "cpu" and interpret_mode()))
+
+
+CUDA_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
+
+
+def stack_launches(batch: int, per_launch: int) -> list:
+    """(start, count) slices of a stack of `batch` matrices, at most `per_launch` a launch. All of them in one slice,
+    with no Python range, when they fit: a dynamic batch then stays dynamic under torch.compile."""
+    per_launch = max(1, per_launch)
+    if batch <= per_launch:
+        return [(0, batch)]
+    return [(i, min(per_launch, batch - i)) for i in range(0, batch, per_launch)]

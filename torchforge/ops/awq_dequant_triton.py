@@ -8,7 +8,7 @@ decoder produces and what `x @ W^T` wants, so no transpose is needed.
 import torch
 from torch import Tensor
 
-from torchforge.ops._triton import HAS_TRITON, tl, triton
+from torchforge.ops._triton import HAS_TRITON, stack_launches, tl, triton
 
 __all__ = ["launch_awq_dequantize", "launch_awq_dequantize_t"]
 
@@ -57,12 +57,7 @@ def _launch(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int, dt
     # The tile loads index the stacked inputs in int32 (_MAX_LAUNCH_ELEMS): qweight's ic * np_ words a matrix, and
     # scales' (ic // group_size) * oc, which is the larger for group sizes below 8.
     words = max(ic * np_, (ic // group_size) * oc)
-    if batch * words <= _MAX_LAUNCH_ELEMS:  # one launch (and no specialization of a dynamic batch under compile)
-        launches = [(0, batch)]
-    else:
-        step = max(1, _MAX_LAUNCH_ELEMS // words)
-        launches = [(i, min(step, batch - i)) for i in range(0, batch, step)]
-    for i, n in launches:
+    for i, n in stack_launches(batch, _MAX_LAUNCH_ELEMS // words):
         torch.library.wrap_triton(_awq_dequant_t_kernel)[(n * ic // bk, triton.cdiv(oc, bn))](
             q[i:i + n], sc[i:i + n], z[i:i + n], o[i:i + n], oc, np_, ic, *strides,
             GROUP_SIZE=group_size, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps)

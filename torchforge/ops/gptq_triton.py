@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchforge.ops._triton import HAS_TRITON, tl, triton
+from torchforge.ops._triton import CUDA_MAX_GRID_Z, HAS_TRITON, stack_launches, tl, triton
 from torchforge.ops.awq_triton import tile_config
 
 __all__ = ["launch_gptq_dequantize", "launch_w4a16_gptq_linear"]
@@ -90,7 +90,7 @@ if HAS_TRITON:
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
 
 
-_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
+_MAX_GRID_Z = CUDA_MAX_GRID_Z  # the matrices of a stack go on grid dimension 2
 
 
 def launch_gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_idx: Tensor) -> Tensor:
@@ -108,9 +108,7 @@ def launch_gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_id
         return out
     q, s, z, o = (t.contiguous().view(batch, *t.shape[len(lead):]) for t in (qweight, scales, qzeros, out))
     bk, bn = 64, 64
-    launches = ([(0, batch)] if batch <= _MAX_GRID_Z
-                else [(i, min(_MAX_GRID_Z, batch - i)) for i in range(0, batch, _MAX_GRID_Z)])
-    for i, nb in launches:
+    for i, nb in stack_launches(batch, _MAX_GRID_Z):
         torch.library.wrap_triton(_gptq_dequant_kernel)[(triton.cdiv(ic, bk), triton.cdiv(oc, bn), nb)](
             q[i:i + nb], s[i:i + nb], z[i:i + nb], g_idx.contiguous(), o[i:i + nb], oc, ic, np_, ng,
             BLOCK_N=bn, BLOCK_K=bk, num_warps=4)

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchforge.ops._triton import HAS_TRITON, interpret_mode, tl, triton
+from torchforge.ops._triton import CUDA_MAX_GRID_Z, HAS_TRITON, interpret_mode, stack_launches, tl, triton
 
 __all__ = ["launch_nvfp4_grouped_linear", "launch_nvfp4_align", "grouped_config", "max_sorted_rows"]
 
@@ -214,7 +214,7 @@ def _require_triton():
         raise RuntimeError("torchforge NVFP4 Triton kernels need triton; install it or use CPU tensors")
 
 
-_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
+_MAX_GRID_Z = CUDA_MAX_GRID_Z  # the matrices of a stack go on grid dimension 2
 
 
 def launch_nvfp4_dequantize(packed: Tensor, scales: Tensor, weight_scale_2: Tensor, dtype: torch.dtype) -> Tensor:
@@ -235,9 +235,7 @@ def launch_nvfp4_dequantize(packed: Tensor, scales: Tensor, weight_scale_2: Tens
     p, s, o = (t.contiguous().view(batch, *t.shape[len(lead):]) for t in (packed, scales, out))
     s = s.view(torch.uint8)  # the fp8 scales as bytes: the tile decodes them
     # The matrices go on grid dimension 2, which CUDA caps at 65535: larger stacks take several launches.
-    launches = ([(0, batch)] if batch <= _MAX_GRID_Z  # one launch (a dynamic batch stays dynamic under compile)
-                else [(i, min(_MAX_GRID_Z, batch - i)) for i in range(0, batch, _MAX_GRID_Z)])
-    for i, nb in launches:
+    for i, nb in stack_launches(batch, _MAX_GRID_Z):
         torch.library.wrap_triton(_nvfp4_dequant_kernel)[(triton.cdiv(n, bn), k // bk, nb)](
             p[i:i + nb], s[i:i + nb], ws2[i:i + nb], o[i:i + nb], n, k, kp, k // 16, BN=bn, BK=bk, num_warps=4)
     return out
