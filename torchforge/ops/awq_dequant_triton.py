@@ -5,6 +5,8 @@ Used by w4a16_linear for large M, where dequantize-then-cuBLAS beats dequantizin
 mainloop: the extra pass (OC * IC * 2 bytes written) is amortized over M rows. W^T is what the tile
 decoder produces and what `x @ W^T` wants, so no transpose is needed.
 """
+import math
+
 import torch
 from torch import Tensor
 
@@ -44,9 +46,7 @@ def _launch(qweight: Tensor, scales: Tensor, qzeros: Tensor, group_size: int, dt
         raise RuntimeError("torchforge dequantize kernel needs triton")
     *lead, ic, np_ = qweight.shape
     oc = np_ * 8
-    batch = 1
-    for d in lead:
-        batch *= d
+    batch = math.prod(lead)
     bk = next(b for b in (128, 64, 32, 16, 8, 4, 2, 1) if b <= max_block_k and group_size % b == 0)
     bn = 128
     out = torch.empty((*lead, ic, oc) if transposed else (*lead, oc, ic), dtype=dtype, device=qweight.device)

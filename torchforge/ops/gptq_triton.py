@@ -9,6 +9,7 @@ same cache lines. Arguments are assumed validated by :mod:`torchforge.ops.gptq`.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -100,9 +101,7 @@ def launch_gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_id
         raise RuntimeError("torchforge GPTQ Triton kernels need triton; install it or use CPU tensors")
     *lead, kp, oc = qweight.shape
     ic, ng, np_ = kp * 8, scales.shape[-2], qzeros.shape[-1]
-    batch = 1
-    for d in lead:
-        batch *= d
+    batch = math.prod(lead)
     out = torch.empty((*lead, oc, ic), dtype=scales.dtype, device=qweight.device)
     if out.numel() == 0:
         return out

@@ -104,14 +104,20 @@ def _combine_grads(needs_h: bool, needs_w: bool, grad_out: Tensor, h: Tensor, ex
 _CHUNK_WEIGHTS = 1 << 26
 
 
+def _all_experts(fn, tensors: tuple, out_shape: tuple, dtype: torch.dtype) -> Tensor:
+    """fn (a dequantization into `dtype`) over all experts of `tensors`: one call on CUDA (a Triton launch, no
+    temporaries), bounded chunks of experts through the reference elsewhere."""
+    per_matrix = out_shape[0] * out_shape[1]
+    chunk = tensors[0].shape[0] * per_matrix if use_triton(tensors[0]) else _CHUNK_WEIGHTS
+    return map_leading_chunks(fn, tensors, out_shape, per_matrix, chunk, dtype)
+
+
 def _awq(qweight, scales, qzeros, group_size, dtype):
     from torchforge.ops import awq_dequantize
 
     ic, oc = qweight.shape[1], qweight.shape[2] * 8
-    # CUDA: one Triton launch for all experts, straight into `dtype` (no temporaries, so no chunks)
-    chunk = qweight.shape[0] * ic * oc if use_triton(qweight) else _CHUNK_WEIGHTS
-    return map_leading_chunks(lambda q, s, z: awq_dequantize(q, s, z, group_size, dtype),
-                              (qweight, scales, qzeros), (oc, ic), ic * oc, chunk, dtype)
+    return _all_experts(lambda q, s, z: awq_dequantize(q, s, z, group_size, dtype), (qweight, scales, qzeros),
+                        (oc, ic), dtype)
 
 
 def _awq_mma(qweight_mma, scales, qzeros, group_size, dtype, shared=(None, None, None)):
@@ -127,9 +133,8 @@ def _nvfp4(packed, scales, weight_scale_2, dtype):
     from torchforge.ops import nvfp4_dequantize
 
     n, k = packed.shape[1], packed.shape[2] * 2
-    chunk = packed.shape[0] * n * k if use_triton(packed) else _CHUNK_WEIGHTS  # CUDA: one launch, as _awq
-    return map_leading_chunks(lambda p, s, s2: nvfp4_dequantize(p, s, s2, dtype),
-                              (packed, scales, weight_scale_2), (n, k), n * k, chunk, dtype)
+    return _all_experts(lambda p, s, s2: nvfp4_dequantize(p, s, s2, dtype), (packed, scales, weight_scale_2),
+                        (n, k), dtype)
 
 
 # --------------------------------------------------------------------------------------------------- backwards

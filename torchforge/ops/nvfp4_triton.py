@@ -27,6 +27,7 @@ Grouped (MoE) matmul, no host sync and no loop over experts:
 At decode (few routed rows per expert) `torchforge.ops.nvfp4` runs the grouped GEMV of `nvfp4_gemv_triton`
 instead (same contract, same exact dequantization, no sort, no padding to BLOCK_M, no tl.dot).
 """
+import math
 from typing import Optional
 
 import torch
@@ -223,9 +224,7 @@ def launch_nvfp4_dequantize(packed: Tensor, scales: Tensor, weight_scale_2: Tens
     _require_triton()
     *lead, n, kp = packed.shape
     k = kp * 2
-    batch = 1
-    for d in lead:
-        batch *= d
+    batch = math.prod(lead)
     out = torch.empty((*lead, n, k), dtype=dtype, device=packed.device)
     if out.numel() == 0:
         return out
