@@ -16,6 +16,7 @@ from torchforge.ops.gptq import (
     gptq_pack_zeros,
     gptq_unpack,
     gptq_unpack_zeros,
+    act_order_perm,
     trivial_g_idx,
     w4a16_gptq_linear,
 )
@@ -191,9 +192,14 @@ def test_module_without_hessian_is_rtn_and_beats_nothing_else():
     assert err(gptq) < 0.7 * err(rtn)
 
 
-def test_compiled_forward_has_no_graph_break():
+@pytest.mark.parametrize("act_order_mma", [False, True])
+def test_compiled_forward_has_no_graph_break(act_order_mma):
     lin, x = _layer(7, ic=64, oc=32)
     mod = ForgeGPTQLinear.from_linear(lin, None, group_size=32)
+    if act_order_mma:  # the mma layout's x permutation too (rows sorted by group)
+        qweight, scales, qzeros, g_idx, _, _ = random_gptq(128, 64, 64, seed=4, act_order=True)
+        mod, x = _module(qweight, scales, qzeros, g_idx, 128, 64, 64), torch.randn(5, 128)
+        assert mod.use_mma_layout() and mod.act_perm is not None
     torch._dynamo.reset()
     compiled = torch.compile(mod, fullgraph=True)  # fullgraph: a graph break raises
     torch.testing.assert_close(compiled(x[:3]), mod(x[:3]), rtol=1e-5, atol=1e-5)
@@ -235,7 +241,7 @@ def _module(qweight, scales, qzeros, g_idx, ic, oc, group_size, bias=None):
 
 def test_mma_layout_same_numbers_and_gptq_exports():
     """use_mma_layout: the layer computes the same, state_dict / gptq_tensors / load stay in the GPTQ layout, and
-    act-order or a stored zero of 16 (no 4-bit equivalent) keep the GPTQ path."""
+    groups of unequal sizes or a stored zero of 16 (no 4-bit equivalent) keep the GPTQ path."""
     qweight, scales, qzeros, g_idx, codes, zeros = random_gptq(256, 128, 64, seed=7)
     bias = torch.randn(128)
     from torchforge.export.gptq_export import _unpacked_linear
@@ -254,10 +260,13 @@ def test_mma_layout_same_numbers_and_gptq_exports():
     assert fresh.use_mma_layout()
     fresh.load_state_dict(state)
     assert torch.equal(fresh.qweight, mod.qweight) and torch.equal(fresh.qzeros, mod.qzeros)
-    act = _module(*random_gptq(256, 128, 64, seed=8, act_order=True)[:4], 256, 128, 64)
+    uneven = g_idx.clone()
+    uneven[0] = 1  # group 0 has 63 rows, group 1 65: no order of the rows makes them contiguous
+    act = _module(qweight, scales, qzeros, uneven, 256, 128, 64)
     assert not act.use_mma_layout() and act.weight_layout == "gptq"
-    with pytest.raises(ValueError, match="holds neither act-order .* call use_mma_layout\\(\\) after loading"):
-        fresh.load_state_dict({**state, "g_idx": act.g_idx})  # an act-order checkpoint into an mma-layout module
+    with pytest.raises(ValueError, match=r"cannot hold this checkpoint \(g_idx: groups of 63..65 input rows, not 64 each.*"
+                                         r"call use_mma_layout\(\) after loading"):
+        fresh.load_state_dict({**state, "g_idx": uneven})
     meta = ForgeGPTQLinear(256, 128, group_size=64, device="meta")
     assert not meta.use_mma_layout()  # the zero points cannot be checked on meta
     zeros16 = qzeros.clone()
@@ -266,16 +275,59 @@ def test_mma_layout_same_numbers_and_gptq_exports():
     assert not _module(qweight[:, :40], scales[:, :40], qzeros[:, :5], g_idx, 256, 40, 64).use_mma_layout()
 
 
+def test_act_order_perm():
+    g_idx = trivial_g_idx(256, 64)
+    assert act_order_perm(g_idx, 64) is None
+    shuffled = g_idx[torch.randperm(256, generator=torch.Generator().manual_seed(3))]
+    perm = act_order_perm(shuffled, 64)
+    assert perm.dtype == torch.int64 and torch.equal(shuffled[perm], g_idx)
+    assert all(bool((torch.diff(perm[i:i + 64]) > 0).all()) for i in range(0, 256, 64))  # stored order in a group
+    with pytest.raises(ValueError, match=r"g_idx has 64 values outside \[0, 4\)"):
+        act_order_perm(torch.where(g_idx == 3, 7, g_idx), 64)
+    with pytest.raises(ValueError, match=r"g_idx: groups of 0..128 input rows, not 64 each"):
+        act_order_perm(torch.where(g_idx == 3, 2, g_idx), 64)
+
+
+def test_mma_layout_act_order():
+    """An act-order layer on the mma layout: rows stored sorted by group, x permuted on each call. It computes what
+    the GPTQ layout computes (in another order of the sum), and exports, dequantizes and loads as the GPTQ layout."""
+    qweight, scales, qzeros, g_idx, codes, zeros = random_gptq(256, 128, 64, seed=8, act_order=True)
+    bias = torch.randn(128)
+    mod = _module(qweight, scales, qzeros, g_idx, 256, 128, 64, bias)
+    x = torch.randn(2, 5, 256)
+    before, state = mod(x), {k: v.clone() for k, v in mod.state_dict().items()}
+    assert mod.has_act_order() and mod.use_mma_layout() and mod.weight_layout == "mma"
+    assert torch.equal(g_idx[mod.act_perm], trivial_g_idx(256, 64)) and "act_perm" not in mod.state_dict()
+    oracle = x.double() @ torch.from_numpy(np_dequant(qweight, scales, qzeros, g_idx)).double() + bias.double()
+    torch.testing.assert_close(mod(x).double(), oracle, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mod(x), before, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(mod.state_dict()[k], state[k]) for k in state)  # the checkpoint's row order
+    assert all(torch.equal(a, b) for a, b in zip(mod.gptq_tensors(), (qweight, qzeros)))
+    assert torch.equal(mod.dequantized_weight(), _module(qweight, scales, qzeros, g_idx, 256, 128, 64).dequantized_weight())
+    with pytest.raises(ValueError, match="act-order .* has no AWQ-layout equivalent"):
+        mod.awq_tensors()
+    plain = random_gptq(256, 128, 64, seed=9)
+    fresh = _module(*(t.clone() for t in plain[:4]), 256, 128, 64, bias)  # load_state_dict copies into its buffers
+    assert fresh.use_mma_layout() and fresh.act_perm is None
+    fresh.load_state_dict(state)  # an act-order checkpoint into a module already on the mma layout
+    assert torch.equal(fresh.act_perm, mod.act_perm) and torch.equal(fresh.qweight, mod.qweight)
+    assert torch.equal(fresh(x), mod(x))
+    fresh.load_state_dict({**state, "qweight": plain[0], "qzeros": plain[2], "g_idx": plain[3]})  # and back
+    assert fresh.act_perm is None
+    torch.testing.assert_close(fresh(x), _module(plain[0], scales, plain[2], plain[3], 256, 128, 64, bias)(x))
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("m", [1, 16, 300])
-def test_cuda_mma_layout(m):
+def test_cuda_mma_layout(m, act_order):
     """On the GPU the mma layout runs csrc/awq_mma.cu (1..128 rows) or Triton dequantize + cuBLAS: same outputs as
     the GPTQ kernel within bf16 tolerance."""
     from torchforge.ops._ext import has_cuda_ext
 
     if not has_cuda_ext():
         pytest.skip("needs the compiled extension")
-    qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 512, 128, seed=m)
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 512, 128, seed=m, act_order=act_order)
     mod = _module(qweight, scales, qzeros, g_idx, 1024, 512, 128).cuda()
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     expected = x.double() @ mod.dequantized_weight(torch.float32).double().T

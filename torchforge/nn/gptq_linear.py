@@ -32,9 +32,11 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
     :class:`torchforge.gptq.GPTQResult`, or :meth:`from_linear` (GPTQ with a Hessian, or round-to-nearest on
     the GPTQ grid without one). Forward runs ``torchforge.ops.gptq.w4a16_gptq_linear``.
 
-    ``use_mma_layout()`` (run phase, CUDA decode; no act-order) re-packs the same numbers for the tensor-core
-    kernel of csrc/awq_mma.cu: qweight as AWQ codes in MMA fragment order [OC // 64, IC * 8] and qzeros as true
-    zero points in AWQ order. ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the GPTQ layout.
+    ``use_mma_layout()`` (run phase, CUDA decode) re-packs the same numbers for the tensor-core kernels of
+    csrc/awq_mma.cu: qweight as AWQ codes in MMA fragment order [OC // 64, IC * 8] and qzeros as true zero points in
+    AWQ order. With act-order the input rows are stored sorted by group (``act_perm``, a non-persistent buffer) and
+    each call reads ``x[..., act_perm]``. ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the
+    GPTQ layout, rows in their checkpoint order.
     """
 
     bits = 4
@@ -58,6 +60,9 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
         self.register_buffer("scales", torch.empty(ng, out_features, dtype=torch.float16, device=device))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+        # the mma layout of an act-order layer: its rows sorted by group (act_order_perm); derived from g_idx, so
+        # not saved
+        self.register_buffer("act_perm", None, persistent=False)
         self.weight_layout = "gptq"
         self._register_state_dict_hook(_export_gptq_layout)
         self._register_load_state_dict_pre_hook(_import_gptq_layout, with_module=True)
@@ -112,7 +117,7 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
     def gptq_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(qweight, qzeros) in the GPTQ layout, whatever layout the module runs with."""
         if self.weight_layout == "mma":
-            return _mma_to_gptq(self.qweight, self.qzeros)
+            return _mma_to_gptq(self.qweight, self.qzeros, getattr(self, "act_perm", None))
         return self.qweight, self.qzeros
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -127,36 +132,41 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
     @torch.no_grad()
     def awq_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qweight, scales, qzeros) in vLLM's AWQ layout, exactly the same weight (no act-order only)."""
-        if self.weight_layout == "mma":
-            return mma_layout_to_awq(self.qweight), self.scales, self.qzeros
         if self.has_act_order():
             raise ValueError("ForgeGPTQLinear: act-order (a permuted g_idx) has no AWQ-layout equivalent")
-        codes = gptq_ops.gptq_unpack(self.qweight)  # [IC, OC]
-        zeros = gptq_ops.gptq_unpack_zeros(self.qzeros)  # [NG, OC]
-        if int(zeros.max()) > 15:
-            raise ValueError("ForgeGPTQLinear: a stored zero point of 16 has no 4-bit AWQ equivalent")
-        return awq_pack(codes), self.scales, awq_pack(zeros)
+        if self.weight_layout == "mma":
+            return mma_layout_to_awq(self.qweight), self.scales, self.qzeros
+        qweight, qzeros = _gptq_to_awq(self.qweight, self.qzeros, None)
+        return qweight, self.scales, qzeros
 
     @torch.no_grad()
     def use_mma_layout(self) -> bool:
-        """Switch to the mma layout (exact); False, and nothing changed, for act-order, a stored zero point of 16
-        (GPTQ v1 can hold it, 4 bits cannot) or a shape that does not fit (OC, IC, group size multiples of 64)."""
+        """Switch to the mma layout (exact); False, and nothing changed, for a stored zero point of 16 (GPTQ v1 can
+        hold it, 4 bits cannot), an act-order ``g_idx`` whose groups are not all ``group_size`` rows, or a shape
+        that does not fit (OC, IC, group size multiples of 64). Act-order layers store their rows sorted by group
+        and permute x on each call (``act_perm``)."""
         if self.weight_layout == "mma":
             return True
         if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
             return False
         if self.qweight.is_meta:  # the zero points cannot be checked: switch after loading
             return False
-        if self.has_act_order() or int(gptq_ops.gptq_unpack_zeros(self.qzeros).max()) > 15:
+        try:
+            perm = gptq_ops.act_order_perm(self.g_idx, self.group_size)
+            qweight, qzeros = _gptq_to_awq(self.qweight, self.qzeros, perm)
+        except ValueError:  # unequal groups, or a zero point of 16: the GPTQ kernel keeps the layer
             return False
-        qweight, _, qzeros = self.awq_tensors()
         self.qweight, self.qzeros = awq_to_mma_layout(qweight), qzeros
+        self.register_buffer("act_perm", perm, persistent=False)  # registered again: modules pickled before it
         self.weight_layout = "mma"
         add_mma_tickets(self)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_layout == "mma":
+            perm = getattr(self, "act_perm", None)
+            if perm is not None:  # act-order: the stored rows are sorted by group (use_mma_layout)
+                x = x.index_select(-1, perm)
             return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
                                   getattr(self, "mma_tickets", None))
         return gptq_ops.w4a16_gptq_linear(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.bias)
@@ -204,8 +214,24 @@ def w4_linear_from_gptq(linear: nn.Linear, qweight: torch.Tensor, scales: torch.
     return new
 
 
-def _mma_to_gptq(qweight_mma: torch.Tensor, qzeros_awq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = awq_unpack(mma_layout_to_awq(qweight_mma))  # [IC, OC]
+def _gptq_to_awq(qweight: torch.Tensor, qzeros: torch.Tensor,
+                 perm: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ (qweight, qzeros) -> AWQ-layout (qweight, qzeros) of the same numbers, the input rows in `perm`'s order
+    (act_order_perm) where given; ValueError for a stored zero point of 16."""
+    zeros = gptq_ops.gptq_unpack_zeros(qzeros)  # [NG, OC]
+    if zeros.numel() and int(zeros.max()) > 15:
+        raise ValueError("ForgeGPTQLinear: a stored zero point of 16 has no 4-bit AWQ equivalent")
+    codes = gptq_ops.gptq_unpack(qweight)  # [IC, OC]
+    if perm is not None:
+        codes = codes.index_select(0, perm.to(codes.device))
+    return awq_pack(codes), awq_pack(zeros)
+
+
+def _mma_to_gptq(qweight_mma: torch.Tensor, qzeros_awq: torch.Tensor,
+                 perm: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = awq_unpack(mma_layout_to_awq(qweight_mma))  # [IC, OC], rows in perm's order where given
+    if perm is not None:
+        codes = codes.index_select(0, torch.argsort(perm).to(codes.device))
     return gptq_ops.gptq_pack(codes), gptq_ops.gptq_pack_zeros(awq_unpack(qzeros_awq))
 
 
@@ -213,22 +239,24 @@ def _export_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, 
     """state_dict hook: checkpoints always hold the GPTQ layout."""
     if module.weight_layout == "mma" and prefix + "qweight" in state_dict and prefix + "qzeros" in state_dict:
         state_dict[prefix + "qweight"], state_dict[prefix + "qzeros"] = _mma_to_gptq(
-            state_dict[prefix + "qweight"], state_dict[prefix + "qzeros"])
+            state_dict[prefix + "qweight"], state_dict[prefix + "qzeros"], getattr(module, "act_perm", None))
 
 
 def _import_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, *args) -> None:
-    """load_state_dict pre-hook: GPTQ-layout qweight [IC // 8, OC] and qzeros, for a module on the mma layout."""
+    """load_state_dict pre-hook: GPTQ-layout qweight [IC // 8, OC] and qzeros, for a module on the mma layout (its
+    rows sorted by the checkpoint's g_idx where that is act-order, and `act_perm` set to match)."""
     kq, kz, kg = prefix + "qweight", prefix + "qzeros", prefix + "g_idx"
     if module.weight_layout == "mma" and kq in state_dict and kz in state_dict:
         if tuple(state_dict[kq].shape) == (module.in_features // 8, module.out_features):
-            zeros = gptq_ops.gptq_unpack_zeros(state_dict[kz])
-            g_idx = state_dict.get(kg)
-            trivial = gptq_ops.trivial_g_idx(module.in_features, module.group_size)
-            if (g_idx is not None and not torch.equal(g_idx.cpu().to(torch.int32), trivial)) or int(zeros.max()) > 15:
+            g_idx = state_dict.get(kg, module.g_idx)
+            try:
+                perm = gptq_ops.act_order_perm(g_idx, module.group_size)
+                qweight, qzeros = _gptq_to_awq(state_dict[kq], state_dict[kz], perm)
+            except ValueError as err:
                 raise ValueError(f"ForgeGPTQLinear.load_state_dict ({prefix or 'module'}): this module runs on the mma "
-                                 "layout, which holds neither act-order (a permuted g_idx) nor a stored zero point of "
-                                 "16; load into a module on the GPTQ layout (a fresh one) and call use_mma_layout() "
-                                 "after loading: it keeps the GPTQ kernel for such layers")
-            codes = gptq_ops.gptq_unpack(state_dict[kq])
-            state_dict[kq] = awq_to_mma_layout(awq_pack(codes))
-            state_dict[kz] = awq_pack(zeros)
+                                 f"layout, which cannot hold this checkpoint ({err}); load into a module on the GPTQ "
+                                 "layout (a fresh one) and call use_mma_layout() after loading: it keeps the GPTQ "
+                                 "kernel for such layers") from err
+            state_dict[kq], state_dict[kz] = awq_to_mma_layout(qweight), qzeros
+            module.register_buffer("act_perm", None if perm is None else perm.to(module.qweight.device),
+                                   persistent=False)

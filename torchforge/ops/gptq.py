@@ -18,6 +18,7 @@ from torch.library import custom_op
 from torchforge.ops._check import check_same_device, check_type, check_value
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.gptq_reference import (
+    act_order_perm,
     gptq_dequantize_ref,
     gptq_pack_ref,
     gptq_pack_zeros_ref,
@@ -34,7 +35,7 @@ else:  # importing torchforge must work without triton
     _define_kernel_op = custom_op
 
 __all__ = ["gptq_pack", "gptq_unpack", "gptq_pack_zeros", "gptq_unpack_zeros", "gptq_dequantize",
-           "w4a16_gptq_linear", "trivial_g_idx"]
+           "w4a16_gptq_linear", "trivial_g_idx", "act_order_perm"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -36,6 +36,7 @@ __all__ = [
     "gptq_dequantize_ref",
     "w4a16_gptq_linear_ref",
     "trivial_g_idx",
+    "act_order_perm",
 ]
 
 
@@ -50,6 +51,31 @@ def _shifts(device) -> Tensor:
 def trivial_g_idx(in_features: int, group_size: int, device=None) -> Tensor:
     """``g_idx`` without act-order: ``k // group_size``."""
     return (torch.arange(in_features, dtype=torch.int32, device=device) // group_size).to(torch.int32)
+
+
+def act_order_perm(g_idx: Tensor, group_size: int) -> Optional[Tensor]:
+    """The order of the input rows that makes an act-order ``g_idx`` contiguous: int64 ``perm [IC]`` with
+    ``g_idx[perm] == k // group_size`` (rows of a group in their stored order), or None for ``g_idx`` already
+    ``k // group_size``. A kernel for contiguous groups then computes ``x[:, perm] @ W[:, perm].T``, the same sum
+    in another order; vLLM's gptq_marlin does the same (``g_idx_sort_indices``, ``permute_cols``). GPTQ's
+    desc_act gives every group exactly ``group_size`` rows (group of the i-th row in activation order:
+    i // G); ValueError for a ``g_idx`` where some group has another count, which no order makes contiguous."""
+    ic = g_idx.shape[0]
+    trivial = trivial_g_idx(ic, group_size, device=g_idx.device)
+    g = g_idx.to(torch.int32)
+    if torch.equal(g, trivial):
+        return None
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], trivial):
+        ng = ic // group_size
+        outside = int(((g < 0) | (g >= ng)).sum())
+        if outside:
+            raise ValueError(f"g_idx has {outside} values outside [0, {ng}) (the groups of {ic} input rows of "
+                             f"{group_size})")
+        counts = torch.bincount(g.long(), minlength=ng)
+        raise ValueError(f"g_idx: groups of {counts.min().item()}..{counts.max().item()} input rows, not "
+                         f"{group_size} each, so no order of the rows makes them contiguous")
+    return perm
 
 
 def gptq_pack_ref(codes: Tensor) -> Tensor:
