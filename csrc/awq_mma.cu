@@ -69,12 +69,13 @@ namespace awq_mma_detail {
 template <int W, bool PF>
 constexpr int kMinBlocks = PF ? 8 / W : 16 / W;
 
-template <typename T, typename S, int NT, int CPG, int W, bool PF>
+// PERM: x read through perm (int32 [K]: an act-order layer's rows sorted by group, awq_mma.cuh gather_x16).
+template <typename T, typename S, int NT, int CPG, int W, bool PF, bool PERM = false>
 __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                    float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                   int chunks_per_group, int splits, int prefetch_rounds) {
+                   int chunks_per_group, int splits, int prefetch_rounds, const int* __restrict__ perm) {
   using Tr = Traits<T>;
   constexpr int kBlockThreads = 32 * W;
   __shared__ float red[W * kRows * kPad];
@@ -113,8 +114,8 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
   pdl::wait();
 
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG, PF>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
-                                chunks_per_group, g);
+  accumulate<T, S, NT, CPG, PF, PERM>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
+                                      chunks_per_group, g, perm);
   // The next kernel may launch once every block is past its weights. Not earlier: blocks of a next decode GEMM
   // resident from the start prefetched weights that this one's stream evicted from L2 before they were used
   // (18432x7168 at M = 1: 0.031 against 0.027 ms, twenty-second session).
@@ -180,20 +181,20 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
   if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 
-template <typename T, typename S, int NT, int CPG, int W, bool PF>
+template <typename T, typename S, int NT, int CPG, int W, bool PF, bool PERM = false>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const int32_t* perm = nullptr) {
   const dim3 grid((M + kRows - 1) / kRows, N / kCols, splits);
   // The L2 prefetch at the kernel's start (see the kernel): with one row block and whole K per block only, and as many
   // rounds of items (2 or 1) as stay within a third of the block's items.
   const int items = K / 64 / CPG;
   const int rounds = splits == 1 && M <= 16 ? (6 * W <= items ? 2 : 3 * W <= items ? 1 : 0) : 0;
-  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF>, true, grid, dim3(32 * W), 0, stream,
+  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF, PERM>, true, grid, dim3(32 * W), 0, stream,
                      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
                      tickets, M, N, K, group_size / 64, splits,
-                     pdl::start_prefetch() >= 0 ? pdl::start_prefetch() : rounds);
+                     pdl::start_prefetch() >= 0 ? pdl::start_prefetch() : rounds, perm);
 }
 
 }  // namespace awq_mma_detail
@@ -201,16 +202,19 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype: scales (0 = bf16 with bf16 x, 1 = fp16). The caller
 // (ops.cpp) has checked shapes, alignment, N % 64 == 0, group_size a multiple of 64 * item_chunks (1 or 2),
 // K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block, prefetch only with
-// item_chunks 2 (else cudaErrorInvalidValue);
+// item_chunks 2 and without perm (else cudaErrorInvalidValue); perm: nullptr, or int32 [K] (16-byte aligned) that x
+// is read through (x[:, perm]);
 // `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1).
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                           int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream) {
+                           int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream,
+                           const int32_t* perm) {
   using namespace awq_mma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int g = static_cast<int>(group_size), s = static_cast<int>(splits);
-  if ((item_chunks != 1 && item_chunks != 2) || (warps != 4 && warps != 8)) return cudaErrorInvalidValue;
+  if ((item_chunks != 1 && item_chunks != 2) || (warps != 4 && warps != 8) || (prefetch && perm != nullptr))
+    return cudaErrorInvalidValue;
   return dispatch_dtypes(dtype, scale_dtype, [&](auto t, auto sv) {
     using T = decltype(t);
     using S = decltype(sv);
@@ -225,6 +229,11 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
                                                              m, n, k, g, s, stream);
       }
       if (prefetch) return cudaErrorInvalidValue;
+      if (perm != nullptr)  // act-order: the plain loop only (fewer kernels to build; the launcher asks no prefetch)
+        return warps == 4 ? launch<T, S, NT, CPG, 4, false, true>(x, qweight, scales, qzeros, bias, out, partial,
+                                                                  tickets, m, n, k, g, s, stream, perm)
+                          : launch<T, S, NT, CPG, 8, false, true>(x, qweight, scales, qzeros, bias, out, partial,
+                                                                  tickets, m, n, k, g, s, stream, perm);
       return warps == 4 ? launch<T, S, NT, CPG, 4, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
                                                           n, k, g, s, stream)
                         : launch<T, S, NT, CPG, 8, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,

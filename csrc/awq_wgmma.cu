@@ -669,10 +669,12 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
 // (row block mb, chunk c) at mb * (K / 64) + c. One thread per 16-byte piece j of a tile row, gathering the 4 pairs of
 // k it holds (positions 8 j' .. 8 j' + 7 with j' = j ^ (row % 8) = 2 s + e: k = 16 t + 4 s + 2 e + h, t < 4, h < 2).
 // Grouped (sorted_rows set): image row m is routed row sorted_rows[m], which reads x[sorted_rows[m] / x_row_div];
-// padding (num_rows or more) stays zero.
+// padding (num_rows or more) stays zero. perm set (int32 [K], an act-order layer's input rows sorted by group): the
+// image holds x[:, perm], each k gathered on its own.
 template <typename T, int BM>
 __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int M, int K,
-                               const int32_t* __restrict__ sorted_rows, int num_rows, int x_row_div) {
+                               const int32_t* __restrict__ sorted_rows, int num_rows, int x_row_div,
+                               const int32_t* __restrict__ perm) {
   pdl::wait();  // x (and sorted_rows) come from the kernels before; img may still be read by the previous call's kernel
   pdl::launch_dependents();
   const int64_t piece = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -689,11 +691,23 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (src_row >= 0) {
     const int jp = j ^ (row % 8);
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(x + static_cast<size_t>(src_row) * K + c * 64);
-    v.x = __ldg(src + jp);  // the pair of k at 16 t + 4 s + 2 e is word 8 t + 2 s + e = 8 t + j'
-    v.y = __ldg(src + 8 + jp);
-    v.z = __ldg(src + 16 + jp);
-    v.w = __ldg(src + 24 + jp);
+    if (perm == nullptr) {
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(x + static_cast<size_t>(src_row) * K + c * 64);
+      v.x = __ldg(src + jp);  // the pair of k at 16 t + 4 s + 2 e is word 8 t + 2 s + e = 8 t + j'
+      v.y = __ldg(src + 8 + jp);
+      v.z = __ldg(src + 16 + jp);
+      v.w = __ldg(src + 24 + jp);
+    } else {  // the same pairs of sorted positions, each element read through perm
+      const unsigned short* row = reinterpret_cast<const unsigned short*>(x + static_cast<size_t>(src_row) * K);
+      const int2* pk = reinterpret_cast<const int2*>(perm + c * 64) + jp;
+      uint32_t w[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int2 p = __ldg(pk + 8 * q);
+        w[q] = __ldg(row + p.x) | (static_cast<uint32_t>(__ldg(row + p.y)) << 16);
+      }
+      v = make_uint4(w[0], w[1], w[2], w[3]);
+    }
   }
   reinterpret_cast<uint4*>(img)[piece] = v;
 }
@@ -701,7 +715,8 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
 template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
-                   int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1) {
+                   int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1,
+                   const int32_t* perm = nullptr) {
   auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK>;
   constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
@@ -715,7 +730,7 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   const int64_t pieces = static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8;
   cudaError_t err = pdl::launch(x_image_kernel<T, BM>, true, dim3(static_cast<unsigned>((pieces + 255) / 256)),
                                 dim3(256), 0, stream, static_cast<const T*>(x), static_cast<T*>(x_image), M, K,
-                                gp.sorted_rows, gp.num_rows, x_row_div);
+                                gp.sorted_rows, gp.num_rows, x_row_div, perm);
   if (err != cudaSuccess) return err;
   const int ncols = (N / 64 + 3) / 4 * (4 / (TW * kGroups<BM, TW>));
   const int tiles = ncols * ((M + BM - 1) / BM);
@@ -784,7 +799,7 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                             int64_t dp_tiles, cudaStream_t stream) {
+                             int64_t dp_tiles, cudaStream_t stream, const int32_t* perm) {
   using namespace awq_wgmma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int gs = static_cast<int>(group_size), s = static_cast<int>(splits), gm = static_cast<int>(group_m);
@@ -798,13 +813,13 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       // (the dispatch's config must not turn into an error; ops.cpp refuses splits 0 without producer_warp itself).
       if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())
         return launch<T, S, BM, TW, true, false, true>(x, x_image, qweight, scales, qzeros, bias, out, partial,
-                                                       tickets, m, n, k, gs, 0, gm, dp, stream);
+                                                       tickets, m, n, k, gs, 0, gm, dp, stream, {}, 1, perm);
       const int whole_s = s == 0 ? 1 : s, whole_dp = s == 0 ? 0 : dp;
       if (producer_warp && producer_pool_ok<T, S, BM, TW>())
         return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                          gs, whole_s, gm, whole_dp, stream);
+                                          gs, whole_s, gm, whole_dp, stream, {}, 1, perm);
       return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                         gs, whole_s, gm, whole_dp, stream);
+                                         gs, whole_s, gm, whole_dp, stream, {}, 1, perm);
     };
     using std::integral_constant;
     if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});

@@ -39,7 +39,8 @@ cudaError_t awq_gemv_launch(int dtype, int rows, const void* x, const int32_t* q
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
-                           int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream);
+                           int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream,
+                           const int32_t* perm);
 
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
@@ -56,7 +57,7 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                             int64_t dp_tiles, cudaStream_t stream);
+                             int64_t dp_tiles, cudaStream_t stream, const int32_t* perm);
 cudaError_t awq_wgmma_moe_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                                  const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
                                  const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
@@ -286,6 +287,19 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
 }
 }  // namespace
 
+// Optional perm: int32 [K], the order x is read in (x[:, perm], an act-order layer's input rows sorted by group;
+// values in [0, K), which the op does not check: torchforge.ops.awq_mma does, once per layer); nullptr without.
+namespace {
+const int32_t* check_perm(const std::string& op, const at::Tensor& x, const c10::optional<at::Tensor>& perm) {
+  if (!perm.has_value()) return nullptr;
+  TORCH_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->numel() == x.size(1) &&
+                  perm->is_contiguous() && perm->device() == x.device() && aligned16(*perm),
+              op + "perm must be a contiguous, 16-byte aligned int32 tensor of K = " + i2s(x.size(1)) +
+                  " elements on x's device, got " + shape_str(perm->sizes()));
+  return perm->data_ptr<int32_t>();
+}
+}  // namespace
+
 // Tensor-core W4A16 for decode batches (csrc/awq_mma.cu): x [M, K] (fp16 / bf16, contiguous), AWQ codes in
 // MMA fragment order qweight int32 [N / 64, K * 8] (torchforge.ops.awq_mma_layout), scales [K/G, N] (fp16, or bf16
 // with bf16 x) and qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's
@@ -294,13 +308,15 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                         int64_t splits, int64_t item_chunks, const c10::optional<at::Tensor>& tickets_in,
-                        int64_t warps, bool prefetch) {
+                        int64_t warps, bool prefetch, const c10::optional<at::Tensor>& perm) {
   at::Tensor b;
   const void* bias_ptr =
       check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b);
   TORCH_CHECK(warps == 4 || warps == 8, "awq_mma_cuda: warps must be 4 or 8, got " + i2s(warps));
   TORCH_CHECK(!prefetch || item_chunks == 2,
               "awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got " + i2s(item_chunks));
+  const int32_t* perm_ptr = check_perm("awq_mma_cuda: ", x, perm);
+  TORCH_CHECK(!prefetch || perm_ptr == nullptr, "awq_mma_cuda: prefetch is not built with perm; pass prefetch=False");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
@@ -323,7 +339,7 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
       dtype_code(x), dtype_code(scales), x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks, warps,
-      prefetch, c10::cuda::getCurrentCUDAStream());
+      prefetch, c10::cuda::getCurrentCUDAStream(), perm_ptr);
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -459,11 +475,12 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 // with an odd K / 64 (group_size 64) the kernel runs whole tiles instead.
 // Optional `tickets`: int32 zeros, at least as many as the sliced tiles (stream-K: as the tiles; awq_mma_cuda's kept
 // buffer is enough for every configuration up to 512 rows), left zero; without, a fresh zeroed buffer costs a memset
-// kernel per call.
+// kernel per call. Optional `perm` as for awq_mma_cuda (the x image kernel reads x through it).
 at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                           int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                          int64_t dp_tiles, const c10::optional<at::Tensor>& tickets_in) {
+                          int64_t dp_tiles, const c10::optional<at::Tensor>& tickets_in,
+                          const c10::optional<at::Tensor>& perm) {
   const std::string op = "awq_wgmma_cuda: ";
   at::Tensor b;
   TORCH_CHECK(splits >= 0, op + "splits must be 0 (stream-K) or in [1, K / 64], got " + i2s(splits));
@@ -528,7 +545,7 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
       dtype_code(x), dtype_code(scales), x.data_ptr(), x_image.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, block_m, tile_set,
-      group_m, producer_warp, dp_tiles, c10::cuda::getCurrentCUDAStream());
+      group_m, producer_warp, dp_tiles, c10::cuda::getCurrentCUDAStream(), check_perm(op, x, perm));
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -599,7 +616,8 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int rows) -> Tensor");
   m.def(
       "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int item_chunks, Tensor? tickets=None, int warps=8, bool prefetch=False) -> Tensor");
+      "int splits, int item_chunks, Tensor? tickets=None, int warps=8, bool prefetch=False, Tensor? perm=None) -> "
+      "Tensor");
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, SymInt num_rows, int x_row_div, int group_size, int splits, int item_chunks, "
@@ -607,7 +625,7 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int dp_tiles=0, "
-      "Tensor? tickets=None) -> Tensor");
+      "Tensor? tickets=None, Tensor? perm=None) -> Tensor");
   m.def(
       "awq_wgmma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, SymInt num_rows, int x_row_div, int group_size, int block_m, int tile_set, "

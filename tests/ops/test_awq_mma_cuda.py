@@ -148,6 +148,38 @@ def test_opcheck_and_errors():
         op(x, mma, s, z, 128, torch.zeros(128, device="cuda"), 1, 1)
 
 
+@pytest.mark.parametrize("m,splits", [(1, 1), (3, 2), (16, 1), (17, 3), (64, 2), (100, 1)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("item_chunks", [1, 2])
+@pytest.mark.parametrize("warps", [4, 8])
+def test_perm_reads_x_through_it(m, splits, dtype, item_chunks, warps):
+    """perm (an act-order layer's feature order): the kernel gathers x[:, perm] itself; the same bits as the kernel on
+    the gathered copy, in every configuration."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+
+    qw, mma, s, z = _case(1024, 192, 128, seed=m)
+    x = torch.randn(m, 1024, device="cuda").to(dtype)
+    perm = torch.randperm(1024, device="cuda").to(torch.int32)
+    kw = dict(splits=splits, item_chunks=item_chunks, warps=warps, prefetch=False)
+    out = launch_awq_mma_cuda(x, mma, s, z, 128, perm=perm, **kw)
+    assert torch.equal(out, launch_awq_mma_cuda(x[:, perm.long()].contiguous(), mma, s, z, 128, **kw))
+    _check(out, x[:, perm.long()], qw, s, z, 128)
+
+
+def test_perm_opcheck_and_errors():
+    qw, mma, s, z = _case(256, 128, 128)
+    x = torch.randn(2, 256, device="cuda", dtype=torch.float16)
+    perm = torch.randperm(256, device="cuda").to(torch.int32)
+    op = torch.ops.torchforge.awq_mma_cuda
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1, None, 8, False, perm))
+    with pytest.raises(RuntimeError, match=r"perm must be a contiguous, 16-byte aligned int32 tensor of K = 256"):
+        op(x, mma, s, z, 128, None, 1, 1, None, 8, False, perm.long())
+    with pytest.raises(RuntimeError, match=r"perm must be .* of K = 256 elements on x's device, got \[128\]"):
+        op(x, mma, s, z, 128, None, 1, 1, None, 8, False, perm[:128])
+    with pytest.raises(RuntimeError, match="prefetch is not built with perm"):
+        op(x, mma, s, z, 128, None, 1, 2, None, 8, True, perm)
+
+
 @pytest.mark.parametrize("m", [1, 17, 128])
 def test_kept_tickets_stay_zero(m):
     """A caller's ticket buffer gives the result of fresh tickets, bit for bit, and is all zeros again afterwards

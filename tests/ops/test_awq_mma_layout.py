@@ -84,6 +84,29 @@ def test_linear_on_cpu_equals_the_awq_op(dtype):
     torch.library.opcheck(torch.ops.torchforge.awq_mma_linear, (x, awq_to_mma_layout(qw), s, z, 64, b))
 
 
+def test_linear_with_act_perm_reads_x_in_that_order():
+    """act_perm: the op computes x[..., perm] @ W.T (bit for bit on CPU), opcheck passes, and the input gradient goes
+    back through the permutation (against autograd through the explicit gather)."""
+    torch.manual_seed(1)
+    qw, s, z = awq_quantize(torch.randn(128, 256), 64, symmetric=False)
+    mma = awq_to_mma_layout(qw)
+    perm = torch.randperm(256).to(torch.int32)
+    x = torch.randn(2, 3, 256, requires_grad=True)
+    b = torch.randn(128)
+    out = awq_mma_linear(x, mma, s, z, 64, b, act_perm=perm)
+    assert torch.equal(out, awq_mma_linear(x.index_select(-1, perm), mma, s, z, 64, b))
+    torch.library.opcheck(torch.ops.torchforge.awq_mma_linear, (x.detach(), mma, s, z, 64, b, None, perm))
+    g = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, x, g)
+    w = w4a16_linear  # the same weight through the AWQ op, gathered x: autograd of index_select scatters back
+    (expected,) = torch.autograd.grad(w(x.index_select(-1, perm), qw, s, z, 64, b), x, g)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="act_perm must be int32"):
+        awq_mma_linear(x, mma, s, z, 64, b, act_perm=perm.long())
+    with pytest.raises(ValueError, match=r"act_perm must be \[IC\] = \[256\] on cpu, got \(128,\)"):
+        awq_mma_linear(x, mma, s, z, 64, b, act_perm=perm[:128])
+
+
 def test_errors_name_the_tensor():
     qw, s, z = awq_quantize(torch.randn(96, 128), 64)
     with pytest.raises(ValueError, match="OC and IC to be multiples of 64.*OC=96"):

@@ -34,8 +34,8 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
 
     ``use_mma_layout()`` (run phase, CUDA decode) re-packs the same numbers for the tensor-core kernels of
     csrc/awq_mma.cu: qweight as AWQ codes in MMA fragment order [OC // 64, IC * 8] and qzeros as true zero points in
-    AWQ order. With act-order the input rows are stored sorted by group (``act_perm``, a non-persistent buffer) and
-    each call reads ``x[..., act_perm]``. ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the
+    AWQ order. With act-order the input rows are stored sorted by group (``act_perm``, a non-persistent int32 buffer)
+    and each call reads ``x[..., act_perm]`` (the CUDA kernels through the permutation, no copy of x). ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the
     GPTQ layout, rows in their checkpoint order.
     """
 
@@ -157,18 +157,16 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
         except ValueError:  # unequal groups, or a zero point of 16: the GPTQ kernel keeps the layer
             return False
         self.qweight, self.qzeros = awq_to_mma_layout(qweight), qzeros
-        self.register_buffer("act_perm", perm, persistent=False)  # registered again: modules pickled before it
+        self.register_buffer("act_perm", None if perm is None else perm.to(torch.int32),  # what the kernels read
+                             persistent=False)  # registered again: modules pickled before it
         self.weight_layout = "mma"
         add_mma_tickets(self)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_layout == "mma":
-            perm = getattr(self, "act_perm", None)
-            if perm is not None:  # act-order: the stored rows are sorted by group (use_mma_layout)
-                x = x.index_select(-1, perm)
+        if self.weight_layout == "mma":  # act_perm: the stored rows are sorted by group (use_mma_layout)
             return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
-                                  getattr(self, "mma_tickets", None))
+                                  getattr(self, "mma_tickets", None), getattr(self, "act_perm", None))
         return gptq_ops.w4a16_gptq_linear(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.bias)
 
 
@@ -258,5 +256,5 @@ def _import_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, 
                                  "layout (a fresh one) and call use_mma_layout() after loading: it keeps the GPTQ "
                                  "kernel for such layers") from err
             state_dict[kq], state_dict[kz] = awq_to_mma_layout(qweight), qzeros
-            module.register_buffer("act_perm", None if perm is None else perm.to(module.qweight.device),
+            module.register_buffer("act_perm", None if perm is None else perm.to(module.qweight.device, torch.int32),
                                    persistent=False)

@@ -19,8 +19,8 @@ from torchforge.ops._check import check_type, check_value
 from torchforge.ops._gemm import matmul_bias
 from torchforge.ops._triton import HAS_TRITON, use_triton
 from torchforge.ops.awq import _check_w4a16_args
-from torchforge.ops.awq_mma_cuda import (launch_awq_mma_cuda, launch_awq_mma_moe_cuda, launch_awq_wgmma_cuda,
-                                         mma_cuda_ok, mma_moe_cuda_ok, wgmma_cuda_ok)
+from torchforge.ops.awq_mma_cuda import (_aligned16, launch_awq_mma_cuda, launch_awq_mma_moe_cuda,
+                                         launch_awq_wgmma_cuda, mma_cuda_ok, mma_moe_cuda_ok, wgmma_cuda_ok)
 from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
 from torchforge.ops.awq_mma_layout import awq_mma_linear_ref, mma_layout_to_awq
 
@@ -47,16 +47,39 @@ def _check_mma_args(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
     _check_w4a16_args(x, awq_view, scales, qzeros, group_size, bias, op="awq_mma_linear")
 
 
+def _check_act_perm(x: Tensor, act_perm: Optional[Tensor]) -> None:
+    if act_perm is None:
+        return
+    check_type(act_perm.dtype == torch.int32,
+               lambda: f"awq_mma_linear: act_perm must be int32 (the order of x's features), got {act_perm.dtype}")
+    check_value(act_perm.dim() == 1 and act_perm.shape[0] == x.shape[-1] and act_perm.device == x.device,
+                lambda: f"awq_mma_linear: act_perm must be [IC] = [{x.shape[-1]}] on {x.device}, got "
+                        f"{tuple(act_perm.shape)} on {act_perm.device}")
+
+
+def _kernel_perm(act_perm: Tensor) -> Optional[Tensor]:
+    """act_perm as the CUDA kernels read it (contiguous, 16-byte aligned: int4 loads), or None where it is not."""
+    return act_perm if act_perm.is_contiguous() and _aligned16(act_perm) else None
+
+
 @_define_kernel_op("torchforge::awq_mma_linear", mutates_args=())
 def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-                    bias: Optional[Tensor], tickets: Optional[Tensor] = None) -> Tensor:
+                    bias: Optional[Tensor], tickets: Optional[Tensor] = None,
+                    act_perm: Optional[Tensor] = None) -> Tensor:
     _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
+    _check_act_perm(x, act_perm)
     ok = (tickets is not None and tickets.device == x.device and tickets.dtype == torch.int32
           and tickets.is_contiguous())
-    if wgmma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
-        return launch_awq_wgmma_cuda(x, qweight_mma, scales, qzeros, group_size, bias, tickets=tickets if ok else None)
-    if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
-        return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias, tickets=tickets if ok else None)
+    perm = None if act_perm is None else _kernel_perm(act_perm)
+    if act_perm is None or perm is not None:  # the CUDA kernels read x through perm themselves
+        if wgmma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
+            return launch_awq_wgmma_cuda(x, qweight_mma, scales, qzeros, group_size, bias,
+                                         tickets=tickets if ok else None, perm=perm)
+        if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
+            return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias,
+                                       tickets=tickets if ok else None, perm=perm)
+    if act_perm is not None:
+        x = x.index_select(-1, act_perm)
     if use_triton(x) and group_size % 64 == 0:
         w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype)
         return matmul_bias(x, w_t, bias)
@@ -65,13 +88,15 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
 
 @_awq_mma_linear.register_fake
 def _(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-      bias: Optional[Tensor], tickets: Optional[Tensor] = None) -> Tensor:
+      bias: Optional[Tensor], tickets: Optional[Tensor] = None, act_perm: Optional[Tensor] = None) -> Tensor:
     _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
+    _check_act_perm(x, act_perm)
     return x.new_empty((*x.shape[:-1], qweight_mma.shape[0] * 64))
 
 
 def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int = 128,
-                   bias: Optional[Tensor] = None, tickets: Optional[Tensor] = None) -> Tensor:
+                   bias: Optional[Tensor] = None, tickets: Optional[Tensor] = None,
+                   act_perm: Optional[Tensor] = None) -> Tensor:
     """``x [..., IC] @ dequant(W).T (+ bias) -> [..., OC]`` in ``x.dtype``, W's codes in the mma layout
     ``[OC / 64, IC * 8]`` and ``scales`` / ``qzeros`` in AWQ layout. Same numbers as `w4a16_linear` on the AWQ
     tensors within the kernels' tolerance (the CUDA kernel applies scale and zero point in fp32 per group).
@@ -79,10 +104,16 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
     `tickets` (optional, `torchforge.ops.awq_mma_cuda.mma_tickets(OC)`): a zeroed int32 buffer the K slices of the
     decode kernel and of the Hopper kernel meet on. The kernels leave it zero, so the op does not count as mutating
     it; a module keeps one to save a memset kernel per call. Tickets on another device than `x` are not passed: on
-    the meta device they would send the whole call to the op's fake (uninitialised memory)."""
+    the meta device they would send the whole call to the op's fake (uninitialised memory).
+
+    `act_perm` (optional, int32 [IC], a permutation of the features): the weight's input rows are stored in this
+    order, so the op computes ``x[..., act_perm] @ dequant(W).T``: an act-order GPTQ layer, whose rows were sorted by
+    group so that groups are contiguous (`torchforge.ops.gptq.act_order_perm`). The CUDA kernels read x through it
+    (no gathered copy of x, no extra launch); the other paths gather first. Values outside [0, IC) are not checked
+    here (a layer checks its permutation once)."""
     if tickets is not None and tickets.device != x.device:
         tickets = None
-    return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias, tickets)
+    return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias, tickets, act_perm)
 
 
 # ------------------------------------------------------------------------------------------ MoE experts

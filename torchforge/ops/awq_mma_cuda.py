@@ -161,11 +161,14 @@ def mma_tickets(n: int, device=None) -> Tensor:
 def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                         bias: Optional[Tensor] = None, *, splits: Optional[int] = None,
                         item_chunks: Optional[int] = None, tickets: Optional[Tensor] = None,
-                        warps: Optional[int] = None, prefetch: Optional[bool] = None) -> Tensor:
+                        warps: Optional[int] = None, prefetch: Optional[bool] = None,
+                        perm: Optional[Tensor] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype, W in the mma layout `[N / 64, K * 8]`. `tickets`: see
     `mma_tickets` (None: the op allocates zeroed ones). `warps` per block: 4 or 8; `prefetch`: the kernel's
     software-pipelined loop (items of 128 k only; same bits). None: from mma_cuda_launch_config where the caller gives
-    none of splits, item_chunks and warps, else from mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch."""
+    none of splits, item_chunks and warps, else from mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch.
+    `perm` (int32 [K]): the kernel reads x[..., perm] (an act-order layer's rows sorted by group), on the plain loop
+    (prefetch off: not built with perm)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -179,9 +182,9 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
         blocks = -(-x2.shape[0] // 16) * (n // 64) * splits
         warps = warps or mma_cuda_warps(blocks, sms)
         pf = mma_cuda_prefetch(blocks, sms, warps, item_chunks, splits)
-    prefetch = pf if prefetch is None else prefetch
+    prefetch = (pf if prefetch is None else prefetch) and perm is None
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits,
-                                            item_chunks, tickets, warps, prefetch)
+                                            item_chunks, tickets, warps, prefetch, perm)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -254,13 +257,15 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                           bias: Optional[Tensor] = None, *,
-                          config: Optional[tuple] = None, tickets: Optional[Tensor] = None) -> Tensor:
+                          config: Optional[tuple] = None, tickets: Optional[Tensor] = None,
+                          perm: Optional[Tensor] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
     (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles]), else wgmma_cuda_config. dp_tiles > 0: tiles
     [0, dp_tiles) run whole, only the rest in `splits` K slices (a last round of few tiles; their blocks first).
     splits 0 (producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' pairs of chunks evenly
     (whole tiles where K / 64 is odd).
-    `tickets`: a kept zeroed buffer (`mma_tickets`; None: the op allocates one per call with K slices)."""
+    `tickets`: a kept zeroed buffer (`mma_tickets`; None: the op allocates one per call with K slices). `perm` (int32
+    [K]): the x image holds x[..., perm] (an act-order layer's rows sorted by group)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -270,7 +275,7 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     block_m, tile_set, splits, group_m, ws, *dp = config
     out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
                                               tile_set, group_m, ws, dp[0] if dp else 0,
-                                              tickets if splits != 1 else None)
+                                              tickets if splits != 1 else None, perm)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -437,7 +442,8 @@ def register_fake() -> None:
         return
 
     @torch.library.register_fake("torchforge::awq_mma_cuda")
-    def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None, warps=8, prefetch=False):
+    def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None, warps=8, prefetch=False,
+          perm=None):
         check(warps in (4, 8), lambda: f"awq_mma_cuda: warps must be 4 or 8, got {warps}")
         check(not prefetch or item_chunks == 2,
               lambda: f"awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got {item_chunks}")
@@ -453,7 +459,7 @@ def register_fake() -> None:
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda"):
         @torch.library.register_fake("torchforge::awq_wgmma_cuda")
         def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False,
-              dp_tiles=0, tickets=None):
+              dp_tiles=0, tickets=None, perm=None):
             check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
                   lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
                           f"{tuple(x.shape)} and {tuple(qweight.shape)}")

@@ -19,16 +19,16 @@ def _grads(ctx, grad_y: Tensor, weight: Tensor):
     return grad_x, grad_b
 
 
-def _register(name: str, bias_index: int, dequantize) -> None:
+def _register(name: str, bias_index: int, dequantize, extra: tuple = ()) -> None:
     """`dequantize(*weight_inputs)` -> the fp32 weight [N, K]; the op's inputs are (x, *weight_inputs, ...) with the
-    bias at `bias_index`."""
+    bias at `bias_index`; the inputs at the indices `extra` (after the bias) are weight inputs too, passed last."""
     n_inputs = len(torch.ops.torchforge.__getattr__(name).default._schema.arguments)
 
     def setup_context(ctx, inputs, output):
         ctx.has_bias = inputs[bias_index] is not None
         ctx.bias_index = bias_index
         ctx.bias_dtype = inputs[bias_index].dtype if ctx.has_bias else None
-        weights = inputs[1:bias_index]
+        weights = (*inputs[1:bias_index], *(inputs[i] for i in extra))
         ctx.save_for_backward(*[t for t in weights if isinstance(t, Tensor)])
         ctx.weight_inputs = [_SAVED if isinstance(t, Tensor) else t for t in weights]  # tensors: saved above
 
@@ -48,8 +48,13 @@ def register() -> None:
 
     # inputs: (x, qweight, scales, qzeros, group_size, bias)
     _register("w4a16_linear", 5, lambda q, s, z, g: awq_dequantize(q, s, z, g, torch.float32))
-    # (x, qweight_mma, scales, qzeros, group_size, bias, tickets)
-    _register("awq_mma_linear", 5, lambda q, s, z, g: awq_dequantize(mma_layout_to_awq(q), s, z, g, torch.float32))
+    # (x, qweight_mma, scales, qzeros, group_size, bias, tickets, act_perm): with act_perm the stored rows are
+    # sorted (y = x[..., perm] @ W_sorted.T), so W's column k is the stored row at perm's position of k
+    def mma_weight(q, s, z, g, perm):
+        w = awq_dequantize(mma_layout_to_awq(q), s, z, g, torch.float32)
+        return w if perm is None else w.index_select(1, torch.argsort(perm))
+
+    _register("awq_mma_linear", 5, mma_weight, extra=(7,))
     # (x, qweight, scales, qzeros, g_idx, bias)
     _register("w4a16_gptq_linear", 5, lambda q, s, z, g_idx: gptq_dequantize(q, s.float(), z, g_idx))
     # (x, packed, scales, weight_scale_2, input_scale, bias): input_scale is not a weight input
