@@ -69,13 +69,12 @@ namespace awq_mma_detail {
 template <int W, bool PF>
 constexpr int kMinBlocks = PF ? 8 / W : 16 / W;
 
-// PERM: x read through perm (int32 [K]: an act-order layer's rows sorted by group, awq_mma.cuh gather_x16).
-template <typename T, typename S, int NT, int CPG, int W, bool PF, bool PERM = false>
+template <typename T, typename S, int NT, int CPG, int W, bool PF>
 __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                    float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                   int chunks_per_group, int splits, int prefetch_rounds, const int* __restrict__ perm) {
+                   int chunks_per_group, int splits, int prefetch_rounds) {
   using Tr = Traits<T>;
   constexpr int kBlockThreads = 32 * W;
   __shared__ float red[W * kRows * kPad];
@@ -114,8 +113,8 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
   pdl::wait();
 
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG, PF, PERM>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
-                                      chunks_per_group, g, perm);
+  accumulate<T, S, NT, CPG, PF>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
+                                chunks_per_group, g);
   // The next kernel may launch once every block is past its weights. Not earlier: blocks of a next decode GEMM
   // resident from the start prefetched weights that this one's stream evicted from L2 before they were used
   // (18432x7168 at M = 1: 0.031 against 0.027 ms, twenty-second session).
@@ -181,20 +180,48 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
   if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 
-template <typename T, typename S, int NT, int CPG, int W, bool PF, bool PERM = false>
+// x [M, K] -> xp [M, K], xp[m, i] = x[m, perm[i]]: an act-order layer's features in the order its weight rows are
+// stored (sorted by group, torchforge.nn.gptq_linear), 8 outputs a thread. A kernel of its own: reading x through
+// perm inside the decode kernel (16 2-byte loads per 16 k of a lane) measured 1.3x (one row) to 6.5x (16 rows) slower
+// than the kernel on a gathered copy (18432x7168, H100): at 16 rows each 2-byte load cost a 32-byte sector from L2.
+// It lets the decode kernel launch at once (PDL), which prefetches its first weights into L2 while this one runs.
+template <typename T>
+__global__ void gather_cols_kernel(const T* __restrict__ x, const int* __restrict__ perm, T* __restrict__ xp, int M,
+                                   int K) {
+  pdl::wait();  // x comes from the kernels before this one
+  pdl::launch_dependents();
+  const int64_t piece = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (piece >= static_cast<int64_t>(M) * (K / 8)) return;
+  const int m = static_cast<int>(piece / (K / 8)), k = static_cast<int>(piece % (K / 8)) * 8;
+  const unsigned short* row = reinterpret_cast<const unsigned short*>(x) + static_cast<size_t>(m) * K;
+  const int4 p0 = __ldg(reinterpret_cast<const int4*>(perm + k)), p1 = __ldg(reinterpret_cast<const int4*>(perm + k) + 1);
+  const auto pair = [&](int a, int b) { return __ldg(row + a) | (static_cast<uint32_t>(__ldg(row + b)) << 16); };
+  reinterpret_cast<uint4*>(xp)[piece] = make_uint4(pair(p0.x, p0.y), pair(p0.z, p0.w), pair(p1.x, p1.y),
+                                                   pair(p1.z, p1.w));
+}
+
+template <typename T, typename S, int NT, int CPG, int W, bool PF>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
-                   cudaStream_t stream, const int32_t* perm = nullptr) {
+                   cudaStream_t stream, const int32_t* perm, void* x_perm) {
+  if (perm != nullptr) {  // gather x[:, perm] first; the kernel below then reads that copy
+    const int64_t pieces = static_cast<int64_t>(M) * (K / 8);
+    const cudaError_t err = pdl::launch(gather_cols_kernel<T>, true, dim3(static_cast<unsigned>((pieces + 255) / 256)),
+                                        dim3(256), 0, stream, static_cast<const T*>(x), perm, static_cast<T*>(x_perm),
+                                        M, K);
+    if (err != cudaSuccess) return err;
+    x = x_perm;
+  }
   const dim3 grid((M + kRows - 1) / kRows, N / kCols, splits);
   // The L2 prefetch at the kernel's start (see the kernel): with one row block and whole K per block only, and as many
   // rounds of items (2 or 1) as stay within a third of the block's items.
   const int items = K / 64 / CPG;
   const int rounds = splits == 1 && M <= 16 ? (6 * W <= items ? 2 : 3 * W <= items ? 1 : 0) : 0;
-  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF, PERM>, true, grid, dim3(32 * W), 0, stream,
+  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF>, perm == nullptr, grid, dim3(32 * W), 0, stream,
                      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
                      tickets, M, N, K, group_size / 64, splits,
-                     pdl::start_prefetch() >= 0 ? pdl::start_prefetch() : rounds, perm);
+                     pdl::start_prefetch() >= 0 ? pdl::start_prefetch() : rounds);
 }
 
 }  // namespace awq_mma_detail
@@ -202,19 +229,18 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype: scales (0 = bf16 with bf16 x, 1 = fp16). The caller
 // (ops.cpp) has checked shapes, alignment, N % 64 == 0, group_size a multiple of 64 * item_chunks (1 or 2),
 // K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block, prefetch only with
-// item_chunks 2 and without perm (else cudaErrorInvalidValue); perm: nullptr, or int32 [K] (16-byte aligned) that x
-// is read through (x[:, perm]);
-// `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1).
+// item_chunks 2 (else cudaErrorInvalidValue);
+// `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1); perm: nullptr, or
+// int32 [K] (16-byte aligned, values in [0, K)) that x is read through (x[:, perm], gathered into x_perm [M, K]).
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                            int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream,
-                           const int32_t* perm) {
+                           const int32_t* perm, void* x_perm) {
   using namespace awq_mma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int g = static_cast<int>(group_size), s = static_cast<int>(splits);
-  if ((item_chunks != 1 && item_chunks != 2) || (warps != 4 && warps != 8) || (prefetch && perm != nullptr))
-    return cudaErrorInvalidValue;
+  if ((item_chunks != 1 && item_chunks != 2) || (warps != 4 && warps != 8)) return cudaErrorInvalidValue;
   return dispatch_dtypes(dtype, scale_dtype, [&](auto t, auto sv) {
     using T = decltype(t);
     using S = decltype(sv);
@@ -224,20 +250,15 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
       if constexpr (CPG == 2) {  // the prefetching loop is built for items of 128 k only (groups of 128, 256, ...)
         if (prefetch)
           return warps == 4 ? launch<T, S, NT, CPG, 4, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,
-                                                             m, n, k, g, s, stream)
+                                                             m, n, k, g, s, stream, perm, x_perm)
                             : launch<T, S, NT, CPG, 8, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,
-                                                             m, n, k, g, s, stream);
+                                                             m, n, k, g, s, stream, perm, x_perm);
       }
       if (prefetch) return cudaErrorInvalidValue;
-      if (perm != nullptr)  // act-order: the plain loop only (fewer kernels to build; the launcher asks no prefetch)
-        return warps == 4 ? launch<T, S, NT, CPG, 4, false, true>(x, qweight, scales, qzeros, bias, out, partial,
-                                                                  tickets, m, n, k, g, s, stream, perm)
-                          : launch<T, S, NT, CPG, 8, false, true>(x, qweight, scales, qzeros, bias, out, partial,
-                                                                  tickets, m, n, k, g, s, stream, perm);
       return warps == 4 ? launch<T, S, NT, CPG, 4, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
-                                                          n, k, g, s, stream)
+                                                          n, k, g, s, stream, perm, x_perm)
                         : launch<T, S, NT, CPG, 8, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
-                                                          n, k, g, s, stream);
+                                                          n, k, g, s, stream, perm, x_perm);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;

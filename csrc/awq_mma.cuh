@@ -182,24 +182,6 @@ __device__ __forceinline__ void zero_acc(float (&acc)[4][NT][4]) {
 }
 
 // The words, x and group values of one work item, loaded ahead of their use (the prefetching loop, below).
-// Act-order layers (torchforge.nn.gptq_linear: the weight's input rows stored sorted by group) read x through the
-// permutation: the 16 k of a lane's B fragment, sorted positions pk[0..15], are x[row, pk[e]], gathered as 16 2-byte
-// loads (x and pk stay in L1 / L2: a row of x is read by every column block) into the two uint4 the plain kernel
-// loads with two 16-byte loads. Same values in the same registers, so the same bits as x[:, perm] through the plain
-// kernel.
-__device__ __forceinline__ void gather_x16(uint4 (&v)[2], const unsigned short* __restrict__ row,
-                                           const int* __restrict__ pk) {
-  uint32_t w[8];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int4 p = __ldg(reinterpret_cast<const int4*>(pk) + q);
-    w[2 * q] = __ldg(row + p.x) | (static_cast<uint32_t>(__ldg(row + p.y)) << 16);
-    w[2 * q + 1] = __ldg(row + p.z) | (static_cast<uint32_t>(__ldg(row + p.w)) << 16);
-  }
-  v[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  v[1] = make_uint4(w[4], w[5], w[6], w[7]);
-}
-
 template <typename S, int NT, int CPG>
 struct ItemRegs {
   uint4 w[CPG * 4];
@@ -217,25 +199,12 @@ struct ItemRegs {
 // to 16 rows: 112 blocks of 8 warps; 18432x7168: 288 of 4), DRAM ran at 36-58% of peak and half of every warp's
 // stall cycles waited on its own loads, since each item's loads went out only after the previous item's arithmetic.
 // Same arithmetic in the same order, same bits.
-// PERM: x read through `perm` (int32 [K], gather_x16), not in its stored order.
-template <typename T, typename S, int NT, int CPG, bool PF = false, bool PERM = false>
+template <typename T, typename S, int NT, int CPG, bool PF = false>
 __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
                                            const S* __restrict__ sc, const uint32_t* __restrict__ qz,
                                            const uint4* __restrict__ xb, const int (&xoff)[NT], int N, int cb,
-                                           int items, int first, int workers, int chunks_per_group, int g,
-                                           const int* __restrict__ perm = nullptr) {
+                                           int items, int first, int workers, int chunks_per_group, int g) {
   zero_acc(acc);
-  const int t16 = 16 * (threadIdx.x & 3);  // this lane's first k of a chunk (xb = x + 16 t)
-  // the chunk's 16 k of this lane for row tile j, into v: two 16-byte loads, or gathered through perm
-  auto load_x = [&](int chunk, int j, uint4(&v)[2]) {
-    const uint4* p = xb + xoff[j] + chunk * 8;
-    if constexpr (PERM) {
-      gather_x16(v, reinterpret_cast<const unsigned short*>(p) - t16 - chunk * 64, perm + chunk * 64 + t16);
-    } else {
-      v[0] = __ldg(p);
-      v[1] = __ldg(p + 1);
-    }
-  };
   const int zshift = awq_shift(g);
   const int items_per_group = chunks_per_group / CPG;
   const bool pow2 = (items_per_group & (items_per_group - 1)) == 0;  // groups of 64, 128, 256, ...: a shift
@@ -248,7 +217,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
       float part[4][NT][4];
       float xs[NT][4];
-      item_sums<T, NT, CPG>(part, xs, w, [&](int c, int j, uint4(&v)[2]) { load_x(item * CPG + c, j, v); });
+      item_sums<T, NT, CPG>(part, xs, w, [&](int c, int j, uint4(&v)[2]) {
+        const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
+        v[0] = __ldg(p);
+        v[1] = __ldg(p + 1);
+      });
       GroupVals<S> gv;
       load_group(gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
       fold<T, NT>(acc, part, xs, gv, zshift);
@@ -260,7 +233,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
 #pragma unroll
       for (int c = 0; c < CPG; ++c)
 #pragma unroll
-        for (int j = 0; j < NT; ++j) load_x(item * CPG + c, j, r.x[c][j]);
+        for (int j = 0; j < NT; ++j) {
+          const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
+          r.x[c][j][0] = __ldg(p);
+          r.x[c][j][1] = __ldg(p + 1);
+        }
       load_group(r.gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
     };
     auto compute = [&](const ItemRegs<S, NT, CPG>& r) {

@@ -40,7 +40,7 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                            int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream,
-                           const int32_t* perm);
+                           const int32_t* perm, void* x_perm);
 
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
@@ -316,7 +316,6 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(!prefetch || item_chunks == 2,
               "awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got " + i2s(item_chunks));
   const int32_t* perm_ptr = check_perm("awq_mma_cuda: ", x, perm);
-  TORCH_CHECK(!prefetch || perm_ptr == nullptr, "awq_mma_cuda: prefetch is not built with perm; pass prefetch=False");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
@@ -335,11 +334,12 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
     tickets = at::empty({1}, x.options().dtype(at::kInt));
   }
   at::Tensor partial = at::empty({splits > 1 ? splits * M * N : 1}, x.options().dtype(at::kFloat));
+  at::Tensor x_perm = perm_ptr != nullptr ? at::empty_like(x) : at::Tensor();
   const cudaError_t err = awq_mma_launch(
       dtype_code(x), dtype_code(scales), x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks, warps,
-      prefetch, c10::cuda::getCurrentCUDAStream(), perm_ptr);
+      prefetch, c10::cuda::getCurrentCUDAStream(), perm_ptr, perm_ptr != nullptr ? x_perm.data_ptr() : nullptr);
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

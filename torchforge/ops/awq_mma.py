@@ -71,7 +71,7 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
     ok = (tickets is not None and tickets.device == x.device and tickets.dtype == torch.int32
           and tickets.is_contiguous())
     perm = None if act_perm is None else _kernel_perm(act_perm)
-    if act_perm is None or perm is not None:  # the CUDA kernels read x through perm themselves
+    if act_perm is None or perm is not None:  # the CUDA kernels take the permutation themselves
         if wgmma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
             return launch_awq_wgmma_cuda(x, qweight_mma, scales, qzeros, group_size, bias,
                                          tickets=tickets if ok else None, perm=perm)
@@ -108,8 +108,9 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
 
     `act_perm` (optional, int32 [IC], a permutation of the features): the weight's input rows are stored in this
     order, so the op computes ``x[..., act_perm] @ dequant(W).T``: an act-order GPTQ layer, whose rows were sorted by
-    group so that groups are contiguous (`torchforge.ops.gptq.act_order_perm`). The CUDA kernels read x through it
-    (no gathered copy of x, no extra launch); the other paths gather first. Values outside [0, IC) are not checked
+    group so that groups are contiguous (`torchforge.ops.gptq.act_order_perm`). On CUDA with the extension the
+    wgmma kernel's x image reads x through it (no extra pass), and the decode kernel follows a gather kernel of the
+    op's own (it launches during the gather: PDL); the other paths gather with index_select first. Values outside [0, IC) are not checked
     here (a layer checks its permutation once)."""
     if tickets is not None and tickets.device != x.device:
         tickets = None

@@ -167,8 +167,8 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
     `mma_tickets` (None: the op allocates zeroed ones). `warps` per block: 4 or 8; `prefetch`: the kernel's
     software-pipelined loop (items of 128 k only; same bits). None: from mma_cuda_launch_config where the caller gives
     none of splits, item_chunks and warps, else from mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch.
-    `perm` (int32 [K]): the kernel reads x[..., perm] (an act-order layer's rows sorted by group), on the plain loop
-    (prefetch off: not built with perm)."""
+    `perm` (int32 [K]): the op computes with x[..., perm] (an act-order layer's rows sorted by group), gathered by a
+    kernel of its own right before the decode kernel."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -182,7 +182,7 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
         blocks = -(-x2.shape[0] // 16) * (n // 64) * splits
         warps = warps or mma_cuda_warps(blocks, sms)
         pf = mma_cuda_prefetch(blocks, sms, warps, item_chunks, splits)
-    prefetch = (pf if prefetch is None else prefetch) and perm is None
+    prefetch = pf if prefetch is None else prefetch
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits,
                                             item_chunks, tickets, warps, prefetch, perm)
     return out.reshape(*x.shape[:-1], n)
