@@ -35,17 +35,20 @@ def _run(x, mma, s, z, G, b=None, shape=(128, 2), splits=1, group_m=8):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("splits,ws", [(1, False), (3, True), (0, True)])  # whole tiles, K slices, stream-K
 @pytest.mark.parametrize("m", [70, 300])
-def test_perm_reads_x_through_it(shape, splits, ws, m):
-    """perm (an act-order layer's feature order): the x image kernel gathers x[:, perm]; the same bits as the kernel
-    on the gathered copy."""
-    qw, mma, s, z = _case(1024, 256, 128, seed=m)
-    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-    perm = torch.randperm(1024, device="cuda").to(torch.int32)
+@pytest.mark.parametrize("k", [1024, 24704])  # a row of x in shared memory; past 48 KB, gathered from L2
+def test_perm_reads_x_through_it(shape, splits, ws, m, k):
+    """perm (an act-order layer's feature order): the x image kernels gather x[:, perm]; the same bits as the kernel
+    on the gathered copy (rows past M zero in both)."""
+    if k > 1024 and (shape != (128, 2) or m != 70):
+        pytest.skip("the large-K path once per configuration kind")
+    qw, mma, s, z = _case(k, 256, 128, seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
     op = torch.ops.torchforge.awq_wgmma_cuda
     args = (s, z, 128, None, splits, shape[0], shape[1], 8, ws)
     out = op(x, mma, *args, 0, None, perm)
     assert torch.equal(out, op(x[:, perm.long()].contiguous(), mma, *args))
-    with pytest.raises(RuntimeError, match=r"perm must be a contiguous, 16-byte aligned int32 tensor of K = 1024"):
+    with pytest.raises(RuntimeError, match=f"perm must be a contiguous, 16-byte aligned int32 tensor of K = {k}"):
         op(x, mma, *args, 0, None, perm[:512])
 
 
