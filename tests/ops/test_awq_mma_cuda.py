@@ -169,6 +169,21 @@ def test_perm_reads_x_through_it(m, splits, dtype, item_chunks, warps, prefetch)
     _check(out, x[:, perm.long()], qw, s, z, 128)
 
 
+@pytest.mark.parametrize("m", [1, 16, 200, 600])  # decode kernel, decode kernel, wgmma (sm_90) or cuBLAS, cuBLAS
+def test_awq_mma_linear_with_act_perm(m):
+    """awq_mma_linear(act_perm=) on every path (gather + decode kernel, the wgmma x image, a dequantized W^T in x's
+    feature order + cuBLAS): x[:, perm] @ W.T within the kernels' tolerance of the fp64 product."""
+    from torchforge.ops.awq_mma import awq_mma_linear
+
+    qw, mma, s, z = _case(2048, 512, 128, seed=m)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(2048, device="cuda").to(torch.int32)
+    out = awq_mma_linear(x, mma, s, z, 128, act_perm=perm)
+    _check(out, x[:, perm.long()], qw, s, z, 128)
+    if m <= 128:  # the decode kernel on the gathered copy: the same bits
+        assert torch.equal(out, awq_mma_linear(x[:, perm.long()].contiguous(), mma, s, z, 128))
+
+
 def test_perm_opcheck_and_errors():
     qw, mma, s, z = _case(256, 128, 128)
     x = torch.randn(2, 256, device="cuda", dtype=torch.float16)

@@ -139,6 +139,9 @@ def test_dequantize_kernel_equals_the_awq_one(G, dtype):
     assert torch.equal(out, launch_awq_dequantize_t(qw, s, z, G, dtype))
     ref = awq_dequantize_ref(qw, s.float(), z, G).t()
     torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=0)
+    perm = torch.randperm(256).to(torch.int32)  # an act-order layer: stored row i is feature perm[i]
+    permuted = launch_awq_mma_dequantize_t(awq_to_mma_layout(qw), s, z, G, dtype, perm)
+    assert torch.equal(permuted[perm.long()], out)
 
 
 def test_cuda_config_follows_the_sweep():

@@ -78,11 +78,11 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
         if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
             return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias,
                                        tickets=tickets if ok else None, perm=perm)
+    if use_triton(x) and group_size % 64 == 0:  # with act_perm, W^T is written in x's feature order
+        w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype, act_perm)
+        return matmul_bias(x, w_t, bias)
     if act_perm is not None:
         x = x.index_select(-1, act_perm)
-    if use_triton(x) and group_size % 64 == 0:
-        w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype)
-        return matmul_bias(x, w_t, bias)
     return awq_mma_linear_ref(x, qweight_mma, scales, qzeros, group_size, bias)
 
 
@@ -110,7 +110,8 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
     order, so the op computes ``x[..., act_perm] @ dequant(W).T``: an act-order GPTQ layer, whose rows were sorted by
     group so that groups are contiguous (`torchforge.ops.gptq.act_order_perm`). On CUDA with the extension the
     wgmma kernel's x image reads x through it (no extra pass), and the decode kernel follows a gather kernel of the
-    op's own (it launches during the gather: PDL); the other paths gather with index_select first. Values outside [0, IC) are not checked
+    op's own (it launches during the gather: PDL); dequantize + cuBLAS writes the weight in x's feature order; the
+    reference gathers x with index_select first. Values outside [0, IC) are not checked
     here (a layer checks its permutation once)."""
     if tickets is not None and tickets.device != x.device:
         tickets = None

@@ -9,6 +9,8 @@ and writes the tile row by row. On the H100 (2026-11-22, 18432x7168 / 7168x7168,
 - this kernel's previous form, where every element gathered its own word from the chunk: 0.163 / 0.065 ms;
 - the first form, which scattered every nibble: 0.5 ms.
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -19,7 +21,8 @@ __all__ = ["launch_awq_mma_dequantize_t"]
 if HAS_TRITON:
 
     @triton.jit
-    def _awq_mma_dequant_t_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP_SIZE: tl.constexpr):
+    def _awq_mma_dequant_t_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, perm_ptr, N, K, GROUP_SIZE: tl.constexpr,
+                                  HAS_PERM: tl.constexpr):
         # One contiguous load of the chunk's 512 words; nibbles unpacked in registers and permuted to the tile:
         # word (s, g, t, T) nibble (hi, e, h) is row 16t + 4s + 2e + hi, column 16T + 8h + g.
         cb = tl.program_id(0)
@@ -36,12 +39,17 @@ if HAS_TRITON:
         zw = tl.load(z_ptr + g * (N // 8) + col // 8)
         z = (zw >> ((((col % 8) // 2) + 4 * (col % 2)) * 4)) & 0xF
         w = (q - z).to(tl.float32) * s
-        tl.store(out_ptr + (64 * c + kk).to(tl.int64) * N + col, w.to(out_ptr.dtype.element_ty))
+        row = 64 * c + kk
+        if HAS_PERM:  # stored row i is feature perm[i] (an act-order layer): W^T in the features' own order
+            row = tl.load(perm_ptr + row)
+        tl.store(out_ptr + row.to(tl.int64) * N + col, w.to(out_ptr.dtype.element_ty))
 
 
 def launch_awq_mma_dequantize_t(qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-                                dtype: torch.dtype) -> Tensor:
-    """mma layout [OC // 64, IC * 8] -> W^T [IC, OC] in `dtype` ((q - z) * s in fp32, then rounded)."""
+                                dtype: torch.dtype, perm: Optional[Tensor] = None) -> Tensor:
+    """mma layout [OC // 64, IC * 8] -> W^T [IC, OC] in `dtype` ((q - z) * s in fp32, then rounded). `perm` (int32
+    [IC], a permutation: an act-order layer's stored row order): stored row i is written to row perm[i], so that
+    x @ W^T needs no gathered x."""
     if not HAS_TRITON:
         raise RuntimeError("torchforge dequantize kernel needs triton")
     if group_size % 64:
@@ -50,6 +58,7 @@ def launch_awq_mma_dequantize_t(qweight_mma: Tensor, scales: Tensor, qzeros: Ten
     ic, oc = k8 // 8, nb * 64
     out = torch.empty((ic, oc), dtype=dtype, device=qweight_mma.device)
     torch.library.wrap_triton(_awq_mma_dequant_t_kernel)[(nb, ic // 64)](
-        qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(), out, oc, ic, GROUP_SIZE=group_size,
+        qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(), out,
+        out if perm is None else perm.contiguous(), oc, ic, GROUP_SIZE=group_size, HAS_PERM=perm is not None,
         num_warps=4)
     return out
