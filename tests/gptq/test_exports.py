@@ -167,6 +167,28 @@ def test_errors(tmp_path):
     assert torch.equal(loaded.model.layers[0].mlp.down_proj.dequantized_weight(), lin.dequantized_weight())
 
 
+def test_act_order_checkpoint_runs_on_the_mma_layout_and_saves_unchanged(tmp_path):
+    """A vllm-gptq checkpoint with act-order layers (permuted g_idx, as GPTQModel writes with desc_act): loaded, switched
+    to the mma layout (rows sorted by group), it computes what the GPTQ layout computes and saves the same tensors."""
+    model = models.build("llama")
+    torchforge.quantize(model, {**RECIPE, "group_size": 64}, calib_data=_ids())  # the mma layout's least group
+    for layer in model.model.layers:  # every group's rows spread over the matrix: act-order (IC 128, two groups)
+        lin = layer.mlp.down_proj
+        lin.g_idx = lin.g_idx[torch.randperm(128, generator=torch.Generator().manual_seed(1))].contiguous()
+    torchforge.save_quantized(model, str(tmp_path / "a"), format="vllm-gptq")
+    loaded = torchforge.load_quantized(str(tmp_path / "a"), dtype=torch.float32)
+    ids = _ids(2, 9, seed=5)
+    ref = _logits(loaded, ids)
+    act = [m for m in loaded.modules() if isinstance(m, ForgeGPTQLinear) and m.has_act_order()]
+    assert len(act) == len(model.model.layers)
+    assert torchforge.use_mma_layout(loaded) > 0
+    assert all(m.weight_layout == "mma" and m.act_perm is not None for m in act)
+    torch.testing.assert_close(_logits(loaded, ids), ref, rtol=1e-4, atol=1e-4)  # sums in another order
+    torchforge.save_quantized(loaded, str(tmp_path / "b"), format="vllm-gptq")
+    first, second = _tensors(str(tmp_path / "a")), _tensors(str(tmp_path / "b"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_quantized_lm_head_sets_lm_head_in_the_gptq_config(tmp_path):
     # vLLM quantizes ParallelLMHead only with lm_head: true; with false it expects lm_head.weight and the load of
     # lm_head.qweight fails
