@@ -41,13 +41,48 @@ def gptq_layers(oc: int, ic: int, gen: torch.Generator):
     return layers
 
 
+def kernel_sweep(shapes: str, ms: str) -> list:
+    """The GPTQ layout's own Triton kernel (what a ForgeGPTQLinear runs before use_mma_layout, and where the mma layout
+    does not fit) over tile, stage and K-slice configurations, act-order and not."""
+    from torchforge.ops.gptq_triton import launch_w4a16_gptq_linear
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for shape in shapes.split(","):
+        oc, ic = map(int, shape.split("x"))
+        act, plain = gptq_layers(oc, ic, gen)
+        for m in map(int, ms.split(",")):
+            x = torch.randn(m, ic, device="cuda", dtype=torch.bfloat16)
+            w = act.dequantized_weight(torch.bfloat16)
+            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w))
+            for name, mod in (("act-order", act), ("k // G", plain)):
+                args = (x, mod.qweight, mod.scales, mod.qzeros, mod.g_idx)
+                for bn, bk, warps, stages, split in [(64, 64, 4, 4, 1), (64, 64, 4, 4, None), (64, 64, 4, 1, None),
+                                                     (128, 64, 4, 2, None), (128, 128, 8, 2, None),
+                                                     (256, 64, 8, 2, None), (64, 128, 4, 2, None),
+                                                     (32, 64, 2, 2, None)]:
+                    kw = dict(block_m=16, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split)
+                    t = bench_graph_ms(lambda: launch_w4a16_gptq_linear(*args, **kw), rep_ms=30)
+                    rows.append([shape, m, name, bn, bk, warps, stages, split or "auto", t, t_bf16 / t])
+                print("row:", rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="18432x7168,7168x7168", help="OCxIC list")
     ap.add_argument("--m", default="1,16,64,256,1024")
+    ap.add_argument("--kernel-sweep", default="", help="M list: time the GPTQ layout kernel's configurations")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/gptq_act_order.py: no CUDA device; nothing to measure")
+        return 0
+    if args.kernel_sweep:
+        rows = kernel_sweep(args.shapes, args.kernel_sweep)
+        print(f"device: {device_line()}")
+        print("\nGPTQ layout kernel (w4a16_gptq_linear's Triton kernel), block_m 16, ms (CUDA graphs, no rotation):")
+        print(markdown_table(["W", "M", "g_idx", "block_n", "block_k", "warps", "stages", "split_k", "ms", "bf16/ms"],
+                             rows))
         return 0
     gen = torch.Generator().manual_seed(0)
     rows = []

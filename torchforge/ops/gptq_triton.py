@@ -25,13 +25,16 @@ if HAS_TRITON:
     @triton.jit
     def _w4a16_gptq_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr,
-        M, N, K, NP,
+        M, N, K, NP, K_PER_SPLIT,
         stride_xm, stride_xk, stride_om,
         HAS_BIAS: tl.constexpr, IEEE_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):
+        # SPLIT_K > 1: program (.., .., s) sums k in [s K_PER_SPLIT, (s + 1) K_PER_SPLIT) into fp32 partials
+        # out[s, m, n] (the launcher adds them in slice order); 1: the whole K, bias and the output dtype here
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -41,9 +44,11 @@ if HAS_TRITON:
         zshift = (offs_n % 8) * 4
         kshift = (offs_k % 8) * 4
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = pid_k * K_PER_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + offs_k
-            mask_k = kk < K
+            mask_k = kk < k_hi
             x = tl.load(x_rows + kk[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             wmask = mask_k[:, None] & mask_n[None, :]
             qw = tl.load(qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + offs_n[None, :], mask=wmask, other=0)
@@ -61,7 +66,7 @@ if HAS_TRITON:
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             acc = acc + b[None, :]
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        out_ptrs = out_ptr + pid_k.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
@@ -114,12 +119,21 @@ def launch_gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_id
     return out
 
 
+def gptq_split_k(m: int, k: int, n: int, block_m: int, block_n: int, block_k: int, sms: int = 132) -> int:
+    """K slices for the GPTQ-layout kernel: enough programs for about four per SM where the output tiles alone are
+    fewer (decode: 18432x7168 at one row makes 288 tiles of 64 columns), each slice at least 8 steps of block_k."""
+    tiles = -(-m // block_m) * -(-n // block_n)
+    steps = -(-k // block_k)
+    return max(1, min(-(-4 * sms // tiles), steps // 8))
+
+
 def launch_w4a16_gptq_linear(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor, g_idx: Tensor, bias: Optional[Tensor] = None, *,
     block_m: Optional[int] = None, block_n: Optional[int] = None, block_k: Optional[int] = None,
-    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None, split_k: Optional[int] = None,
 ) -> Tensor:
-    """``x [..., IC] @ dequant(W).T (+ bias)`` with the Triton kernel; output ``[..., OC]`` in ``x.dtype``."""
+    """``x [..., IC] @ dequant(W).T (+ bias)`` with the Triton kernel; output ``[..., OC]`` in ``x.dtype``.
+    ``split_k`` (None: gptq_split_k): K slices summed in fp32, in slice order (deterministic)."""
     if not HAS_TRITON:
         raise RuntimeError("torchforge GPTQ Triton kernels need triton; install it or use CPU tensors")
     ic = qweight.shape[-2] * 8
@@ -134,15 +148,22 @@ def launch_w4a16_gptq_linear(
     bm, bn, bk = block_m or cfg[0], block_n or cfg[1], block_k or cfg[2]
     assert bk >= 16 and bk % 8 == 0 and bn >= 16, "BLOCK_K must be a multiple of 8 >= 16, BLOCK_N >= 16"
     qweight, scales, qzeros, g_idx = qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), g_idx.contiguous()
-    has_bias = bias is not None
+    splits = split_k or gptq_split_k(m, ic, oc, bm, bn, bk)
+    k_per = triton.cdiv(triton.cdiv(ic, bk), splits) * bk  # whole block_k steps per slice
+    splits = triton.cdiv(ic, k_per) if ic else 1
+    has_bias = bias is not None and splits == 1
     b = bias.contiguous() if has_bias else scales
-    grid = (triton.cdiv(m, bm), triton.cdiv(oc, bn))
+    dest = out if splits == 1 else torch.empty((splits, m, oc), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(oc, bn), splits)
     torch.library.wrap_triton(_w4a16_gptq_kernel)[grid](
-        x2, qweight, scales, qzeros, g_idx, b, out,
-        m, oc, ic, qzeros.shape[-1],
-        x2.stride(0), x2.stride(1), out.stride(0),
+        x2, qweight, scales, qzeros, g_idx, b, dest,
+        m, oc, ic, qzeros.shape[-1], k_per,
+        x2.stride(0), x2.stride(1), oc,
         HAS_BIAS=has_bias, IEEE_FP32=x.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=splits,
         num_warps=num_warps or cfg[3], num_stages=num_stages or cfg[4],
     )
+    if splits > 1:  # torch's sum over the slices: deterministic (no atomics)
+        acc = dest.sum(0)
+        out = (acc if bias is None else acc + bias.float()).to(x.dtype)
     return out.reshape(*lead, oc)
