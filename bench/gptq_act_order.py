@@ -55,15 +55,21 @@ def kernel_sweep(shapes: str, ms: str) -> list:
             x = torch.randn(m, ic, device="cuda", dtype=torch.bfloat16)
             w = act.dequantized_weight(torch.bfloat16)
             t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w))
+            if m <= 16:  # (block_m, block_n, block_k, warps, stages, split_k); None: gptq_split_k
+                configs = [(16, 64, 64, 4, 4, 1), (16, 64, 64, 4, 1, 1), (16, 64, 64, 4, 1, None),
+                           (16, 64, 64, 4, 2, None), (16, 64, 64, 4, 1, 4), (16, 64, 64, 4, 1, 8),
+                           (16, 32, 64, 2, 1, None), (16, 64, 128, 4, 1, None), (16, 128, 64, 4, 1, None),
+                           (16, 64, 32, 4, 1, None), (16, 128, 128, 8, 1, None)]
+            else:
+                bm = 64 if m <= 64 else 128
+                configs = [(bm, 128, 64 if m <= 64 else 32, 4, 4, None)] + [
+                    (bm, bn, bk, w, st, None) for bn in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (1, 2)]
             for name, mod in (("act-order", act), ("k // G", plain)):
                 args = (x, mod.qweight, mod.scales, mod.qzeros, mod.g_idx)
-                for bn, bk, warps, stages, split in [(64, 64, 4, 4, 1), (64, 64, 4, 4, None), (64, 64, 4, 1, None),
-                                                     (128, 64, 4, 2, None), (128, 128, 8, 2, None),
-                                                     (256, 64, 8, 2, None), (64, 128, 4, 2, None),
-                                                     (32, 64, 2, 2, None)]:
-                    kw = dict(block_m=16, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split)
+                for bm, bn, bk, warps, stages, split in configs:
+                    kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split)
                     t = bench_graph_ms(lambda: launch_w4a16_gptq_linear(*args, **kw), rep_ms=30)
-                    rows.append([shape, m, name, bn, bk, warps, stages, split or "auto", t, t_bf16 / t])
+                    rows.append([shape, m, name, bm, bn, bk, warps, stages, split or "auto", t, t_bf16 / t])
                 print("row:", rows[-1], flush=True)
     return rows
 
@@ -80,9 +86,9 @@ def main() -> int:
     if args.kernel_sweep:
         rows = kernel_sweep(args.shapes, args.kernel_sweep)
         print(f"device: {device_line()}")
-        print("\nGPTQ layout kernel (w4a16_gptq_linear's Triton kernel), block_m 16, ms (CUDA graphs, no rotation):")
-        print(markdown_table(["W", "M", "g_idx", "block_n", "block_k", "warps", "stages", "split_k", "ms", "bf16/ms"],
-                             rows))
+        print("\nGPTQ layout kernel (w4a16_gptq_linear's Triton kernel), ms (CUDA graphs, no rotation):")
+        print(markdown_table(["W", "M", "g_idx", "block_m", "block_n", "block_k", "warps", "stages", "split_k", "ms",
+                              "bf16/ms"], rows))
         return 0
     gen = torch.Generator().manual_seed(0)
     rows = []
