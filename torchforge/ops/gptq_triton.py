@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from torchforge.ops._triton import CUDA_MAX_GRID_Z, HAS_TRITON, stack_launches, tl, triton
-from torchforge.ops.awq_triton import tile_config
 
 __all__ = ["launch_gptq_dequantize", "launch_w4a16_gptq_linear"]
 
@@ -119,12 +118,27 @@ def launch_gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_id
     return out
 
 
+def gptq_tile_config(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by rows M, from `bench/gptq_act_order.py --kernel-sweep`
+    (H100, twenty-ninth session, 18432x7168 and 7168x7168 at 1-256 rows, act-order and not). One stage: Triton's
+    software pipelining of the per-row scale and zero gathers made every config with 2 or 4 stages 4-17x slower
+    (18432x7168 at one row: 3.15 ms with the AWQ kernel's (16, 64, 64, 4 warps, 4 stages), 0.185 with one stage
+    and 8 K slices)."""
+    if m <= 16:
+        return (16, 64, 64, 4, 1)
+    if m <= 64:
+        return (64, 64, 64, 4, 1)
+    return (128, 64, 64, 8, 1)
+
+
 def gptq_split_k(m: int, k: int, n: int, block_m: int, block_n: int, block_k: int, sms: int = 132) -> int:
-    """K slices for the GPTQ-layout kernel: enough programs for about four per SM where the output tiles alone are
-    fewer (decode: 18432x7168 at one row makes 288 tiles of 64 columns), each slice at least 8 steps of block_k."""
+    """K slices for the GPTQ-layout kernel where the output tiles alone leave SMs idle, each slice at least 8 steps of
+    block_k: up to 16 programs an SM and 8 slices for decode tiles (block_m 16: 18432x7168 at one row, 288 tiles of
+    64 columns, ran 0.185 ms in 8 slices, 0.20 in 4, 0.27 in 2), about 4 an SM for larger tiles (as swept)."""
     tiles = -(-m // block_m) * -(-n // block_n)
     steps = -(-k // block_k)
-    return max(1, min(-(-4 * sms // tiles), steps // 8))
+    per_sm, cap = (16, 8) if block_m <= 16 else (4, steps)
+    return max(1, min(-(-per_sm * sms // tiles), cap, steps // 8))
 
 
 def launch_w4a16_gptq_linear(
@@ -144,7 +158,7 @@ def launch_w4a16_gptq_linear(
     out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, oc)
-    cfg = tile_config(m)  # the AWQ kernel's per-M choices; no GPU sweep has been run for this kernel yet
+    cfg = gptq_tile_config(m)
     bm, bn, bk = block_m or cfg[0], block_n or cfg[1], block_k or cfg[2]
     assert bk >= 16 and bk % 8 == 0 and bn >= 16, "BLOCK_K must be a multiple of 8 >= 16, BLOCK_N >= 16"
     qweight, scales, qzeros, g_idx = qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), g_idx.contiguous()
