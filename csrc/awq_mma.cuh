@@ -62,6 +62,10 @@ struct Traits<__half> {
 };
 
 // Scales are fp16 (AWQ checkpoints) or, after model.to(bfloat16), bf16; either is widened to fp32 once per group.
+// Quiet NaN bits of an fp16 / bf16 value (what the act-order gathers read for a permutation value outside [0, K)).
+template <typename T>
+constexpr uint32_t kNaN16 = std::is_same<T, __half>::value ? 0x7E00u : 0x7FC0u;
+
 __device__ __forceinline__ float scale_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ float scale_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 

@@ -697,14 +697,17 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
       v.y = __ldg(src + 8 + jp);
       v.z = __ldg(src + 16 + jp);
       v.w = __ldg(src + 24 + jp);
-    } else {  // the same pairs of sorted positions, each element read through perm
+    } else {  // the same pairs of sorted positions, each element read through perm (outside [0, K): NaN)
       const unsigned short* row = reinterpret_cast<const unsigned short*>(x + static_cast<size_t>(src_row) * K);
       const int2* pk = reinterpret_cast<const int2*>(perm + c * 64) + jp;
+      const auto at = [&](int i) -> uint32_t {
+        return static_cast<unsigned>(i) < static_cast<unsigned>(K) ? __ldg(row + i) : awq_mma_detail::kNaN16<T>;
+      };
       uint32_t w[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int2 p = __ldg(pk + 8 * q);
-        w[q] = __ldg(row + p.x) | (static_cast<uint32_t>(__ldg(row + p.y)) << 16);
+        w[q] = at(p.x) | (at(p.y) << 16);
       }
       v = make_uint4(w[0], w[1], w[2], w[3]);
     }
@@ -735,6 +738,9 @@ __global__ void x_image_perm_kernel(const T* __restrict__ x, T* __restrict__ img
   for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xrow[i] = __ldg(src + i);
   __syncthreads();
   const unsigned short* xs = reinterpret_cast<const unsigned short*>(xrow);
+  const auto at = [&](int i) -> uint32_t {  // a perm value outside [0, K) reads as NaN, not past the row
+    return static_cast<unsigned>(i) < static_cast<unsigned>(K) ? xs[i] : awq_mma_detail::kNaN16<T>;
+  };
   for (int p = threadIdx.x; p < chunks * 8; p += blockDim.x) {
     const int c = p / 8, j = p % 8, jp = j ^ (row % 8);
     const int2* pk = reinterpret_cast<const int2*>(perm + c * 64) + jp;  // as x_image_kernel: word 8 q + j'
@@ -742,7 +748,7 @@ __global__ void x_image_perm_kernel(const T* __restrict__ x, T* __restrict__ img
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int2 pq = __ldg(pk + 8 * q);
-      w[q] = xs[pq.x] | (static_cast<uint32_t>(xs[pq.y]) << 16);
+      w[q] = at(pq.x) | (at(pq.y) << 16);
     }
     out[(tile0 + c) * (BM * 8) + row * 8 + j] = make_uint4(w[0], w[1], w[2], w[3]);
   }

@@ -287,15 +287,18 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
 }
 }  // namespace
 
-// Optional perm: int32 [K], the order x is read in (x[:, perm], an act-order layer's input rows sorted by group;
-// values in [0, K), which the op does not check: torchforge.ops.awq_mma does, once per layer); nullptr without.
+// Optional perm: int32 [K], the order x is read in (x[:, perm], an act-order layer's input rows sorted by group);
+// nullptr without. Its values are not checked here (a host sync): the gathers read a value outside [0, K) as NaN.
 namespace {
 const int32_t* check_perm(const std::string& op, const at::Tensor& x, const c10::optional<at::Tensor>& perm) {
   if (!perm.has_value()) return nullptr;
   TORCH_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->numel() == x.size(1) &&
                   perm->is_contiguous() && perm->device() == x.device() && aligned16(*perm),
               op + "perm must be a contiguous, 16-byte aligned int32 tensor of K = " + i2s(x.size(1)) +
-                  " elements on x's device, got " + shape_str(perm->sizes()));
+                  " elements on x's device, got " + shape_str(perm->sizes()) + " " +
+                  std::string(c10::toString(perm->scalar_type())) + " on " + perm->device().str() +
+                  (perm->is_contiguous() ? "" : ", not contiguous") + (aligned16(*perm) ? "" : ", not 16-byte aligned") +
+                  " (pass perm.to(torch.int32).contiguous() on x's device)");
   return perm->data_ptr<int32_t>();
 }
 }  // namespace

@@ -118,7 +118,9 @@ def test_linear_reference(dtype):
     (1, 1024, 64, 128, True, dict(block_m=16, block_n=64, block_k=64)),  # the default K slices (gptq_split_k: 2)
 ])
 def test_triton_kernel(dtype, m, ic, oc, g, act_order, blocks):
-    from torchforge.ops.gptq_triton import launch_w4a16_gptq_linear
+    from torchforge.ops.gptq_triton import gptq_split_k, launch_w4a16_gptq_linear
+
+    assert gptq_split_k(1, 1024, 64, 16, 64, 64) == 2  # the last case runs in two K slices by default
 
     qweight, scales, qzeros, g_idx, _, _ = random_gptq(ic, oc, g, seed=m, act_order=act_order)
     x = torch.randn(m, ic).to(dtype)
@@ -317,6 +319,12 @@ def test_mma_layout_act_order():
     fresh.load_state_dict({**state, "qweight": plain[0], "qzeros": plain[2], "g_idx": plain[3]})  # and back
     assert fresh.act_perm is None
     torch.testing.assert_close(fresh(x), _module(plain[0], scales, plain[2], plain[3], 256, 128, 64, bias)(x))
+    with pytest.raises(ValueError, match="g_idx without qweight and qzeros.*load qweight, qzeros and g_idx together"):
+        fresh.load_state_dict({"g_idx": g_idx}, strict=False)  # would leave the rows sorted by the old groups
+    assigned = _module(*(t.clone() for t in plain[:4]), 256, 128, 64, bias)
+    assert assigned.use_mma_layout()
+    assigned.load_state_dict(state, assign=True)  # qweight becomes the checkpoint's tensor: act_perm beside it
+    assert torch.equal(assigned.act_perm, mod.act_perm) and torch.equal(assigned(x), mod(x))
 
 
 @pytest.mark.cuda

@@ -184,6 +184,26 @@ def test_awq_mma_linear_with_act_perm(m):
         assert torch.equal(out, awq_mma_linear(x[:, perm.long()].contiguous(), mma, s, z, 128))
 
 
+def test_perm_out_of_range_reads_nan_not_out_of_bounds():
+    """A perm value outside [0, K) (not checked on CUDA: a host sync) gives NaN in the outputs it touches, on the
+    decode kernel's gather and on both x image kernels, instead of a read past x."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+
+    qw, mma, s, z = _case(1024, 256, 128)
+    perm = torch.randperm(1024, device="cuda").to(torch.int32)
+    perm[5] = 1 << 20
+    x = torch.randn(70, 1024, device="cuda", dtype=torch.bfloat16)
+    assert bool(launch_awq_mma_cuda(x, mma, s, z, 128, perm=perm).isnan().all())
+    if torch.cuda.get_device_capability() == (9, 0):  # the x image: the shared-memory row kernel, then the L2 one
+        big = _case(24704, 128, 128)[1:]
+        big_perm = torch.randperm(24704, device="cuda").to(torch.int32)
+        big_perm[7] = -3
+        for xx, (m_, s_, z_), p in ((x, (mma, s, z), perm), (torch.randn(70, 24704, device="cuda").bfloat16(), big,
+                                                              big_perm)):
+            out = torch.ops.torchforge.awq_wgmma_cuda(xx, m_, s_, z_, 128, None, 1, 128, 2, 8, True, 0, None, p)
+            assert bool(out.isnan().all())
+
+
 def test_perm_opcheck_and_errors():
     qw, mma, s, z = _case(256, 128, 128)
     x = torch.randn(2, 256, device="cuda", dtype=torch.float16)

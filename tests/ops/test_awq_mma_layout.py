@@ -105,6 +105,8 @@ def test_linear_with_act_perm_reads_x_in_that_order():
         awq_mma_linear(x, mma, s, z, 64, b, act_perm=perm.long())
     with pytest.raises(ValueError, match=r"act_perm must be \[IC\] = \[256\] on cpu, got \(128,\)"):
         awq_mma_linear(x, mma, s, z, 64, b, act_perm=perm[:128])
+    with pytest.raises(ValueError, match=r"act_perm has 1 values outside \[0, 256\); it must be a permutation"):
+        awq_mma_linear(x, mma, s, z, 64, b, act_perm=torch.where(perm == 0, 256, perm).to(torch.int32))
 
 
 def test_errors_name_the_tensor():

@@ -34,8 +34,9 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
 
     ``use_mma_layout()`` (run phase, CUDA decode) re-packs the same numbers for the tensor-core kernels of
     csrc/awq_mma.cu: qweight as AWQ codes in MMA fragment order [OC // 64, IC * 8] and qzeros as true zero points in
-    AWQ order. With act-order the input rows are stored sorted by group (``act_perm``, a non-persistent int32 buffer)
-    and each call reads ``x[..., act_perm]`` (the CUDA kernels through the permutation, no copy of x). ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the
+    AWQ order. With act-order the input rows are stored sorted by group (``act_perm``, a non-persistent int32 buffer,
+    derived from ``g_idx`` when switching or loading: assign ``g_idx`` only through ``load_state_dict``) and each call
+    computes with ``x[..., act_perm]``. ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the
     GPTQ layout, rows in their checkpoint order.
     """
 
@@ -242,8 +243,13 @@ def _export_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, 
 
 def _import_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, *args) -> None:
     """load_state_dict pre-hook: GPTQ-layout qweight [IC // 8, OC] and qzeros, for a module on the mma layout (its
-    rows sorted by the checkpoint's g_idx where that is act-order, and `act_perm` set to match)."""
+    rows sorted by the checkpoint's g_idx where that is act-order, and `act_perm` set to match). `act_perm` is set
+    here, before torch copies the tensors: a load that then fails leaves the module's rows and act_perm as loaded."""
     kq, kz, kg = prefix + "qweight", prefix + "qzeros", prefix + "g_idx"
+    if module.weight_layout == "mma" and kg in state_dict and not (kq in state_dict and kz in state_dict):
+        raise ValueError(f"ForgeGPTQLinear.load_state_dict ({prefix or 'module'}): g_idx without qweight and qzeros, "
+                         "into a module on the mma layout, would leave its rows sorted by the old groups; load "
+                         "qweight, qzeros and g_idx together")
     if module.weight_layout == "mma" and kq in state_dict and kz in state_dict:
         if tuple(state_dict[kq].shape) == (module.in_features // 8, module.out_features):
             g_idx = state_dict.get(kg, module.g_idx)
@@ -256,5 +262,7 @@ def _import_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, 
                                  "layout (a fresh one) and call use_mma_layout() after loading: it keeps the GPTQ "
                                  "kernel for such layers") from err
             state_dict[kq], state_dict[kz] = awq_to_mma_layout(qweight), qzeros
-            module.register_buffer("act_perm", None if perm is None else perm.to(module.qweight.device, torch.int32),
+            # where qweight will be: the checkpoint's tensor with assign=True (which moves no buffer), else the module's
+            device = (state_dict[kq] if args and args[0].get("assign_to_params_buffers") else module.qweight).device
+            module.register_buffer("act_perm", None if perm is None else perm.to(device, torch.int32),
                                    persistent=False)

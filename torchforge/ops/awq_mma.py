@@ -23,6 +23,7 @@ from torchforge.ops.awq_mma_cuda import (_aligned16, launch_awq_mma_cuda, launch
                                          launch_awq_wgmma_cuda, mma_cuda_ok, mma_moe_cuda_ok, wgmma_cuda_ok)
 from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
 from torchforge.ops.awq_mma_layout import awq_mma_linear_ref, mma_layout_to_awq
+from torchforge.ops.qmeta4_reference import _is_traced
 
 if HAS_TRITON:
     from torch.library import triton_op as _define_kernel_op
@@ -51,10 +52,16 @@ def _check_act_perm(x: Tensor, act_perm: Optional[Tensor]) -> None:
     if act_perm is None:
         return
     check_type(act_perm.dtype == torch.int32,
-               lambda: f"awq_mma_linear: act_perm must be int32 (the order of x's features), got {act_perm.dtype}")
+               lambda: f"awq_mma_linear: act_perm must be int32 (the order of x's features), got {act_perm.dtype}; "
+                       "pass act_perm.to(torch.int32)")
     check_value(act_perm.dim() == 1 and act_perm.shape[0] == x.shape[-1] and act_perm.device == x.device,
                 lambda: f"awq_mma_linear: act_perm must be [IC] = [{x.shape[-1]}] on {x.device}, got "
-                        f"{tuple(act_perm.shape)} on {act_perm.device}")
+                        f"{tuple(act_perm.shape)} on {act_perm.device} (move it with the layer: .to(x.device))")
+    if not act_perm.is_cuda and act_perm.numel() and not _is_traced(act_perm):  # on CUDA a host sync: see below
+        bad = (act_perm < 0) | (act_perm >= x.shape[-1])
+        if bool(bad.any()):
+            raise ValueError(f"awq_mma_linear: act_perm has {int(bad.sum())} values outside [0, {x.shape[-1]}); it "
+                             "must be a permutation of x's features (torchforge.ops.gptq.act_order_perm)")
 
 
 def _kernel_perm(act_perm: Tensor) -> Optional[Tensor]:
@@ -111,8 +118,9 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
     group so that groups are contiguous (`torchforge.ops.gptq.act_order_perm`). On CUDA with the extension the
     wgmma kernel's x image reads x through it (no extra pass), and the decode kernel follows a gather kernel of the
     op's own (it launches during the gather: PDL); dequantize + cuBLAS writes the weight in x's feature order; the
-    reference gathers x with index_select first. Values outside [0, IC) are not checked
-    here (a layer checks its permutation once)."""
+    reference gathers x with index_select first. It must be a permutation: values outside [0, IC) raise on the CPU;
+    on CUDA (no host sync) the gathers read them as NaN and the dequantization skips them (rows of W^T left
+    unwritten), so the output is wrong but nothing is read or written out of bounds."""
     if tickets is not None and tickets.device != x.device:
         tickets = None
     return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias, tickets, act_perm)

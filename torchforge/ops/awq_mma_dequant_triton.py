@@ -42,7 +42,10 @@ if HAS_TRITON:
         row = 64 * c + kk
         if HAS_PERM:  # stored row i is feature perm[i] (an act-order layer): W^T in the features' own order
             row = tl.load(perm_ptr + row)
-        tl.store(out_ptr + row.to(tl.int64) * N + col, w.to(out_ptr.dtype.element_ty))
+            tl.store(out_ptr + row.to(tl.int64) * N + col, w.to(out_ptr.dtype.element_ty),
+                     mask=(row >= 0) & (row < K) & (cc >= 0))  # a value outside [0, K): no write out of bounds
+        else:
+            tl.store(out_ptr + row.to(tl.int64) * N + col, w.to(out_ptr.dtype.element_ty))
 
 
 def launch_awq_mma_dequantize_t(qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from torchforge.ops._triton import CUDA_MAX_GRID_Z, HAS_TRITON, stack_launches, tl, triton
+from torchforge.ops.awq_wgmma_cost import H100_SMS
 
 __all__ = ["launch_gptq_dequantize", "launch_w4a16_gptq_linear"]
 
@@ -27,10 +28,10 @@ if HAS_TRITON:
         M, N, K, NP, K_PER_SPLIT,
         stride_xm, stride_xk, stride_om,
         HAS_BIAS: tl.constexpr, IEEE_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        # SPLIT_K > 1: program (.., .., s) sums k in [s K_PER_SPLIT, (s + 1) K_PER_SPLIT) into fp32 partials
-        # out[s, m, n] (the launcher adds them in slice order); 1: the whole K, bias and the output dtype here
+        # K slices (grid dimension 2): program (.., .., s) sums k in [s K_PER_SPLIT, (s + 1) K_PER_SPLIT) into fp32
+        # partials out[s, m, n], which the launcher adds; one slice: the whole K, bias and the output dtype here
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -118,6 +119,10 @@ def launch_gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_id
     return out
 
 
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
+
+
 def gptq_tile_config(m: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by rows M, from `bench/gptq_act_order.py --kernel-sweep`
     (H100, twenty-ninth session, 18432x7168 and 7168x7168 at 1-256 rows, act-order and not). One stage: Triton's
@@ -131,7 +136,7 @@ def gptq_tile_config(m: int) -> tuple[int, int, int, int, int]:
     return (128, 64, 64, 8, 1)
 
 
-def gptq_split_k(m: int, k: int, n: int, block_m: int, block_n: int, block_k: int, sms: int = 132) -> int:
+def gptq_split_k(m: int, k: int, n: int, block_m: int, block_n: int, block_k: int, sms: int = H100_SMS) -> int:
     """K slices for the GPTQ-layout kernel where the output tiles alone leave SMs idle, each slice at least 8 steps of
     block_k: up to 16 programs an SM and 8 slices for decode tiles (block_m 16: 18432x7168 at one row, 288 tiles of
     64 columns, ran 0.185 ms in 8 slices, 0.20 in 4, 0.27 in 2), about 4 an SM for larger tiles (as swept)."""
@@ -155,28 +160,29 @@ def launch_w4a16_gptq_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(lead.numel(), ic)  # not -1: IC = 0 leaves the row count ambiguous
     m = x2.shape[0]
-    out = torch.empty((m, oc), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.reshape(*lead, oc)
+        return x.new_empty((*lead, oc))
     cfg = gptq_tile_config(m)
     bm, bn, bk = block_m or cfg[0], block_n or cfg[1], block_k or cfg[2]
     assert bk >= 16 and bk % 8 == 0 and bn >= 16, "BLOCK_K must be a multiple of 8 >= 16, BLOCK_N >= 16"
     qweight, scales, qzeros, g_idx = qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), g_idx.contiguous()
-    splits = split_k or gptq_split_k(m, ic, oc, bm, bn, bk)
+    splits = split_k or gptq_split_k(m, ic, oc, bm, bn, bk, _sm_count(x.device))
     k_per = triton.cdiv(triton.cdiv(ic, bk), splits) * bk  # whole block_k steps per slice
     splits = triton.cdiv(ic, k_per) if ic else 1
     has_bias = bias is not None and splits == 1
     b = bias.contiguous() if has_bias else scales
-    dest = out if splits == 1 else torch.empty((splits, m, oc), dtype=torch.float32, device=x.device)
+    dest = torch.empty((splits, m, oc) if splits > 1 else (m, oc), dtype=torch.float32 if splits > 1 else x.dtype,
+                       device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(oc, bn), splits)
     torch.library.wrap_triton(_w4a16_gptq_kernel)[grid](
         x2, qweight, scales, qzeros, g_idx, b, dest,
         m, oc, ic, qzeros.shape[-1], k_per,
         x2.stride(0), x2.stride(1), oc,
         HAS_BIAS=has_bias, IEEE_FP32=x.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=splits,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=num_warps or cfg[3], num_stages=num_stages or cfg[4],
     )
+    out = dest
     if splits > 1:  # torch's sum over the slices: deterministic (no atomics)
         acc = dest.sum(0)
         out = (acc if bias is None else acc + bias.float()).to(x.dtype)
