@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from torchforge.ops._triton import CUDA_MAX_GRID_Z, HAS_TRITON, stack_launches, tl, triton
+from torchforge.ops.awq_mma_cuda import _sm_count
 from torchforge.ops.awq_wgmma_cost import H100_SMS
 
 __all__ = ["launch_gptq_dequantize", "launch_w4a16_gptq_linear"]
@@ -119,10 +120,6 @@ def launch_gptq_dequantize(qweight: Tensor, scales: Tensor, qzeros: Tensor, g_id
     return out
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
-
-
 def gptq_tile_config(m: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by rows M, from `bench/gptq_act_order.py --kernel-sweep`
     (H100, twenty-ninth session, 18432x7168 and 7168x7168 at 1-256 rows, act-order and not). One stage: Triton's
@@ -166,7 +163,7 @@ def launch_w4a16_gptq_linear(
     bm, bn, bk = block_m or cfg[0], block_n or cfg[1], block_k or cfg[2]
     assert bk >= 16 and bk % 8 == 0 and bn >= 16, "BLOCK_K must be a multiple of 8 >= 16, BLOCK_N >= 16"
     qweight, scales, qzeros, g_idx = qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), g_idx.contiguous()
-    splits = split_k or gptq_split_k(m, ic, oc, bm, bn, bk, _sm_count(x.device))
+    splits = split_k or gptq_split_k(m, ic, oc, bm, bn, bk, _sm_count(x.device.index) if x.is_cuda else H100_SMS)
     k_per = triton.cdiv(triton.cdiv(ic, bk), splits) * bk  # whole block_k steps per slice
     splits = triton.cdiv(ic, k_per) if ic else 1
     has_bias = bias is not None and splits == 1
