@@ -70,7 +70,6 @@
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "awq_mma.cuh"
@@ -239,7 +238,7 @@ struct Grouped {
   int E;
 };
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool XD = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
@@ -287,7 +286,6 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   //   calls 10-20% from the twenty-first session until the twenty-third.
   // (awq_wgmma_launch runs whole tiles without WS or with an odd number of chunks; grouped: one segment)
   static_assert(!SK || (WS && !GROUPED), "stream-K is built into the dense warp-specialized kernel only");
-  static_assert(!XD || (WS && !GROUPED && kGroups<BM, TW> == 2), "x direct needs a producer warpgroup (dense)");
   constexpr bool stream_k = SK;
   const int pairs = chunks / 2;  // stream-K's units per tile
   // Unit math (ops.cpp checks units < 2^31): u0(b) = U b / G = q b + r b / G. r b < G^2 passes 2^31 from G = 46342
@@ -334,7 +332,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   // group_m, so that the blocks running together share x and the weight in L2), this warpgroup's tile set tq, the x
   // image tiles and the (expert's) weights.
   struct Tile {
-    int m0, cbg, tq, n0, valid_cbs, rows;
+    int m0, cbg, tq, n0, valid_cbs;
     uint32_t s_bytes, z_bytes, stage_bytes;
     const T* x_tiles;
     const uint4* qw;
@@ -357,8 +355,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     tl.s_bytes = min(kBlockCols, N - tl.n0) * static_cast<uint32_t>(sizeof(S));
     tl.z_bytes = min(kBlockCols, N - tl.n0) / 8 * 4u;
     tl.stage_bytes = St::kX + tl.valid_cbs * 2048u + tl.s_bytes + tl.z_bytes;
-    tl.x_tiles = XD ? x + static_cast<size_t>(tl.m0) * K : x + static_cast<size_t>(mb) * chunks * (BM * 64);
-    tl.rows = min(BM, M - tl.m0);
+    tl.x_tiles = x + static_cast<size_t>(mb) * chunks * (BM * 64);
     tl.qw = qw, tl.sc = sc, tl.qz = qz, tl.expert = 0;
     if constexpr (GROUPED) {  // this tile's expert: its weights, or the shared expert's
       const int e = gp.block_expert[mb];
@@ -417,7 +414,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     if constexpr ((kAblate & 2) != 0) return;
     const uint32_t base = smem_base + st * St::kBytes;
     const uint32_t bar = bar_base + st * 8;
-    constexpr bool kCopyX = (kAblate & 32) == 0 && !XD, kCopyW = (kAblate & 64) == 0;
+    constexpr bool kCopyX = (kAblate & 32) == 0, kCopyW = (kAblate & 64) == 0;
     ptx::mbar_expect_tx(bar, tl.stage_bytes - (kCopyX ? 0u : St::kX) - (kCopyW ? 0u : tl.valid_cbs * 2048u));
     if (kCopyX) ptx::bulk_copy(base, tl.x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
     for (int i = 0; kCopyW && i < tl.valid_cbs; ++i)
@@ -428,28 +425,8 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     ptx::bulk_copy(base + St::kX + St::kW + St::kS, tl.qz + static_cast<size_t>(group) * (N / 8) + tl.n0 / 8,
                    tl.z_bytes, bar);
   };
-  // XD: each producer thread copies its part of the x tile itself (load_x), one cp.async of 4 bytes (a pair of k) at
-  // a time, into the image's order and swizzle; its arrival on the stage's barrier comes when those copies land.
-  auto load_x = [&](const Tile& tl, int c, int st) {
-    const int p = tid - kThreads<BM, TW>, pw = p / 32, l = p % 32;
-    // lane l copies the pair of k at 2 l = 16 t + 4 s + 2 e: image position 16 s + 8 e + 2 t, i.e. word t of 16-byte
-    // piece 2 s + e, stored at piece (2 s + e) ^ (row % 8); this warp's rows pw + 4 i have row % 8 = pw + 4 (i % 2)
-    const int piece = ((l >> 1) & 3) * 2 + (l & 1);
-    const uint32_t dst = smem_base + st * St::kBytes + pw * 128 + (l >> 3) * 4;
-    const uint32_t sw0 = static_cast<uint32_t>(piece ^ pw) << 4, sw1 = static_cast<uint32_t>(piece ^ (pw + 4)) << 4;
-    const T* src = tl.x_tiles + static_cast<size_t>(pw) * K + c * 64 + 2 * l;
-    const T* row0 = tl.x_tiles + c * 64 + 2 * l;  // (rows past M read nothing: zero-filled)
-    const size_t step = static_cast<size_t>(4) * K;
-#pragma unroll 4
-    for (int i = 0; i < BM / 4; i += 2, src += 2 * step) {
-      const bool ok0 = pw + 4 * i < tl.rows, ok1 = pw + 4 * i + 4 < tl.rows;
-      ptx::cp_async4(dst + 4 * i * 128 + sw0, ok0 ? src : row0, ok0);
-      ptx::cp_async4(dst + (4 * i + 4) * 128 + sw1, ok1 ? src + step : row0, ok1);
-    }
-    ptx::cp_async_mbar_arrive_noinc(bar_base + st * 8);
-  };
   if (tid == 0) {
-    for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, XD ? 1 + kProducerThreads<BM, TW> : 1);
+    for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
     if constexpr (WS)
       for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty_base + i * 8, kThreads<BM, TW>);
     ptx::mbar_fence_init();
@@ -458,7 +435,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   if constexpr (WS) {
     if (tid >= kThreads<BM, TW>) {  // the producer: fill stage it % kStages once its previous fill is released
       if constexpr (kGroups<BM, TW> == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-      if ((XD || tid == kThreads<BM, TW>) && (kAblate & 2) == 0) {
+      if (tid == kThreads<BM, TW> && (kAblate & 2) == 0) {
         unsigned it = 0;
         int u = u_begin;
         Segment s;
@@ -466,8 +443,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
           const Tile tl = tile_at(s.pid);
           for (int c = s.c_begin; c < s.c_end; ++c, ++it) {
             if (it >= kStages) ptx::mbar_wait(empty_base + it % kStages * 8, (it / kStages - 1) & 1);
-            if (tid == kThreads<BM, TW>) load_stage(tl, c, it % kStages);
-            if constexpr (XD) load_x(tl, c, it % kStages);
+            load_stage(tl, c, it % kStages);
           }
         }
       }
@@ -512,7 +488,6 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     auto fetch = [&](int c) {
       const unsigned it = base + static_cast<unsigned>(c - s.c_begin);
       if constexpr ((kAblate & 2) == 0) ptx::mbar_wait(bar_base + it % kStages * 8, (it / kStages) & 1);  // landed
-      if constexpr (XD) ptx::fence_proxy_async_smem();  // the x tile came through the generic proxy (cp.async)
       const uint8_t* stage = smem + it % kStages * St::kBytes;
       const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
 #pragma unroll
@@ -779,12 +754,12 @@ __global__ void x_image_perm_kernel(const T* __restrict__ x, T* __restrict__ img
   }
 }
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool XD = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1,
                    const int32_t* perm = nullptr) {
-  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK, XD>;
+  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK>;
   constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
   int dev = 0;
@@ -796,8 +771,7 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   }
   const int64_t pieces = static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8;
   cudaError_t err =
-      XD ? cudaSuccess
-      : perm != nullptr && gp.sorted_rows == nullptr && K * static_cast<int>(sizeof(T)) <= kPermRowBytes
+      perm != nullptr && gp.sorted_rows == nullptr && K * static_cast<int>(sizeof(T)) <= kPermRowBytes
           ? pdl::launch(x_image_perm_kernel<T, BM>, true, dim3(static_cast<unsigned>((M + BM - 1) / BM * BM)),
                         dim3(256), K * sizeof(T), stream, static_cast<const T*>(x), static_cast<T*>(x_image), M, K,
                         perm)
@@ -819,8 +793,8 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   const int whole = tiles - sliced;
   const int blocks = SK ? std::min(dp_tiles, tiles * (K / 128)) : sliced * splits + whole;
   const dim3 block(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0));
-  return pdl::launch(kernel, XD, dim3(blocks), block, smem, stream,
-                     static_cast<const T*>(XD ? x : x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
+  return pdl::launch(kernel, false, dim3(blocks), block, smem, stream,
+                     static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
                      tickets, M, N, K, group_size / 64, splits, group_m, sliced, whole, gp);
 }
@@ -828,13 +802,13 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
 // with a producer warpgroup starts at 168 registers (384 x 168 = 128 x 24 + 256 x 240), as ptxas builds it today.
 // A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
-template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false, bool XD = false>
+template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false>
 bool producer_pool_ok() {
   if constexpr (kGroups<BM, TW> == 1) return true;  // a producer warp: no setmaxnreg
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
-    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK, XD>) == cudaSuccess
+    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK>) == cudaSuccess
                ? attr.numRegs
                : 0;
   }
@@ -884,24 +858,10 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
       // Stream-K needs the producer and whole pairs of chunks (see the kernel); otherwise splits 0 runs whole tiles
       // (the dispatch's config must not turn into an error; ops.cpp refuses splits 0 without producer_warp itself).
-      // (trial) TORCHFORGE_WGMMA_XDIRECT=1: the producer warpgroup copies x itself, no x image kernel
-      constexpr bool kXdOk = kGroups<BM, TW> == 2;
-      const char* xd_env = std::getenv("TORCHFORGE_WGMMA_XDIRECT");
-      const bool xd = kXdOk && perm == nullptr && xd_env != nullptr && xd_env[0] == '1';
-      if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>()) {
-        if constexpr (kXdOk)
-          if (xd && producer_pool_ok<T, S, BM, TW, false, true, true>())
-            return launch<T, S, BM, TW, true, false, true, true>(x, x_image, qweight, scales, qzeros, bias, out,
-                                                                 partial, tickets, m, n, k, gs, 0, gm, dp, stream);
+      if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())
         return launch<T, S, BM, TW, true, false, true>(x, x_image, qweight, scales, qzeros, bias, out, partial,
                                                        tickets, m, n, k, gs, 0, gm, dp, stream, {}, 1, perm);
-      }
       const int whole_s = s == 0 ? 1 : s, whole_dp = s == 0 ? 0 : dp;
-      if constexpr (kXdOk)
-        if (xd && producer_warp && producer_pool_ok<T, S, BM, TW, false, false, true>())
-          return launch<T, S, BM, TW, true, false, false, true>(x, x_image, qweight, scales, qzeros, bias, out,
-                                                                partial, tickets, m, n, k, gs, whole_s, gm, whole_dp,
-                                                                stream);
       if (producer_warp && producer_pool_ok<T, S, BM, TW>())
         return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
                                           gs, whole_s, gm, whole_dp, stream, {}, 1, perm);

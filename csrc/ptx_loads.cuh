@@ -27,16 +27,6 @@ __device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem, 
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 4 : 0)
                : "memory");
 }
-// The mbarrier at bar gets one arrival once every cp.async this thread has issued so far has landed. noinc: the
-// barrier's initial count includes these arrivals (the plain form adds one to the pending count first).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-// Orders this thread's view of shared memory written through the generic proxy (st.shared, cp.async) before its
-// later async-proxy accesses (wgmma operands, bulk copies).
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // wait until at most N of this thread's cp.async groups are still in flight
 template <int N>
