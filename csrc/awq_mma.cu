@@ -195,10 +195,9 @@ __global__ void gather_cols_kernel(const T* __restrict__ x, const int* __restric
   const int m = static_cast<int>(piece / (K / 8)), k = static_cast<int>(piece % (K / 8)) * 8;
   const unsigned short* row = reinterpret_cast<const unsigned short*>(x) + static_cast<size_t>(m) * K;
   const int4 p0 = __ldg(reinterpret_cast<const int4*>(perm + k)), p1 = __ldg(reinterpret_cast<const int4*>(perm + k) + 1);
-  const auto at = [&](int i) -> uint32_t {  // a perm value outside [0, K) reads as NaN, not past the row
-    return static_cast<unsigned>(i) < static_cast<unsigned>(K) ? __ldg(row + i) : kNaN16<T>;
+  const auto pair = [&](int a, int b) {
+    return perm_elem<T, true>(row, a, K) | (perm_elem<T, true>(row, b, K) << 16);
   };
-  const auto pair = [&](int a, int b) { return at(a) | (at(b) << 16); };
   reinterpret_cast<uint4*>(xp)[piece] = make_uint4(pair(p0.x, p0.y), pair(p0.z, p0.w), pair(p1.x, p1.y),
                                                    pair(p1.z, p1.w));
 }

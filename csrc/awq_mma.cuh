@@ -61,10 +61,20 @@ struct Traits<__half> {
   }
 };
 
-// Scales are fp16 (AWQ checkpoints) or, after model.to(bfloat16), bf16; either is widened to fp32 once per group.
-// Quiet NaN bits of an fp16 / bf16 value (what the act-order gathers read for a permutation value outside [0, K)).
+// Quiet NaN bits of an fp16 / bf16 value.
 template <typename T>
 constexpr uint32_t kNaN16 = std::is_same<T, __half>::value ? 0x7E00u : 0x7FC0u;
+
+// Element i of a row of K values of x (global memory: read through the read-only cache; else shared), as the low half
+// of a word, for the act-order gathers (awq_mma.cu, awq_wgmma.cu): a permutation value outside [0, K) reads as NaN
+// instead of past the row (the CUDA paths do not check perm's values: that would be a host sync).
+template <typename T, bool kGlobal>
+__device__ __forceinline__ uint32_t perm_elem(const unsigned short* row, int i, int K) {
+  if (static_cast<unsigned>(i) >= static_cast<unsigned>(K)) return kNaN16<T>;
+  return kGlobal ? __ldg(row + i) : row[i];
+}
+
+// Scales are fp16 (AWQ checkpoints) or, after model.to(bfloat16), bf16; either is widened to fp32 once per group.
 
 __device__ __forceinline__ float scale_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ float scale_f(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -39,6 +39,10 @@
 //   - 457 (46% of the dense peak) with whole-chunk groups.
 //   - Tried and dropped: no block barrier, where the last warp to release a stage refilled it (354); 5 stages (no
 //     change then, seventh session; 8 stages for blocks of 64 and 128 rows since the fourteenth, see Stage).
+//   - Also dropped (thirtieth session, commit 368045b): no x image kernel, the producer warpgroup copying each x tile
+//     into the image's order itself, a 4-byte cp.async per pair of k (the order permutes pairs, so no wider copy
+//     fits) completing on the stage's mbarrier (cp.async.mbarrier.arrive.noinc). Same bits, but 1.5-3.7x slower at
+//     128-4096 rows: 128 threads at 24 registers moved a 32 KB tile in about 3x a chunk's time.
 //   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
 // * K slices as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for every tile or
 //   only for those of a last, nearly empty round of blocks (dp_tiles, see launch), whose blocks come first in the grid.
@@ -81,6 +85,7 @@ namespace awq_wgmma_detail {
 
 using awq_mma_detail::and_or;
 using awq_mma_detail::awq_shift;
+using awq_mma_detail::perm_elem;
 using awq_mma_detail::Traits;
 
 // Warpgroups per block: with 2 column tiles per warp, two warpgroups take the two halves of the same 4 column blocks
@@ -700,14 +705,11 @@ __global__ void x_image_kernel(const T* __restrict__ x, T* __restrict__ img, int
     } else {  // the same pairs of sorted positions, each element read through perm (outside [0, K): NaN)
       const unsigned short* row = reinterpret_cast<const unsigned short*>(x + static_cast<size_t>(src_row) * K);
       const int2* pk = reinterpret_cast<const int2*>(perm + c * 64) + jp;
-      const auto at = [&](int i) -> uint32_t {
-        return static_cast<unsigned>(i) < static_cast<unsigned>(K) ? __ldg(row + i) : awq_mma_detail::kNaN16<T>;
-      };
       uint32_t w[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int2 p = __ldg(pk + 8 * q);
-        w[q] = at(p.x) | (at(p.y) << 16);
+        w[q] = perm_elem<T, true>(row, p.x, K) | (perm_elem<T, true>(row, p.y, K) << 16);
       }
       v = make_uint4(w[0], w[1], w[2], w[3]);
     }
@@ -738,9 +740,7 @@ __global__ void x_image_perm_kernel(const T* __restrict__ x, T* __restrict__ img
   for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xrow[i] = __ldg(src + i);
   __syncthreads();
   const unsigned short* xs = reinterpret_cast<const unsigned short*>(xrow);
-  const auto at = [&](int i) -> uint32_t {  // a perm value outside [0, K) reads as NaN, not past the row
-    return static_cast<unsigned>(i) < static_cast<unsigned>(K) ? xs[i] : awq_mma_detail::kNaN16<T>;
-  };
+  const auto at = [&](int i) { return perm_elem<T, false>(xs, i, K); };
   for (int p = threadIdx.x; p < chunks * 8; p += blockDim.x) {
     const int c = p / 8, j = p % 8, jp = j ^ (row % 8);
     const int2* pk = reinterpret_cast<const int2*>(perm + c * 64) + jp;  // as x_image_kernel: word 8 q + j'
