@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import os
 import statistics
 import sys
@@ -149,6 +150,12 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _generate_cache_kwarg(model) -> str:
+    """generate()'s cache argument: `cache` since transformers 5.24 (`past_key_values` warns there, and goes in 6.0),
+    `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.prepare_inputs_for_generation).parameters else "past_key_values"
+
+
 class Generator:
     """generate() with one reused StaticCache per batch size: the compiled decode step sees the same cache
     tensors on every call (no recompile, no CUDA-graph re-record)."""
@@ -186,8 +193,9 @@ class Generator:
         kw = dict(compile_config=compile_config) if compile_config is not None else dict(disable_compile=True)
         sync(self.device)
         t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                                  num_beams=1, max_new_tokens=n, min_new_tokens=n, use_cache=True, **kw)
+        kw[_generate_cache_kwarg(self.model)] = cache
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                                  max_new_tokens=n, min_new_tokens=n, use_cache=True, **kw)
         sync(self.device)
         dt = time.perf_counter() - t0
         new = out[:, ids.shape[1]:]

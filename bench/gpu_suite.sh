@@ -54,6 +54,17 @@ fi
 # split at the spaces and pytest took "or" for a file: twenty-sixth session).
 eval "pytest_args=(${PYTEST_ARGS:-})"
 case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 --durations=15 -p no:cacheprovider ${TESTS:-tests} "${pytest_args[@]}" ;; esac
+# tests_tf: TESTS_TF against a newer transformers than the device's, carried as wheels in TF_WHEELS (default .whl_tf:
+# transformers and the packages it needs at a newer version, e.g. `pip download --no-deps --python-version 3.12
+# --only-binary=:all: -d .whl_tf transformers==5.24.0 huggingface_hub==2.4.0 ...`), installed apart in /tmp/site_tf.
+case " $SUITE " in *" tests_tf "*)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_tf \
+    "${TF_WHEELS:-.whl_tf}"/*.whl > "$OUT/tests_tf_install.log" 2>&1 || tail -5 "$OUT/tests_tf_install.log"
+  step tests_tf env PYTHONPATH="/tmp/site_tf${PYTHONPATH:+:$PYTHONPATH}" sh -c 'python3 -c "import transformers; \
+print(\"transformers\", transformers.__version__, transformers.__file__)" && python3 -m pytest -q -rf --maxfail=20 \
+-p no:cacheprovider '"${TESTS_TF:-tests/nn}"' '"${PYTEST_TF_ARGS:-}"
+  ;;
+esac
 case " $SUITE " in *" bench "*)
   for b in ${BENCHES:-w4a16 quantize moe gptq nvfp4}; do
     case $b in

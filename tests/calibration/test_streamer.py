@@ -2,6 +2,7 @@
 one layer at a time, and its errors."""
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -77,6 +78,16 @@ def test_exact_mode_equals_whole_model(ckpts, name, prob):
     assert stats.hit_map.shape == (3 - dense, 8) and stats.layers[0] == f"model.layers.{dense}.mlp.gate"
     if prob == "softmax":  # softmax rows sum to one per token; sigmoid mass is not normalized
         torch.testing.assert_close(stats.hit_map.sum(1), torch.full((3 - dense,), 21.0))
+
+
+def test_mask_functions_get_the_cache_argument_by_its_current_name(ckpts):
+    """transformers 5.24 renamed the mask functions' past_key_values to cache (the old name warns until 5.40, then
+    fails): the streamer passes whichever name the installed version takes, so no FutureWarning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        stats = LayerwiseStreamer(ckpts["deepseek_v3"], dtype=torch.float32, device="cpu").collect_router_stats(
+            _batches())
+    assert stats.tokens == 21
 
 
 def test_bf16_compute_and_saved_settings(ckpts, tmp_path):

@@ -34,6 +34,8 @@ Modes:
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import time
 import warnings
@@ -50,6 +52,13 @@ from torchforge.calibration.router_stats import (ROUTERS, RouterStats, _batch, a
 from torchforge.io import CheckpointError, checkpoint_tensor_names
 
 MODES = ("exact", "approx")
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(fn) -> str:
+    """The name of a transformers mask function's cache argument: `cache` since transformers 5.24 (`past_key_values`
+    still works there, with a FutureWarning, until 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 def _read_config(model_path: str):
@@ -311,8 +320,8 @@ class LayerwiseStreamer:
         else:
             sliding = getattr(self.config, "sliding_window", None) is not None
         fn = create_sliding_window_causal_mask if sliding else create_causal_mask
-        return fn(config=self.config, inputs_embeds=h, attention_mask=padding, past_key_values=None,
-                  position_ids=position_ids)
+        return fn(config=self.config, inputs_embeds=h, attention_mask=padding, position_ids=position_ids,
+                  **{_cache_kwarg(fn): None})
 
     @staticmethod
     def _token_chunked_forward(moe: nn.Module, chunk: int):
