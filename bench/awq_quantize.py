@@ -127,11 +127,11 @@ def main():
             half = nbytes // 2  # a copy of half the bytes reads + writes `nbytes`
             src = torch.empty(half, dtype=torch.uint8, device="cuda").random_(0, 255)
             dst = torch.empty_like(src)
-            t_copy = _bench(lambda: dst.copy_(src))
+            t_copy = _bench(lambda dst=dst, src=src: dst.copy_(src))
             del src, dst
             copy_bw = 2 * half / (t_copy * 1e-3)
             for sym in (True, False):
-                fn = lambda: torch.ops.torchforge.awq_quantize_cuda(w, G, sym)  # noqa: E731
+                fn = lambda w=w, sym=sym: torch.ops.torchforge.awq_quantize_cuda(w, G, sym)  # noqa: E731
                 t = _bench(fn)
                 t_naive, same = float("nan"), ""
                 if not args.no_naive:
@@ -140,7 +140,7 @@ def main():
                         ref = naive_chunked(w, G, sym)
                         same = "yes" if all(torch.equal(a, b) for a, b in zip(out, ref)) else "NO"
                         del out, ref
-                        t_naive = _bench(lambda: naive_chunked(w, G, sym), warmup_ms=50, rep_ms=300)
+                        t_naive = _bench(lambda w=w, sym=sym: naive_chunked(w, G, sym), warmup_ms=50, rep_ms=300)
                     except torch.OutOfMemoryError:
                         same = "oom"
                     torch.cuda.empty_cache()

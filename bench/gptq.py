@@ -224,7 +224,7 @@ def main() -> int:
         b = batches[0]
         hcl = hs[ic].expand(b, ic, ic).clone()
         wdummy = torch.zeros(b, 1, ic, device=DEV)
-        sec, _ = _sync_time(lambda: _factor_batched(hcl, wdummy, 0.01, False, True, "bench"))
+        sec, _ = _sync_time(lambda hcl=hcl, wdummy=wdummy: _factor_batched(hcl, wdummy, 0.01, False, True, "bench"))
         rows.append([f"{name} [{oc}, {ic}], factorisation H -> U only", b, "fp32", "one call", sec, sec / b * 1e3,
                      0.0, "-"])
         print(rows[-1], flush=True)
@@ -234,7 +234,8 @@ def main() -> int:
         hb = torch.stack([hs[ic][i:i + 128, i:i + 128] for i in range(0, ic, 128)])
         w = (torch.randn(b, oc, ic, device=DEV) * 0.02).to(torch.bfloat16)
         base = _reset_peak()
-        sec, _ = _sync_time(lambda: solve_batched(w, hb.expand(b, *hb.shape).clone(), group_size=GS, inplace=True))
+        sec, _ = _sync_time(lambda w=w, hb=hb, b=b: solve_batched(w, hb.expand(b, *hb.shape).clone(), group_size=GS,
+                                                                          inplace=True))
         peak = _peak_gb(base)
         per_matrix[(name + " block-diag", b, False)] = sec / b
         ref = ref_sec[(oc, ic)]
@@ -249,7 +250,7 @@ def main() -> int:
     print("## GPTQ solver time (includes the Hessian factorisation)\n")
     print(markdown_table(["matrix [OC, IC]", "B", "matmul", "how", "total s", "ms / matrix", "peak GB",
                           "reference / fast"], rows))
-    print(f"\nreference per-column loop, one matrix: " + ", ".join(
+    print("\nreference per-column loop, one matrix: " + ", ".join(
         f"[{oc}, {ic}] {s:.2f} s" for (oc, ic), s in ref_sec.items() if s))
     b = batches[-1]
     proj = {}
