@@ -74,7 +74,6 @@
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "awq_mma.cuh"
@@ -132,19 +131,15 @@ constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
 #define TORCHFORGE_WGMMA_ABLATE 0
 #endif
 constexpr int kAblate = TORCHFORGE_WGMMA_ABLATE;
-#ifndef TORCHFORGE_WGMMA_WGL_STAGES256  // (trial) the (256, 1) ring with words from global memory
-#define TORCHFORGE_WGMMA_WGL_STAGES256 6
-#endif
-template <int BM, bool WGL = false>
+template <int BM>
 struct Stage {
   static constexpr int kX = BM * 128;   // BM rows x 64 k of x
-  static constexpr int kW = WGL ? 0 : 4 * 128 * 16;  // 4 column blocks x 4 k-steps x 32 lanes x uint4
+  static constexpr int kW = 4 * 128 * 16;  // 4 column blocks x 4 k-steps x 32 lanes x uint4
   static constexpr int kS = kBlockCols * 2;  // scales of the chunk's group
   static constexpr int kZ = kBlockCols / 8 * 4;  // zero words
   static constexpr int kBytes = (kX + kW + kS + kZ + 1023) / 1024 * 1024;  // x stays 1024-byte aligned
   static constexpr int kFit = (kMaxSmem - 1024 - kStaticSmem) / kBytes;
-  static constexpr int kStages = BM == 256 ? (WGL ? (kFit < TORCHFORGE_WGMMA_WGL_STAGES256 ? kFit : TORCHFORGE_WGMMA_WGL_STAGES256) : 4)
-                                            : kFit < kMaxStages ? kFit : kMaxStages;
+  static constexpr int kStages = BM == 256 ? 4 : kFit < kMaxStages ? kFit : kMaxStages;
   static constexpr int kSmem = kStages * kBytes + 1024;  // + room to align the dynamic base
   static_assert(kStages >= 3 && kStages <= kFit, "the ring needs the consumers' two stages and one ahead, and fits");
 };
@@ -248,7 +243,7 @@ struct Grouped {
   int E;
 };
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool WGL = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
@@ -256,9 +251,8 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
                      int chunks_per_group, int splits, int group_m, int sliced_tiles, int whole_tiles,
                      Grouped<S> gp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using St = Stage<BM, WGL>;
+  using St = Stage<BM>;
   constexpr int kStages = St::kStages;
-  static_assert(!WGL || (TW == 1 && WS && !GROUPED), "words from global memory: one-tile-per-warp dense WS blocks");
   using P = Pair<T>;
   using Tr = Traits<T>;
   constexpr bool kSplitScale = !std::is_same<T, S>::value;  // fp16 scales with bf16 x: s = hi + lo
@@ -425,10 +419,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     if constexpr ((kAblate & 2) != 0) return;
     const uint32_t base = smem_base + st * St::kBytes;
     const uint32_t bar = bar_base + st * 8;
-    constexpr bool kCopyX = (kAblate & 32) == 0, kCopyW = (kAblate & 64) == 0 && !WGL;
-    if constexpr (WGL)  // the consumers load their words themselves; ask L2 for them a ring ahead
-      for (int i = 0; i < tl.valid_cbs; ++i)
-        pdl::prefetch_l2(tl.qw + (static_cast<size_t>(4 * tl.cbg + i) * chunks + c) * 128, 2048u);
+    constexpr bool kCopyX = (kAblate & 32) == 0, kCopyW = (kAblate & 64) == 0;
     ptx::mbar_expect_tx(bar, tl.stage_bytes - (kCopyX ? 0u : St::kX) - (kCopyW ? 0u : tl.valid_cbs * 2048u));
     if (kCopyX) ptx::bulk_copy(base, tl.x_tiles + static_cast<size_t>(c) * (BM * 64), St::kX, bar);
     for (int i = 0; kCopyW && i < tl.valid_cbs; ++i)
@@ -477,7 +468,6 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   float acc[TW][BM / 2];
   uint32_t zc[TW][2], shi[TW][2], slo[TW][2];
   uint32_t wr[4][TW];  // the layout words of the next chunk to dequantize
-  uint32_t wnext[4];   // WGL: the words of the chunk after it, in flight from global memory
   uint32_t a0[4][TW][4], a1[4][TW][4];
   unsigned base = 0;  // stages the block's earlier segments used
   int u = u_begin;
@@ -494,15 +484,6 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     if (!WS && tid == 0)
       for (int i = 0; i < kStages && s.c_begin + i < s.c_end; ++i) load_stage(tl, s.c_begin + i, i);
 
-    // WGL: this lane's 4 bytes of chunk c's words (its tile tq of each k-step), straight from global memory (L1 keeps
-    // the 16-byte lines for the block's other warpgroup, which reads the neighbouring word); 0 past the last column.
-    auto load_words = [&](const Tile& tl, int c) {
-      const int cb = 4 * tl.cbg + warp;
-      const uint32_t* p = reinterpret_cast<const uint32_t*>(tl.qw + (static_cast<size_t>(cb) * chunks + c) * 128 + lane)
-                          + tl.tq;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) wnext[k] = cb < nblocks ? __ldg(p + k * 32 * 4) : 0u;
-    };
     // Wait for chunk c's stage and load what the threads themselves read of it: this lane's layout words and, at the
     // start of a quantization group, the scales and zero points of its columns. `chunk` calls it for the next chunk
     // once its own wgmmas are issued and the previous chunk's stage released, so these loads and the scale
@@ -513,15 +494,9 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       const unsigned it = base + static_cast<unsigned>(c - s.c_begin);
       if constexpr ((kAblate & 2) == 0) ptx::mbar_wait(bar_base + it % kStages * 8, (it / kStages) & 1);  // landed
       const uint8_t* stage = smem + it % kStages * St::kBytes;
-      if constexpr (WGL) {
+      const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) wr[k][0] = wnext[k];
-        if (c + 1 < s.c_end) load_words(tl, c + 1);
-      } else {
-        const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) lds_words<TW>(wr[k], wsm + k * 32 * 16, tl.tq);
-      }
+      for (int k = 0; k < 4; ++k) lds_words<TW>(wr[k], wsm + k * 32 * 16, tl.tq);
       if (c == s.c_begin || group_of(c) * chunks_per_group == c) {
         const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
         const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
@@ -586,8 +561,6 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       if (c + 1 < s.c_end) fetch(c + 1);  // its loads overlap this chunk's wgmmas
     };
     int c = s.c_begin;
-    if constexpr (WGL)
-      if (c < s.c_end) load_words(tl, c);
     if (c < s.c_end) fetch(c);
     for (; c + 1 < s.c_end; c += 2) {
       chunk(c, a0);
@@ -781,13 +754,13 @@ __global__ void x_image_perm_kernel(const T* __restrict__ x, T* __restrict__ img
   }
 }
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool WGL = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1,
                    const int32_t* perm = nullptr) {
-  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK, WGL>;
-  constexpr int smem = Stage<BM, WGL>::kSmem;
+  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK>;
+  constexpr int smem = Stage<BM>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
   int dev = 0;
   cudaGetDevice(&dev);
@@ -829,13 +802,13 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
 // with a producer warpgroup starts at 168 registers (384 x 168 = 128 x 24 + 256 x 240), as ptxas builds it today.
 // A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
-template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false, bool WGL = false>
+template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false>
 bool producer_pool_ok() {
   if constexpr (kGroups<BM, TW> == 1) return true;  // a producer warp: no setmaxnreg
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
-    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK, WGL>) == cudaSuccess
+    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK>) == cudaSuccess
                ? attr.numRegs
                : 0;
   }
@@ -885,25 +858,10 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
       // Stream-K needs the producer and whole pairs of chunks (see the kernel); otherwise splits 0 runs whole tiles
       // (the dispatch's config must not turn into an error; ops.cpp refuses splits 0 without producer_warp itself).
-      // (trial) TORCHFORGE_WGMMA_WORDS_GLOBAL=1: one-tile-per-warp blocks load their words from global memory
-      constexpr bool kWglOk = TW == 1 && kGroups<BM, TW> == 2;
-      const char* wgl_env = std::getenv("TORCHFORGE_WGMMA_WORDS_GLOBAL");
-      const bool wgl = kWglOk && wgl_env != nullptr && wgl_env[0] == '1';
-      if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>()) {
-        if constexpr (kWglOk)
-          if (wgl && producer_pool_ok<T, S, BM, TW, false, true, true>())
-            return launch<T, S, BM, TW, true, false, true, true>(x, x_image, qweight, scales, qzeros, bias, out,
-                                                                 partial, tickets, m, n, k, gs, 0, gm, dp, stream, {},
-                                                                 1, perm);
+      if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())
         return launch<T, S, BM, TW, true, false, true>(x, x_image, qweight, scales, qzeros, bias, out, partial,
                                                        tickets, m, n, k, gs, 0, gm, dp, stream, {}, 1, perm);
-      }
       const int whole_s = s == 0 ? 1 : s, whole_dp = s == 0 ? 0 : dp;
-      if constexpr (kWglOk)
-        if (wgl && producer_warp && producer_pool_ok<T, S, BM, TW, false, false, true>())
-          return launch<T, S, BM, TW, true, false, false, true>(x, x_image, qweight, scales, qzeros, bias, out,
-                                                                partial, tickets, m, n, k, gs, whole_s, gm, whole_dp,
-                                                                stream, {}, 1, perm);
       if (producer_warp && producer_pool_ok<T, S, BM, TW>())
         return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
                                           gs, whole_s, gm, whole_dp, stream, {}, 1, perm);
