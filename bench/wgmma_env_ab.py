@@ -1,5 +1,6 @@
-"""A/B of a trial switch of the Hopper W4A16 kernel (csrc/awq_wgmma.cu) read from the environment at each launch
-(e.g. TORCHFORGE_WGMMA_WORDS_GLOBAL=1), in one process, device only:
+"""A/B of a trial switch of the Hopper W4A16 kernel (csrc/awq_wgmma.cu) that its launcher reads from the environment
+at each launch, in one process, device only. The csrc/ of this tree has no such switch: a trial adds one (the
+thirtieth session's TORCHFORGE_WGMMA_WORDS_GLOBAL, commit 9726ec7) and is reverted or made the default after.
     python3 bench/wgmma_env_ab.py --env TORCHFORGE_WGMMA_WORDS_GLOBAL --check     (bit-equal outputs, many configs)
     python3 bench/wgmma_env_ab.py --env TORCHFORGE_WGMMA_WORDS_GLOBAL --shapes 18432x7168,7168x7168 --m 256,384
 Times: CUDA-graph medians, weights rotated through L2 (common.L2Rotation), bf16 x, fp16 scales, ms; for each M the
