@@ -150,10 +150,13 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _generate_cache_kwarg(model) -> str:
-    """generate()'s cache argument: `cache` since transformers 5.24 (`past_key_values` warns there, and goes in 6.0),
-    `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.prepare_inputs_for_generation).parameters else "past_key_values"
+def _generate_cache_kwarg() -> str:
+    """generate()'s cache argument: `cache` since transformers 5.24 (`past_key_values` warns there, until 6.0),
+    `past_key_values` before. Read from GenerationMixin (which generate() renames for), not from a model's override."""
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class Generator:
@@ -193,7 +196,7 @@ class Generator:
         kw = dict(compile_config=compile_config) if compile_config is not None else dict(disable_compile=True)
         sync(self.device)
         t0 = time.perf_counter()
-        kw[_generate_cache_kwarg(self.model)] = cache
+        kw[_generate_cache_kwarg()] = cache
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
                                   max_new_tokens=n, min_new_tokens=n, use_cache=True, **kw)
         sync(self.device)

@@ -58,11 +58,18 @@ case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20
 # transformers and the packages it needs at a newer version, e.g. `pip download --no-deps --python-version 3.12
 # --only-binary=:all: -d .whl_tf transformers==5.24.0 huggingface_hub==2.4.0 ...`), installed apart in /tmp/site_tf.
 case " $SUITE " in *" tests_tf "*)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_tf \
-    "${TF_WHEELS:-.whl_tf}"/*.whl > "$OUT/tests_tf_install.log" 2>&1 || tail -5 "$OUT/tests_tf_install.log"
-  step tests_tf env PYTHONPATH="/tmp/site_tf${PYTHONPATH:+:$PYTHONPATH}" sh -c 'python3 -c "import transformers; \
-print(\"transformers\", transformers.__version__, transformers.__file__)" && python3 -m pytest -q -rf --maxfail=20 \
--p no:cacheprovider '"${TESTS_TF:-tests/nn}"' '"${PYTEST_TF_ARGS:-}"
+  tf_wheels=${TF_WHEELS:-.whl_tf}
+  if ! ls "$tf_wheels"/*.whl >/dev/null 2>&1; then
+    echo "== tests_tf: skipped, no wheels in $tf_wheels (carry them: see above)"
+  elif ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_tf \
+      "$tf_wheels"/*.whl > "$OUT/tests_tf_install.log" 2>&1; then
+    echo "== tests_tf: FAILED to install the wheels"; tail -5 "$OUT/tests_tf_install.log"
+  else  # the check fails the step if the carried transformers is not the one imported
+    step tests_tf env PYTHONPATH="/tmp/site_tf${PYTHONPATH:+:$PYTHONPATH}" sh -c 'python3 -c "import transformers; \
+print(\"transformers\", transformers.__version__, transformers.__file__); \
+assert transformers.__file__.startswith(\"/tmp/site_tf/\"), \"not the carried transformers\"" && \
+python3 -m pytest -q -rf --maxfail=20 -p no:cacheprovider '"${TESTS_TF:-tests/nn}"' '"${PYTEST_TF_ARGS:-}"
+  fi
   ;;
 esac
 case " $SUITE " in *" bench "*)

@@ -58,4 +58,4 @@ def test_tiny_smoke_run_prints_the_table():
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| bf16 |", "| w4a16-mma |"))]
     assert len(rows) == 2 and "failed" not in out.stdout, out.stdout[-3000:]
     # generate() gets its cache under the installed transformers' name (5.24 renamed past_key_values to cache)
-    assert "is deprecated" not in out.stderr, out.stderr[-3000:]
+    assert "`past_key_values` is deprecated" not in out.stderr, out.stderr[-3000:]

@@ -81,10 +81,10 @@ def test_exact_mode_equals_whole_model(ckpts, name, prob):
 
 
 def test_mask_functions_get_the_cache_argument_by_its_current_name(ckpts):
-    """transformers 5.24 renamed the mask functions' past_key_values to cache (the old name warns until 5.40, then
-    fails): the streamer passes whichever name the installed version takes, so no FutureWarning."""
+    """transformers 5.24 renamed the mask functions' past_key_values to cache (the old name is renamed with a
+    FutureWarning until the shim goes): the streamer passes whichever name the installed version takes."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
+        warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
         stats = LayerwiseStreamer(ckpts["deepseek_v3"], dtype=torch.float32, device="cpu").collect_router_stats(
             _batches())
     assert stats.tokens == 21

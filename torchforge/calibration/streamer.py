@@ -57,7 +57,7 @@ MODES = ("exact", "approx")
 @functools.lru_cache(maxsize=None)
 def _cache_kwarg(fn) -> str:
     """The name of a transformers mask function's cache argument: `cache` since transformers 5.24 (`past_key_values`
-    still works there, with a FutureWarning, until 5.40), `past_key_values` before."""
+    is renamed there, with a FutureWarning, until the shim goes), `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
