@@ -75,7 +75,6 @@ __device__ __forceinline__ uint32_t perm_elem(const unsigned short* row, int i, 
 }
 
 // Scales are fp16 (AWQ checkpoints) or, after model.to(bfloat16), bf16; either is widened to fp32 once per group.
-
 __device__ __forceinline__ float scale_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ float scale_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 

@@ -117,7 +117,7 @@ def test_linear_reference(dtype):
     (5, 96, 40, 32, True, dict(block_m=16, block_n=32, block_k=32, split_k=2)),  # K slices of 64 + 32, bias after
     (1, 1024, 64, 128, True, dict(block_m=16, block_n=64, block_k=64)),  # the default K slices (gptq_split_k: 2)
     (3, 256, 48, 32, False, dict(block_m=16, block_n=16, block_k=64)),  # contiguous groups, two in each K step
-    (3, 256, 48, 128, False, dict(block_m=16, block_n=32, block_k=64)),  # one group a step: one row of scales
+    (3, 256, 48, 128, False, dict(block_m=16, block_n=32, block_k=64)),  # one group in each K step
 ])
 def test_triton_kernel(dtype, m, ic, oc, g, act_order, blocks):
     from torchforge.ops.gptq_triton import gptq_split_k, launch_w4a16_gptq_linear
