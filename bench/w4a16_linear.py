@@ -81,6 +81,23 @@ def quantized_case(shape: str):
     return OC, IC, w, qw, sc, qz, qw.numel() * 4 + sc.numel() * 2 + qz.numel() * 4
 
 
+def rotated_mma_case(shape: str, scale_dtype: str = "fp16"):
+    """quantized_case(shape) on the mma layout, its weights rotated through L2 from here on (L2Rotation.start), and
+    kept tickets, as a module on the mma layout has them (mma_tickets: without, every call with K slices paid a memset
+    kernel for fresh ones; sessions before the thirteenth swept that way): (OC, IC, w, qw, sc, qz, wbytes, mma,
+    tickets).
+    scale_dtype "bf16": the scales a bf16 model holds after .to(torch.bfloat16) (no hi / lo scale split)."""
+    from torchforge.ops.awq_mma_cuda import mma_tickets
+    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+
+    OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
+    if scale_dtype == "bf16":
+        sc = sc.to(torch.bfloat16)
+    mma = awq_to_mma_layout(qw)
+    L2Rotation.start(wbytes, w, qw, sc, qz, mma)
+    return OC, IC, w, qw, sc, qz, wbytes, mma, mma_tickets(OC, mma.device)
+
+
 def cuda_gemv_sweep(shapes: str) -> list:
     """The extension's batch-1 GEMV (csrc/awq_gemv.cu) over (splits, rows), against the Triton GEMV, tinygemm and
     bf16 in the same run."""
@@ -118,18 +135,12 @@ def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8") -> l
     `model.to(torch.bfloat16)`), kept tickets, against bf16, tinygemm and the AWQ-layout op as dispatched
     (`w4a16_linear`), in the same run."""
     import torchforge
-    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_launch_config, mma_tickets
-    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_launch_config
     from torchforge.ops.awq_reference import awq_dequantize_ref
 
     out = []
     for shape in shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
-        mma = awq_to_mma_layout(qw)
-        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
-        # kept tickets, as a module on the mma layout has them (mma_tickets): without, every call with K slices paid
-        # a memset kernel for fresh ones (sessions before the thirteenth swept that way)
-        tickets = mma_tickets(OC, mma.device)
+        OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape)
         wdq = awq_dequantize_ref(qw, sc, qz, G).float()
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
@@ -188,19 +199,15 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
     bf16, the decode mma kernel (up to 128 rows), the mma layout's dequantize + cuBLAS and tinygemm in the same run.
     Both CUDA kernels get kept tickets, as a module on the mma layout passes them (sessions before the thirteenth
     swept the Hopper kernel with a fresh zeroed buffer, a memset kernel, on every call with K slices)."""
-    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, launch_awq_wgmma_cuda, wgmma_cuda_config
     from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
-    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.awq_reference import awq_dequantize_ref
     from torchforge.ops.awq_wgmma_cost import wgmma_blocks
 
     out = []
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for shape in shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
-        mma = awq_to_mma_layout(qw)
-        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
-        tickets = mma_tickets(OC, mma.device)
+        OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape)
         wdq = awq_dequantize_ref(qw, sc, qz, G).to(torch.bfloat16).float()
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
@@ -250,14 +257,11 @@ def cublas_fit(shapes: str, ms: str) -> list:
     cuBLAS on the dequantized weight) and together, against awq_wgmma_cost.dequant_cublas_time_us: the numbers to
     refit that estimate from, which the dispatch compares with the kernels' estimates."""
     from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
-    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.awq_wgmma_cost import dequant_cublas_time_us
 
     out = []
     for shape in shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
-        mma = awq_to_mma_layout(qw)
-        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
+        OC, IC, w, qw, sc, qz, wbytes, mma, _ = rotated_mma_case(shape)
         t_dq = bench_graph_ms(lambda: launch_awq_mma_dequantize_t(mma, sc, qz, G, torch.bfloat16), rep_ms=50)
         wt = launch_awq_mma_dequantize_t(mma, sc, qz, G, torch.bfloat16)
         L2Rotation.active.add(wt)  # cuBLAS reads it from DRAM, as it would right after the dequantization
@@ -304,8 +308,7 @@ def stream_k_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
     stream-K estimate made infinite), bf16 in the same run: what the twenty-first session's dispatch change buys or
     costs on each shape and M, where wgmma_rows_ok sends the call to the kernel either way."""
     from torchforge.ops import awq_wgmma_cost as cost
-    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
-    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, wgmma_cuda_config
 
     def config(m, k, n, sms, stream_k):
         saved = cost.wgmma_stream_k_time_us
@@ -321,12 +324,7 @@ def stream_k_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
     out = []
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for shape in shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
-        if scale_dtype == "bf16":  # what a bf16 model holds after .to(torch.bfloat16): no hi / lo scale split
-            sc = sc.to(torch.bfloat16)
-        mma = awq_to_mma_layout(qw)
-        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
-        tickets = mma_tickets(OC, mma.device)
+        OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape, scale_dtype)
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
             t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
@@ -348,15 +346,10 @@ def _mma_call_cases(shapes: str, ms: str):
     "op norm": x * g, one torch elementwise kernel without PDL, before every call, its time included), under
     whatever launch settings the caller has made."""
     from torchforge.ops.awq_mma import awq_mma_linear
-    from torchforge.ops.awq_mma_cuda import mma_tickets
-    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
 
     try:
         for shape in shapes.split(","):
-            OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
-            mma = awq_to_mma_layout(qw)
-            L2Rotation.start(wbytes, w, qw, sc, qz, mma)
-            tickets = mma_tickets(OC, mma.device)
+            OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape)
             g = torch.rand(IC, device="cuda", dtype=torch.bfloat16) + 0.5
             for M in map(int, ms.split(",")):
                 x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)

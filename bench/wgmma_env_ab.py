@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import L2Rotation, bench_graph_ms, device_line, markdown_table  # noqa: E402
-from w4a16_linear import G, quantized_case  # noqa: E402
+from w4a16_linear import G, rotated_mma_case  # noqa: E402
 
 
 def _with(env: str, on: bool, fn):
@@ -59,15 +59,11 @@ def check(env: str) -> int:
 
 
 def bench(env: str, shapes: str, ms: str, extra: str) -> list:
-    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
-    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, wgmma_cuda_config
 
     rows = []
     for shape in shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
-        mma = awq_to_mma_layout(qw)
-        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
-        tickets = mma_tickets(OC, mma.device)
+        OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape)
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
             t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)

@@ -16,12 +16,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import L2Rotation, bench_graph_ms  # noqa: E402
-from w4a16_linear import G, quantized_case  # noqa: E402
+from w4a16_linear import G, rotated_mma_case  # noqa: E402
 
 
 def main() -> None:
-    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets
-    from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda
     from torchforge.ops.awq_wgmma_cost import wgmma_blocks
 
     ap = argparse.ArgumentParser()
@@ -32,10 +31,7 @@ def main() -> None:
     print("| W | M | block | blocks | tiles | chunks per block | ms | us per chunk per block |")
     print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes = quantized_case(shape)
-        mma = awq_to_mma_layout(qw)
-        L2Rotation.start(wbytes, w, qw, sc, qz, mma)
-        tickets = mma_tickets(OC, mma.device)
+        OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape)
         for M in map(int, args.m.split(",")):
             bm = 64 if M <= 64 else 128
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
