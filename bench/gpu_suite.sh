@@ -54,9 +54,12 @@ fi
 # split at the spaces and pytest took "or" for a file: twenty-sixth session).
 eval "pytest_args=(${PYTEST_ARGS:-})"
 case " $SUITE " in *" tests "*) step tests python3 -m pytest -q -rf --maxfail=20 --durations=15 -p no:cacheprovider ${TESTS:-tests} "${pytest_args[@]}" ;; esac
-# tests_tf: TESTS_TF against a newer transformers than the device's, carried as wheels in TF_WHEELS (default .whl_tf:
-# transformers and the packages it needs at a newer version, e.g. `pip download --no-deps --python-version 3.12
-# --only-binary=:all: -d .whl_tf transformers==5.24.0 huggingface_hub==2.4.0 ...`), installed apart in /tmp/site_tf.
+# tests_tf: TESTS_TF against a newer transformers than the device's, carried as wheels in TF_WHEELS (default .whl_tf;
+# list it in .git/info/exclude), installed apart in /tmp/site_tf. The thirtieth session's set (5.24, 23 MB):
+#   pip download -q --no-deps --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform any --only-binary=:all: -d .whl_tf transformers==5.24.0 huggingface_hub==2.4.0 tokenizers==0.23.3 \
+#     safetensors==0.8.0 httpx2==2.16.2 httpcore2==2.16.2 hf-xet==1.8.0 regex==2026.5.9 truststore click==8.5.1
 case " $SUITE " in *" tests_tf "*)
   tf_wheels=${TF_WHEELS:-.whl_tf}
   if ! ls "$tf_wheels"/*.whl >/dev/null 2>&1; then
