@@ -87,6 +87,7 @@ case " $SUITE " in *" bench "*)
       moe) TAIL=${MOE_TAIL:-10} step bench_moe_w4a16 python3 bench/moe_w4a16.py ${MOE_ARGS:-} ;;
       gptq) TAIL=40 step bench_gptq python3 bench/gptq.py ;;  # GPTQ solver (issue 3): reference loop vs fast, quality
       gptq_act_order) TAIL=16 step bench_gptq_act_order python3 bench/gptq_act_order.py ${GPTQ_ACT_ARGS:-} ;;  # act-order GPTQ on the mma layout
+      group_size) TAIL=36 step bench_group_size python3 bench/group_size.py ${GROUP_SIZE_ARGS:-} ;;  # group 32 / 64 / 128 layers as dispatched
       nvfp4) TAIL=30 step bench_nvfp4_moe python3 bench/nvfp4_moe.py ${NVFP4_ARGS:---w4a4} ;;  # issue 6
       decode_profile) TAIL=${PROFILE_TAIL:-150} step bench_decode_profile python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;  # kernels per step (+ --host: host time)
       moe_block) TAIL=20 step bench_moe_block python3 bench/moe_block.py ${MOE_BLOCK_ARGS:-} ;;  # fused decode path on / off by tokens

@@ -198,14 +198,15 @@ def test_module_without_hessian_is_rtn_and_beats_nothing_else():
     assert err(gptq) < 0.7 * err(rtn)
 
 
-@pytest.mark.parametrize("act_order_mma", [False, True])
-def test_compiled_forward_has_no_graph_break(act_order_mma):
+@pytest.mark.parametrize("act_order_layout", [None, "mma", "awq"])
+def test_compiled_forward_has_no_graph_break(act_order_layout):
     lin, x = _layer(7, ic=64, oc=32)
     mod = ForgeGPTQLinear.from_linear(lin, None, group_size=32)
-    if act_order_mma:  # the mma layout's x permutation too (rows sorted by group)
+    if act_order_layout:  # the run layouts' x permutation too (rows sorted by group)
         qweight, scales, qzeros, g_idx, _, _ = random_gptq(128, 64, 64, seed=4, act_order=True)
         mod, x = _module(qweight, scales, qzeros, g_idx, 128, 64, 64), torch.randn(5, 128)
-        assert mod.use_mma_layout() and mod.act_perm is not None
+        switch = mod.use_mma_layout if act_order_layout == "mma" else mod.use_awq_layout
+        assert switch() and mod.weight_layout == act_order_layout and mod.act_perm is not None
     torch._dynamo.reset()
     compiled = torch.compile(mod, fullgraph=True)  # fullgraph: a graph break raises
     torch.testing.assert_close(compiled(x[:3]), mod(x[:3]), rtol=1e-5, atol=1e-5)
@@ -281,6 +282,44 @@ def test_mma_layout_same_numbers_and_gptq_exports():
     assert not _module(qweight[:, :40], scales[:, :40], qzeros[:, :5], g_idx, 256, 40, 64).use_mma_layout()
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_awq_layout_where_the_mma_layout_does_not_fit(act_order):
+    """Group size 32 and OC = 96 (no multiples of 64): use_mma_layout() declines, use_awq_layout() re-packs into vLLM's
+    AWQ layout (rows sorted by group for act-order, x permuted on each call). Same numbers as the GPTQ layout, and the
+    checkpoint, gptq_tensors and dequantized weight stay those of the GPTQ layout; the model-level switch takes it."""
+    import torchforge
+
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(256, 96, 32, seed=10, act_order=act_order)
+    bias = torch.randn(96)
+    mod = _module(qweight, scales, qzeros, g_idx, 256, 96, 32, bias)
+    x = torch.randn(2, 3, 256)
+    state = {k: v.clone() for k, v in mod.state_dict().items()}
+    assert not mod.use_mma_layout() and mod.weight_layout == "gptq"
+    assert mod.use_awq_layout() and mod.weight_layout == "awq" and mod.qweight.shape == (256, 12)
+    assert (mod.act_perm is not None) == act_order and "weight_layout=awq" in repr(mod)
+    assert mod.use_awq_layout() and not mod.use_mma_layout()  # idempotent; no second switch
+    oracle = x.double() @ torch.from_numpy(np_dequant(qweight, scales, qzeros, g_idx)).double() + bias.double()
+    torch.testing.assert_close(mod(x).double(), oracle, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(mod.state_dict()[k], state[k]) for k in state)
+    assert all(torch.equal(a, b) for a, b in zip(mod.gptq_tensors(), (qweight, qzeros)))
+    assert torch.equal(mod.dequantized_weight(), _module(qweight, scales, qzeros, g_idx, 256, 96, 32).dequantized_weight())
+    if not act_order:
+        qw, s, qz = mod.awq_tensors()
+        assert torch.equal(awq_dequantize(qw, s.float(), qz, 32), mod.dequantized_weight())
+    fresh = _module(*random_gptq(256, 96, 32, seed=11)[:4], 256, 96, 32, bias)
+    assert torchforge.use_mma_layout(torch.nn.Sequential(fresh)) == 1 and fresh.weight_layout == "awq"
+    fresh.load_state_dict(state)  # a GPTQ-layout checkpoint into a module on the AWQ layout
+    assert torch.equal(fresh.qweight, mod.qweight) and torch.equal(fresh.qzeros, mod.qzeros)
+    assert (fresh.act_perm is None) != act_order and torch.equal(fresh(x), mod(x))
+    with pytest.raises(ValueError, match="g_idx without qweight and qzeros, into a module on the awq layout"):
+        fresh.load_state_dict({"g_idx": g_idx}, strict=False)
+    zeros16 = qzeros.clone()
+    zeros16[0, 0] |= 0xF  # stored 15: true zero point 16, no 4-bit AWQ equivalent
+    kept = _module(qweight, scales, zeros16, g_idx, 256, 96, 32)
+    assert not kept.use_awq_layout() and kept.weight_layout == "gptq"
+    assert not ForgeGPTQLinear(256, 96, group_size=32, device="meta").use_awq_layout()
+
+
 def test_act_order_perm():
     g_idx = trivial_g_idx(256, 64)
     assert act_order_perm(g_idx, 64) is None
@@ -327,6 +366,20 @@ def test_mma_layout_act_order():
     assert assigned.use_mma_layout()
     assigned.load_state_dict(state, assign=True)  # qweight becomes the checkpoint's tensor: act_perm beside it
     assert torch.equal(assigned.act_perm, mod.act_perm) and torch.equal(assigned(x), mod(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_cuda_awq_layout(m, act_order):
+    """Group size 32 on the GPU: the AWQ layout's w4a16_linear kernels, within bf16 tolerance of the fp64 product."""
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 512, 32, seed=m, act_order=act_order)
+    mod = _module(qweight, scales, qzeros, g_idx, 1024, 512, 32).cuda()
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    expected = x.double() @ mod.dequantized_weight(torch.float32).double().T
+    assert not mod.use_mma_layout() and mod.use_awq_layout()
+    out = mod(x)
+    assert out.dtype == torch.bfloat16 and ((out.double() - expected).norm() / expected.norm()) < 4e-3
 
 
 @pytest.mark.cuda

@@ -28,7 +28,7 @@ class W4LinearMixin:
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"group_size={self.group_size}, symmetric={self.symmetric}"
-                + (", weight_layout=mma" if self.weight_layout == "mma" else ""))
+                + (f", weight_layout={self.weight_layout}" if self.weight_layout != type(self).weight_layout else ""))
 
 
 class ForgeAWQLinear(W4LinearMixin, nn.Module):
@@ -144,13 +144,15 @@ def use_mma_layout(model: nn.Module, experts: bool = True, fused_moe: bool = Tru
     `fused_moe`, every `ForgeMoE` block that then qualifies also takes the fused decode path
     (`ForgeMoE.use_fused_decode`: shared expert inside the grouped expert kernels, DeepSeek-V3 routing in one
     kernel). Returns how many modules switched, fused blocks included. Exports are
-    unchanged (each module's own checkpoint layout)."""
+    unchanged (each module's own checkpoint layout). A `ForgeGPTQLinear` the mma layout does not fit (group size 32,
+    dims not multiples of 64) goes to vLLM's AWQ layout instead (`ForgeGPTQLinear.use_awq_layout`), and counts too."""
     from torchforge.nn.awq_experts import ForgeAWQExperts
     from torchforge.nn.gptq_linear import ForgeGPTQLinear
     from torchforge.nn.moe import ForgeMoE
 
     kinds = (ForgeAWQLinear, ForgeGPTQLinear) + ((ForgeAWQExperts,) if experts else ())
-    n = sum(m.use_mma_layout() for m in model.modules() if isinstance(m, kinds))
+    n = sum(m.use_mma_layout() or (isinstance(m, ForgeGPTQLinear) and m.use_awq_layout())
+            for m in model.modules() if isinstance(m, kinds))
     if fused_moe:
         n += sum(m.use_fused_decode() for m in model.modules() if isinstance(m, ForgeMoE))
     return n

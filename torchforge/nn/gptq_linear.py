@@ -10,6 +10,7 @@ from torchforge.nn._bias import check_pack_bias
 from torchforge.nn._group_size import check_group_size
 from torchforge.nn.awq_linear import ForgeAWQLinear, W4LinearMixin
 from torchforge.nn.mma_tickets import add_mma_tickets
+from torchforge import ops
 from torchforge.ops import gptq as gptq_ops
 from torchforge.ops.awq import awq_pack, awq_unpack
 from torchforge.ops.awq_mma import awq_mma_linear
@@ -36,7 +37,10 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
     csrc/awq_mma.cu: qweight as AWQ codes in MMA fragment order [OC // 64, IC * 8] and qzeros as true zero points in
     AWQ order. With act-order the input rows are stored sorted by group (``act_perm``, a non-persistent int32 buffer,
     derived from ``g_idx`` when switching or loading: assign ``g_idx`` only through ``load_state_dict``) and each call
-    computes with ``x[..., act_perm]``. ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the
+    computes with ``x[..., act_perm]``. Where the mma layout does not fit (group size 32, OC or IC not multiples of
+    64), :meth:`use_awq_layout` re-packs the same way into vLLM's AWQ layout for ``w4a16_linear``'s kernels: the GPTQ
+    layout's own kernel reads a scale and zero point per input row through ``g_idx`` and runs at 0.08-0.5x bf16
+    (BENCHMARKS.md, twenty-ninth session). ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the
     GPTQ layout, rows in their checkpoint order.
     """
 
@@ -117,9 +121,13 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
 
     def gptq_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(qweight, qzeros) in the GPTQ layout, whatever layout the module runs with."""
-        if self.weight_layout == "mma":
-            return _mma_to_gptq(self.qweight, self.qzeros, getattr(self, "act_perm", None))
+        if self.weight_layout in _AWQ_RUN_LAYOUTS:
+            return _awq_to_gptq(self._awq_qweight(self.qweight), self.qzeros, getattr(self, "act_perm", None))
         return self.qweight, self.qzeros
+
+    def _awq_qweight(self, qweight: torch.Tensor) -> torch.Tensor:
+        """A run-layout qweight as AWQ words [IC, OC // 8] (rows sorted by group for act-order)."""
+        return mma_layout_to_awq(qweight) if self.weight_layout == "mma" else qweight
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [OC, IC] this layer computes with, in `dtype` (exact in fp32, rounded once)."""
@@ -135,8 +143,8 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
         """(qweight, scales, qzeros) in vLLM's AWQ layout, exactly the same weight (no act-order only)."""
         if self.has_act_order():
             raise ValueError("ForgeGPTQLinear: act-order (a permuted g_idx) has no AWQ-layout equivalent")
-        if self.weight_layout == "mma":
-            return mma_layout_to_awq(self.qweight), self.scales, self.qzeros
+        if self.weight_layout in _AWQ_RUN_LAYOUTS:
+            return self._awq_qweight(self.qweight), self.scales, self.qzeros
         qweight, qzeros = _gptq_to_awq(self.qweight, self.qzeros, None)
         return qweight, self.scales, qzeros
 
@@ -148,8 +156,22 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
         and permute x on each call (``act_perm``)."""
         if self.weight_layout == "mma":
             return True
-        if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
+        if self.weight_layout != "gptq" or not mma_layout_fits(self.in_features, self.out_features, self.group_size):
             return False
+        return self._switch_layout("mma")
+
+    @torch.no_grad()
+    def use_awq_layout(self) -> bool:
+        """Switch to vLLM's AWQ layout (exact), for layers the mma layout does not fit (a group size of 32, OC or IC
+        not multiples of 64): ``w4a16_linear``'s kernels read contiguous groups, one scale per group, where the GPTQ
+        kernel gathers a scale and zero point per input row. Act-order as on the mma layout (rows sorted by group,
+        ``x[..., act_perm]`` on each call). False, and nothing changed, on the mma layout already, for a stored zero
+        point of 16, act-order groups of unequal sizes, or on the meta device."""
+        if self.weight_layout == "awq":
+            return True
+        return self.weight_layout == "gptq" and self._switch_layout("awq")
+
+    def _switch_layout(self, layout: str) -> bool:
         if self.qweight.is_meta:  # the zero points cannot be checked: switch after loading
             return False
         try:
@@ -157,18 +179,26 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
             qweight, qzeros = _gptq_to_awq(self.qweight, self.qzeros, perm)
         except ValueError:  # unequal groups, or a zero point of 16: the GPTQ kernel keeps the layer
             return False
-        self.qweight, self.qzeros = awq_to_mma_layout(qweight), qzeros
+        self.qweight, self.qzeros = awq_to_mma_layout(qweight) if layout == "mma" else qweight, qzeros
         self.register_buffer("act_perm", None if perm is None else perm.to(torch.int32),  # what the kernels read
                              persistent=False)  # registered again: modules pickled before it
-        self.weight_layout = "mma"
-        add_mma_tickets(self)
+        self.weight_layout = layout
+        if layout == "mma":
+            add_mma_tickets(self)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_layout == "mma":  # act_perm: the stored rows are sorted by group (use_mma_layout)
+        perm = getattr(self, "act_perm", None)  # the stored rows are sorted by group (use_mma_layout / use_awq_layout)
+        if self.weight_layout == "mma":
             return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
-                                  getattr(self, "mma_tickets", None), getattr(self, "act_perm", None))
+                                  getattr(self, "mma_tickets", None), perm)
+        if self.weight_layout == "awq":
+            return ops.w4a16_linear(x if perm is None else x.index_select(-1, perm), self.qweight, self.scales,
+                                    self.qzeros, self.group_size, self.bias)
         return gptq_ops.w4a16_gptq_linear(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.bias)
+
+
+_AWQ_RUN_LAYOUTS = ("mma", "awq")  # run layouts holding AWQ codes and true zero points (rows sorted by group)
 
 
 def is_act_order(g_idx: torch.Tensor, in_features: int, groups: int) -> bool:
@@ -226,9 +256,9 @@ def _gptq_to_awq(qweight: torch.Tensor, qzeros: torch.Tensor,
     return awq_pack(codes), awq_pack(zeros)
 
 
-def _mma_to_gptq(qweight_mma: torch.Tensor, qzeros_awq: torch.Tensor,
+def _awq_to_gptq(qweight_awq: torch.Tensor, qzeros_awq: torch.Tensor,
                  perm: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = awq_unpack(mma_layout_to_awq(qweight_mma))  # [IC, OC], rows in perm's order where given
+    codes = awq_unpack(qweight_awq)  # [IC, OC], rows in perm's order where given
     if perm is not None:
         codes = codes.index_select(0, torch.argsort(perm).to(codes.device))
     return gptq_ops.gptq_pack(codes), gptq_ops.gptq_pack_zeros(awq_unpack(qzeros_awq))
@@ -236,32 +266,34 @@ def _mma_to_gptq(qweight_mma: torch.Tensor, qzeros_awq: torch.Tensor,
 
 def _export_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """state_dict hook: checkpoints always hold the GPTQ layout."""
-    if module.weight_layout == "mma" and prefix + "qweight" in state_dict and prefix + "qzeros" in state_dict:
-        state_dict[prefix + "qweight"], state_dict[prefix + "qzeros"] = _mma_to_gptq(
-            state_dict[prefix + "qweight"], state_dict[prefix + "qzeros"], getattr(module, "act_perm", None))
+    kq, kz = prefix + "qweight", prefix + "qzeros"
+    if module.weight_layout in _AWQ_RUN_LAYOUTS and kq in state_dict and kz in state_dict:
+        state_dict[kq], state_dict[kz] = _awq_to_gptq(
+            module._awq_qweight(state_dict[kq]), state_dict[kz], getattr(module, "act_perm", None))
 
 
 def _import_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, *args) -> None:
-    """load_state_dict pre-hook: GPTQ-layout qweight [IC // 8, OC] and qzeros, for a module on the mma layout (its
-    rows sorted by the checkpoint's g_idx where that is act-order, and `act_perm` set to match). `act_perm` is set
+    """load_state_dict pre-hook: GPTQ-layout qweight [IC // 8, OC] and qzeros, for a module on the mma or AWQ layout
+    (its rows sorted by the checkpoint's g_idx where that is act-order, and `act_perm` set to match). `act_perm` is set
     here, before torch copies the tensors: a load that then fails leaves the module's rows and act_perm as loaded."""
     kq, kz, kg = prefix + "qweight", prefix + "qzeros", prefix + "g_idx"
-    if module.weight_layout == "mma" and kg in state_dict and not (kq in state_dict and kz in state_dict):
+    layout = module.weight_layout
+    if layout in _AWQ_RUN_LAYOUTS and kg in state_dict and not (kq in state_dict and kz in state_dict):
         raise ValueError(f"ForgeGPTQLinear.load_state_dict ({prefix or 'module'}): g_idx without qweight and qzeros, "
-                         "into a module on the mma layout, would leave its rows sorted by the old groups; load "
+                         f"into a module on the {layout} layout, would leave its rows sorted by the old groups; load "
                          "qweight, qzeros and g_idx together")
-    if module.weight_layout == "mma" and kq in state_dict and kz in state_dict:
+    if layout in _AWQ_RUN_LAYOUTS and kq in state_dict and kz in state_dict:
         if tuple(state_dict[kq].shape) == (module.in_features // 8, module.out_features):
             g_idx = state_dict.get(kg, module.g_idx)
             try:
                 perm = gptq_ops.act_order_perm(g_idx, module.group_size)
                 qweight, qzeros = _gptq_to_awq(state_dict[kq], state_dict[kz], perm)
             except ValueError as err:
-                raise ValueError(f"ForgeGPTQLinear.load_state_dict ({prefix or 'module'}): this module runs on the mma "
-                                 f"layout, which cannot hold this checkpoint ({err}); load into a module on the GPTQ "
-                                 "layout (a fresh one) and call use_mma_layout() after loading: it keeps the GPTQ "
+                raise ValueError(f"ForgeGPTQLinear.load_state_dict ({prefix or 'module'}): this module runs on the "
+                                 f"{layout} layout, which cannot hold this checkpoint ({err}); load into a module on the "
+                                 "GPTQ layout (a fresh one) and call use_mma_layout() after loading: it keeps the GPTQ "
                                  "kernel for such layers") from err
-            state_dict[kq], state_dict[kz] = awq_to_mma_layout(qweight), qzeros
+            state_dict[kq], state_dict[kz] = awq_to_mma_layout(qweight) if layout == "mma" else qweight, qzeros
             # where qweight will be: the checkpoint's tensor with assign=True (which moves no buffer), else the module's
             device = (state_dict[kq] if args and args[0].get("assign_to_params_buffers") else module.qweight).device
             module.register_buffer("act_perm", None if perm is None else perm.to(device, torch.int32),
