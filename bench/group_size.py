@@ -2,12 +2,13 @@
 
     python bench/group_size.py [--shapes 18432x7168,7168x7168] [--groups 32,64,128] [--m 1,16,64,256,1024]
 
-The mma layout's kernels need groups of whole 64-row chunks, so a group size of 32 (which vLLM's Marlin takes, and
-GPTQ checkpoints use) runs on the AWQ layout's kernels (`w4a16_linear`), and before this bench's session a
-`ForgeGPTQLinear` of group 32 ran the GPTQ layout's own kernel. Columns, ms (medians of CUDA-graph replays, weights
+Group size 32 (which vLLM's Marlin takes, GPTQ checkpoints use, and Kimi K2's int4 experts have) used to run on the
+AWQ layout's kernels (`w4a16_linear`), and a `ForgeGPTQLinear` of group 32 on the GPTQ layout's own kernel; the mma
+layout's decode kernel now takes it (csrc/awq_mma.cuh, item_dq). Columns, ms (medians of CUDA-graph replays, weights
 rotated through copies: bench/common.py L2Rotation, bf16 x, fp16 scales), the same random codes in every layer:
 - bf16: F.linear on the dequantized weight;
-- AWQ: a ForgeAWQLinear after `torchforge.use_mma_layout` (its layout in the `layout` column);
+- AWQ layout: a ForgeAWQLinear left on its checkpoint layout (`w4a16_linear`'s kernels);
+- AWQ: the same layer after `torchforge.use_mma_layout` (its layout in the `layout` column);
 - GPTQ before: a ForgeGPTQLinear on its checkpoint layout (the GPTQ Triton kernel, a scale per row through g_idx);
 - GPTQ after: the same layer after `torchforge.use_mma_layout` (mma layout, or the AWQ layout where that does not fit);
 - act-order before / after: the same codes with a permuted g_idx (GPTQModel / AutoGPTQ desc_act).
@@ -40,7 +41,9 @@ def layers(oc: int, ic: int, g: int, gen: torch.Generator) -> dict:
     awq.qweight, awq.qzeros, awq.scales = awq_pack(codes).cuda(), awq_pack(zeros).cuda(), scales.cuda()
     trivial = trivial_g_idx(ic, g)
     shuffled = trivial[torch.randperm(ic, generator=gen)]
-    out = {"AWQ": awq}
+    kept = ForgeAWQLinear(ic, oc, group_size=g, device="cuda")
+    kept.qweight, kept.qzeros, kept.scales = awq.qweight.clone(), awq.qzeros, awq.scales
+    out = {"AWQ layout": kept, "AWQ": awq}
     for name, g_idx in (("GPTQ", trivial), ("act-order", shuffled)):
         for when in ("before", "after"):
             mod = ForgeGPTQLinear(ic, oc, group_size=g, device="cuda")
@@ -74,7 +77,7 @@ def main() -> int:
         for g in map(int, args.groups.split(",")):
             mods = layers(oc, ic, g, gen)
             for name, mod in mods.items():
-                if name != "AWQ" and not name.endswith("before"):
+                if name not in ("AWQ", "AWQ layout") and not name.endswith("before"):
                     torchforge.use_mma_layout(torch.nn.Sequential(mod))
             torchforge.use_mma_layout(torch.nn.Sequential(mods["AWQ"]))
             w = mods["AWQ"].dequantized_weight(torch.bfloat16)
@@ -94,17 +97,20 @@ def main() -> int:
             layout = {k: mods[k].weight_layout for k in ("AWQ", "GPTQ after", "act-order after")}
             for m in ms:
                 t = times[m]
-                rows.append([shape, g, m, t["bf16"], t["AWQ"], layout["AWQ"], t["GPTQ before"], t["GPTQ after"],
+                rows.append([shape, g, m, t["bf16"], t["AWQ layout"], t["AWQ"], layout["AWQ"], t["GPTQ before"],
+                             t["GPTQ after"],
                              layout["GPTQ after"], t["act-order before"], t["act-order after"],
-                             t["bf16"] / t["AWQ"], t["bf16"] / t["GPTQ before"], t["bf16"] / t["GPTQ after"],
+                             t["bf16"] / t["AWQ layout"], t["bf16"] / t["AWQ"], t["bf16"] / t["GPTQ before"],
+                             t["bf16"] / t["GPTQ after"],
                              t["bf16"] / t["act-order after"], f"{err[m]:.1e}"])
                 print("row:", " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
             del mods, w, w64
             torch.cuda.empty_cache()
     print(f"device: {device_line()}")
     print("\nW4A16 layers by group size, ms (CUDA graphs, weights rotated, bf16 x, fp16 scales):")
-    print(markdown_table(["W", "G", "M", "bf16", "AWQ", "layout", "GPTQ before", "GPTQ after", "layout",
-                          "act-order before", "act-order after", "bf16/AWQ", "bf16/GPTQ before", "bf16/GPTQ after",
+    print(markdown_table(["W", "G", "M", "bf16", "AWQ layout", "AWQ", "layout", "GPTQ before", "GPTQ after", "layout",
+                          "act-order before", "act-order after", "bf16/AWQ layout", "bf16/AWQ", "bf16/GPTQ before",
+                          "bf16/GPTQ after",
                           "bf16/act-order after", "max rel err"], rows))
     return 0
 

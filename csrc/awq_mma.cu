@@ -69,7 +69,7 @@ namespace awq_mma_detail {
 template <int W, bool PF>
 constexpr int kMinBlocks = PF ? 8 / W : 16 / W;
 
-template <typename T, typename S, int NT, int CPG, int W, bool PF>
+template <typename T, typename S, int NT, int CPG, int W, bool PF, bool G32>
 __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
   pdl::wait();
 
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG, PF>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
+  accumulate<T, S, NT, CPG, PF, G32>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
                                 chunks_per_group, g);
   // The next kernel may launch once every block is past its weights. Not earlier: blocks of a next decode GEMM
   // resident from the start prefetched weights that this one's stream evicted from L2 before they were used
@@ -202,7 +202,7 @@ __global__ void gather_cols_kernel(const T* __restrict__ x, const int* __restric
                                                    pair(p1.z, p1.w));
 }
 
-template <typename T, typename S, int NT, int CPG, int W, bool PF>
+template <typename T, typename S, int NT, int CPG, int W, bool PF, bool G32 = false>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    cudaStream_t stream, const int32_t* perm, void* x_perm) {
@@ -219,7 +219,7 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
   // rounds of items (2 or 1) as stay within a third of the block's items.
   const int items = K / 64 / CPG;
   const int rounds = splits == 1 && M <= 16 ? (6 * W <= items ? 2 : 3 * W <= items ? 1 : 0) : 0;
-  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF>, perm == nullptr, grid, dim3(32 * W), 0, stream,
+  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF, G32>, perm == nullptr, grid, dim3(32 * W), 0, stream,
                      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
                      tickets, M, N, K, group_size / 64, splits,
@@ -229,8 +229,9 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
 }  // namespace awq_mma_detail
 
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype: scales (0 = bf16 with bf16 x, 1 = fp16). The caller
-// (ops.cpp) has checked shapes, alignment, N % 64 == 0, group_size a multiple of 64 * item_chunks (1 or 2),
-// K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block, prefetch only with
+// (ops.cpp) has checked shapes, alignment, N % 64 == 0, group_size 32 (item_chunks 1) or a multiple of 64 *
+// item_chunks (1 or 2),
+// K % 64 == 0 and K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block, prefetch only with
 // item_chunks 2 (else cudaErrorInvalidValue);
 // `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1); perm: nullptr, or
 // int32 [K] (16-byte aligned, values in [0, K)) that x is read through (x[:, perm], gathered into x_perm [M, K]).
@@ -249,6 +250,16 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
     const bool one_tile = m <= 8;  // one 8-row MMA tile of x is enough
     auto run = [&](auto nt, auto cpg) {
       constexpr int NT = decltype(nt)::value, CPG = decltype(cpg)::value;
+      if (g == 32) {  // groups of 32: the per-register dequantization (awq_mma.cuh, item_dq), items of 64 k only
+        if constexpr (CPG == 1) {
+          if (!prefetch)
+            return warps == 4 ? launch<T, S, NT, CPG, 4, false, true>(x, qweight, scales, qzeros, bias, out, partial,
+                                                                      tickets, m, n, k, g, s, stream, perm, x_perm)
+                              : launch<T, S, NT, CPG, 8, false, true>(x, qweight, scales, qzeros, bias, out, partial,
+                                                                      tickets, m, n, k, g, s, stream, perm, x_perm);
+        }
+        return cudaErrorInvalidValue;
+      }
       if constexpr (CPG == 2) {  // the prefetching loop is built for items of 128 k only (groups of 128, 256, ...)
         if (prefetch)
           return warps == 4 ? launch<T, S, NT, CPG, 4, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,

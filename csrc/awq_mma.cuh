@@ -61,6 +61,62 @@ struct Traits<__half> {
   }
 };
 
+// Packed pairs of x's dtype (awq_wgmma.cu's dequantization, and this file's for groups of 32).
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+  }
+  // v rounded, twice: one cvt that packs the pair (F2FP, a full-rate ALU op; rounding to one half and shifting it over
+  // went through F2F on the slow conversion pipe, on the dequantization's critical path at every group start).
+  static __device__ __forceinline__ uint32_t splat(float v) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
+    return r;
+  }
+  static __device__ __forceinline__ float low(uint32_t pair) { return __uint_as_float(pair << 16); }
+};
+template <>
+struct Pair<__half> {
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+  }
+  static __device__ __forceinline__ uint32_t splat(float v) {
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
+    return r;
+  }
+  static __device__ __forceinline__ float low(uint32_t pair) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xFFFFu)));
+  }
+};
+
 // Quiet NaN bits of an fp16 / bf16 value.
 template <typename T>
 constexpr uint32_t kNaN16 = std::is_same<T, __half>::value ? 0x7E00u : 0x7FC0u;
@@ -184,6 +240,73 @@ __device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)
   }
 }
 
+// Groups of 32 rows (G32). A 64-k chunk c holds two groups, and lane t's 16 k of it (16 t .. 16 t + 15 in the
+// layout's k order) all lie in group 2 c + t / 2. The magic-number form above cannot split an MMA's sum over k between
+// two groups, so here each A register is dequantized as awq_wgmma.cu does: (magic + q) - (magic + z), exact, times the
+// scale rounded once to x's dtype (fp16 scales with bf16 x as s = hi + lo in bf16: fma(d, hi, d lo) is still one
+// rounding of the exact product), which is the reference's weight. The MMAs accumulate into acc directly: no sums of
+// x, no fold. lane_deq: a group's magic + z and scale of this lane's C rows 2 i + h (column 16 i + g + 8 h), as pairs.
+template <typename S>
+struct LaneDeq {
+  uint32_t zc[8], shi[8], slo[8];
+};
+
+template <typename T, typename S>
+__device__ __forceinline__ void lane_deq(LaneDeq<S>& d, const GroupVals<S>& v, int zshift) {
+  using Tr = Traits<T>;
+  using P = Pair<T>;
+  constexpr bool kSplit = !std::is_same<T, S>::value;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t z = and_or(v.z[k] >> zshift, 0xFu, Tr::kMagic2 & 0xFFFFu);
+    d.zc[k] = z | (z << 16);
+    const float sv = scale_f(v.s[k]);
+    d.shi[k] = P::splat(sv);
+    d.slo[k] = kSplit ? P::splat(sv - P::low(d.shi[k])) : 0u;
+  }
+}
+
+// One work item of CPG chunks with groups of 32: acc += x W for this lane's C fragments, W dequantized per register
+// (gv[c]: the values of this lane's group in chunk c).
+template <typename T, typename S, int NT, int CPG, typename XLoad>
+__device__ __forceinline__ void item_dq(float (&acc)[4][NT][4], const uint4 (&w)[CPG * 4],
+                                        const GroupVals<S> (&gv)[CPG], int zshift, XLoad&& xload) {
+  using Tr = Traits<T>;
+  using P = Pair<T>;
+  constexpr bool kSplit = !std::is_same<T, S>::value;
+#pragma unroll
+  for (int c = 0; c < CPG; ++c) {
+    LaneDeq<S> d;
+    lane_deq<T, S>(d, gv[c], zshift);
+    uint4 xv[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) xload(c, j, xv[j]);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t b0[NT], b1[NT];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        b0[j] = word(xv[j][s / 2], 2 * (s % 2));
+        b1[j] = word(xv[j][s / 2], 2 * (s % 2) + 1);
+      }
+      const uint4 ws = w[c * 4 + s];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t wv = word(ws, i);
+        uint32_t a[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // register r: nibbles r, r + 4, column 16 i + g + 8 (r & 1)
+          const int k = 2 * i + (r & 1);
+          const uint32_t dd = P::sub(and_or(wv >> (4 * r), 0x000F000Fu, Tr::kMagic2), d.zc[k]);
+          a[r] = kSplit ? P::fma(dd, d.shi[k], P::mul(dd, d.slo[k])) : P::mul(dd, d.shi[k]);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) Tr::mma(acc[i][j], a[0], a[1], a[2], a[3], b0[j], b1[j]);
+      }
+    }
+  }
+}
+
 template <int NT>
 __device__ __forceinline__ void zero_acc(float (&acc)[4][NT][4]) {
 #pragma unroll
@@ -212,13 +335,32 @@ struct ItemRegs {
 // to 16 rows: 112 blocks of 8 warps; 18432x7168: 288 of 4), DRAM ran at 36-58% of peak and half of every warp's
 // stall cycles waited on its own loads, since each item's loads went out only after the previous item's arithmetic.
 // Same arithmetic in the same order, same bits.
-template <typename T, typename S, int NT, int CPG, bool PF = false>
+// G32: groups of 32 rows (item_dq, the plain loop only; chunks_per_group unused).
+template <typename T, typename S, int NT, int CPG, bool PF = false, bool G32 = false>
 __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
                                            const S* __restrict__ sc, const uint32_t* __restrict__ qz,
                                            const uint4* __restrict__ xb, const int (&xoff)[NT], int N, int cb,
                                            int items, int first, int workers, int chunks_per_group, int g) {
   zero_acc(acc);
   const int zshift = awq_shift(g);
+  if constexpr (G32) {
+    static_assert(!PF, "groups of 32 run the plain loop");
+    const int half = (threadIdx.x >> 1) & 1;  // t / 2: which of a chunk's two groups this lane's k lie in
+    for (int item = first; item < items; item += workers) {
+      uint4 w[CPG * 4];
+#pragma unroll
+      for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
+      GroupVals<S> gv[CPG];
+#pragma unroll
+      for (int c = 0; c < CPG; ++c) load_group(gv[c], sc, qz, N, cb, 2 * (item * CPG + c) + half, g);
+      item_dq<T, S, NT, CPG>(acc, w, gv, zshift, [&](int c, int j, uint4(&v)[2]) {
+        const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
+        v[0] = __ldg(p);
+        v[1] = __ldg(p + 1);
+      });
+    }
+    return;
+  }
   const int items_per_group = chunks_per_group / CPG;
   const bool pow2 = (items_per_group & (items_per_group - 1)) == 0;  // groups of 64, 128, 256, ...: a shift
   const int group_shift = __ffs(items_per_group) - 1;

@@ -85,6 +85,7 @@ namespace awq_wgmma_detail {
 
 using awq_mma_detail::and_or;
 using awq_mma_detail::awq_shift;
+using awq_mma_detail::Pair;
 using awq_mma_detail::perm_elem;
 using awq_mma_detail::Traits;
 
@@ -142,62 +143,6 @@ struct Stage {
   static constexpr int kStages = BM == 256 ? 4 : kFit < kMaxStages ? kFit : kMaxStages;
   static constexpr int kSmem = kStages * kBytes + 1024;  // + room to align the dynamic base
   static_assert(kStages >= 3 && kStages <= kFit, "the ring needs the consumers' two stages and one ahead, and fits");
-};
-
-// Packed pairs of x's dtype.
-template <typename T>
-struct Pair;
-template <>
-struct Pair<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-  }
-  // v rounded, twice: one cvt that packs the pair (F2FP, a full-rate ALU op; rounding to one half and shifting it over
-  // went through F2F on the slow conversion pipe, on the dequantization's critical path at every group start).
-  static __device__ __forceinline__ uint32_t splat(float v) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
-    return r;
-  }
-  static __device__ __forceinline__ float low(uint32_t pair) { return __uint_as_float(pair << 16); }
-};
-template <>
-struct Pair<__half> {
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t splat(float v) {
-    uint32_t r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
-    return r;
-  }
-  static __device__ __forceinline__ float low(uint32_t pair) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xFFFFu)));
-  }
 };
 
 // The TW words of this lane's layout uint4 that this warpgroup's tile set tq uses (tq < 4 / TW).

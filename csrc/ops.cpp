@@ -248,7 +248,8 @@ int dtype_code(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 
 // Arguments of the dense mma-layout ops; returns the bias pointer (null without one). b keeps the bias alive.
 const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at::Tensor& qweight,
                             const at::Tensor& scales, const at::Tensor& qzeros, int64_t group_size,
-                            const c10::optional<at::Tensor>& bias, int64_t splits, int64_t item_chunks, at::Tensor& b) {
+                            const c10::optional<at::Tensor>& bias, int64_t splits, int64_t item_chunks, at::Tensor& b,
+                            bool allow_g32 = false) {
   TORCH_CHECK(x.is_cuda() && qweight.is_cuda() && scales.is_cuda() && qzeros.is_cuda(),
               op + "x, qweight, scales and qzeros must be CUDA tensors");
   check_mma_dtypes(op, x, scales);
@@ -257,12 +258,13 @@ const void* check_mma_dense(const std::string& op, const at::Tensor& x, const at
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2 && qzeros.dim() == 2,
               op + "x, qweight, scales and qzeros must be 2-D");
   TORCH_CHECK(item_chunks == 1 || item_chunks == 2, op + "item_chunks must be 1 or 2, got " + i2s(item_chunks));
-  TORCH_CHECK(group_size > 0 && group_size % (64 * item_chunks) == 0,
-              op + "group_size must be a multiple of 64 * item_chunks = " + i2s(64 * item_chunks) + ", got " +
-                  i2s(group_size));
+  TORCH_CHECK(group_size > 0 && (group_size % (64 * item_chunks) == 0 || (allow_g32 && group_size == 32 && item_chunks == 1)),
+              op + "group_size must be a multiple of 64 * item_chunks = " + i2s(64 * item_chunks) +
+                  (allow_g32 ? " (or 32 with item_chunks 1)" : "") + ", got " + i2s(group_size) + " with item_chunks " +
+                  i2s(item_chunks));
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
-  TORCH_CHECK(K % group_size == 0 && qweight.size(1) == K * 8,
-              op + "qweight must be [N / 64, K * 8] with K = " + i2s(K) + " a multiple of group_size, got " +
+  TORCH_CHECK(K % group_size == 0 && K % 64 == 0 && qweight.size(1) == K * 8,
+              op + "qweight must be [N / 64, K * 8] with K = " + i2s(K) + " a multiple of 64 and of group_size, got " +
                   shape_str(qweight.sizes()));
   TORCH_CHECK(scales.size(0) == K / group_size && scales.size(1) == N && qzeros.size(0) == K / group_size &&
                   qzeros.size(1) == N / 8,
@@ -307,6 +309,7 @@ const int32_t* check_perm(const std::string& op, const at::Tensor& x, const c10:
 // MMA fragment order qweight int32 [N / 64, K * 8] (torchforge.ops.awq_mma_layout), scales [K/G, N] (fp16, or bf16
 // with bf16 x) and qzeros int32 [K/G, N/8] in AWQ layout, optional bias [N] in x's dtype; returns out [M, N] in x's
 // dtype. Optional `tickets`: int32 zeros, at least ceil(M / 16) * N / 64 of them, used with K slices and left zero.
+// group_size: 32 (awq_mma.cuh, item_dq; item_chunks 1) or a multiple of 64 * item_chunks.
 // prefetch: the software-pipelined loop (awq_mma.cuh: accumulate with PF; items of 128 k only), same bits.
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
@@ -314,10 +317,11 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
                         int64_t warps, bool prefetch, const c10::optional<at::Tensor>& perm) {
   at::Tensor b;
   const void* bias_ptr =
-      check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b);
+      check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b, true);
   TORCH_CHECK(warps == 4 || warps == 8, "awq_mma_cuda: warps must be 4 or 8, got " + i2s(warps));
-  TORCH_CHECK(!prefetch || item_chunks == 2,
-              "awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got " + i2s(item_chunks));
+  TORCH_CHECK(!prefetch || (item_chunks == 2 && group_size != 32),
+              "awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k) and groups of 64 rows or more, got "
+              "item_chunks " + i2s(item_chunks) + ", group_size " + i2s(group_size));
   const int32_t* perm_ptr = check_perm("awq_mma_cuda: ", x, perm);
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   const c10::cuda::OptionalCUDAGuard guard(x.device());

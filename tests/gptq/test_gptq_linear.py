@@ -284,7 +284,7 @@ def test_mma_layout_same_numbers_and_gptq_exports():
 
 @pytest.mark.parametrize("act_order", [False, True])
 def test_awq_layout_where_the_mma_layout_does_not_fit(act_order):
-    """Group size 32 and OC = 96 (no multiples of 64): use_mma_layout() declines, use_awq_layout() re-packs into vLLM's
+    """OC = 96 (not a multiple of 64; group size 32): use_mma_layout() declines, use_awq_layout() re-packs into vLLM's
     AWQ layout (rows sorted by group for act-order, x permuted on each call). Same numbers as the GPTQ layout, and the
     checkpoint, gptq_tensors and dequantized weight stay those of the GPTQ layout; the model-level switch takes it."""
     import torchforge
@@ -372,9 +372,10 @@ def test_mma_layout_act_order():
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_cuda_awq_layout(m, act_order):
-    """Group size 32 on the GPU: the AWQ layout's w4a16_linear kernels, within bf16 tolerance of the fp64 product."""
-    qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 512, 32, seed=m, act_order=act_order)
-    mod = _module(qweight, scales, qzeros, g_idx, 1024, 512, 32).cuda()
+    """OC = 480 (not a multiple of 64) on the GPU: the AWQ layout's w4a16_linear kernels, within bf16 tolerance of the
+    fp64 product."""
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 480, 32, seed=m, act_order=act_order)
+    mod = _module(qweight, scales, qzeros, g_idx, 1024, 480, 32).cuda()
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     expected = x.double() @ mod.dequantized_weight(torch.float32).double().T
     assert not mod.use_mma_layout() and mod.use_awq_layout()

@@ -105,7 +105,8 @@ def test_mma_layout_runs_the_same_and_exports_awq():
     torch.testing.assert_close(fresh(x), model[0](x), rtol=0, atol=0)
     meta = ForgeAWQLinear(256, 128, group_size=128, device="meta")
     assert meta.use_mma_layout() and meta.qweight.shape == (2, 2048) and meta.qweight.is_meta
-    assert not ForgeAWQLinear(256, 128, group_size=32).use_mma_layout()  # the kernel folds groups of 64 or 128
+    assert ForgeAWQLinear(256, 128, group_size=32).use_mma_layout()  # groups of 32: dequantized per register
+    assert not ForgeAWQLinear(256, 128, group_size=16).use_mma_layout()  # a lane's 16 rows of a chunk span 2 groups
     # the decode kernel's ticket buffer: zeros, 8 row blocks x OC / 64, never in a checkpoint, zeros after to_empty
     tickets = model[0].mma_tickets
     assert tickets.dtype == torch.int32 and tickets.shape == (16,) and int(tickets.count_nonzero()) == 0

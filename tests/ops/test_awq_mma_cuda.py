@@ -40,6 +40,8 @@ def _check(out, x, qw, s, z, G, b=None):
     (1024, 128, 256, 2, 2, False),   # groups of 256: 4 (or 2) items per group
     (1152, 128, 192, 5, 2, False),   # groups of 192: 3 items per group, the group index by division
     (1024, 192, 128, 100, 1, True),  # 65-128 rows (MMA_CUDA_MAX_M): 7 row blocks, the last with 4 rows
+    (256, 128, 32, 3, 2, False),     # groups of 32 (dequantized per register): two per chunk
+    (2048, 192, 32, 17, 3, True),    # groups of 32, two row blocks, uneven slices
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -48,8 +50,8 @@ def _check(out, x, qw, s, z, G, b=None):
 def test_matches_dequantized_matmul(k, n, G, m, splits, sym, dtype, with_bias, item_chunks, warps):
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
 
-    if G % (64 * item_chunks):
-        pytest.skip("an item of 128 k must lie inside one group")
+    if G % (64 * item_chunks) and not (G == 32 and item_chunks == 1):
+        pytest.skip("an item of 128 k must lie inside one group; groups of 32 take items of 64 k")
     qw, mma, s, z = _case(k, n, G, sym, seed=k + n + m)
     x = torch.randn(m, k, device="cuda").to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if with_bias else None
@@ -130,11 +132,13 @@ def test_opcheck_and_errors():
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1, torch.zeros(8, dtype=torch.int32, device="cuda")))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 2, None, 4))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 1, 2, None, 8, True))
-    with pytest.raises(RuntimeError, match="prefetch needs item_chunks = 2 \\(items of 128 k\\), got 1"):
+    with pytest.raises(RuntimeError, match="prefetch needs item_chunks = 2 \\(items of 128 k\\) and groups of 64 rows or "
+                                           "more, got item_chunks 1, group_size 128"):
         op(x, mma, s, z, 128, None, 1, 1, None, 8, True)
     with pytest.raises(RuntimeError, match="warps must be 4 or 8, got 6"):
         op(x, mma, s, z, 128, None, 1, 1, None, 6)
-    with pytest.raises(RuntimeError, match="group_size must be a multiple of 64 \\* item_chunks = 128, got 64"):
+    with pytest.raises(RuntimeError, match="group_size must be a multiple of 64 \\* item_chunks = 128 \\(or 32 with "
+                                           "item_chunks 1\\), got 64 with item_chunks 2"):
         op(x, mma, s, z, 64, None, 1, 2)
     with pytest.raises(RuntimeError, match="item_chunks must be 1 or 2, got 4"):
         op(x, mma, s, z, 128, None, 1, 4)
@@ -264,3 +268,65 @@ def test_compile_and_cuda_graph():
     tickets = mma_tickets(1024, device="cuda")  # a module's kept buffer: K slices on 16 tiles
     check_compile_and_cuda_graph(lambda x: awq_mma_linear(x, mma, s, z, 128, b, tickets), x)
     assert int(tickets.count_nonzero()) == 0
+
+
+def _exact_case(k, n, x_dtype, scale_dtype, m=5, seed=0):
+    """Codes, zeros and scales in [0.01, 0.02) (scale_dtype) and x of small integers, so that every product of x and
+    the weight rounded to x's dtype, and every partial sum, is exact in fp32 (at most 22 significant bits): the output
+    is then the exact sum rounded once, whatever the order of the sum."""
+    from torchforge.ops.awq import awq_pack
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (k, n), dtype=torch.uint8, generator=g)
+    zeros = torch.randint(0, 16, (k // 32, n), dtype=torch.uint8, generator=g)
+    s = (0.01 + 0.01 * torch.rand(k // 32, n, generator=g)).to(scale_dtype)
+    qw, z = awq_pack(codes), awq_pack(zeros)
+    x = torch.randint(-2 if x_dtype == torch.bfloat16 else -1, 3 if x_dtype == torch.bfloat16 else 2, (m, k),
+                      generator=g).to(x_dtype)
+    return [t.cuda() for t in (qw, s, z, x)]
+
+
+@pytest.mark.parametrize("x_dtype,scale_dtype,k", [
+    (torch.bfloat16, torch.float16, 256),   # fp16 scales with bf16 x: s = hi + lo, one rounding of (q - z) s
+    (torch.bfloat16, torch.bfloat16, 256),
+    (torch.float16, torch.float16, 64),
+])
+@pytest.mark.parametrize("splits,warps", [(1, 8), (2, 4)])
+def test_groups_of_32_compute_with_the_reference_weight(x_dtype, scale_dtype, k, splits, warps):
+    """Groups of 32 (csrc/awq_mma.cuh, item_dq): each lane's half of a chunk takes its own group's scale and zero, and
+    the weight is (q - z) s rounded once to x's dtype, as awq_reference feeds its matmul. With exact sums (see
+    _exact_case) that gives the reference's output bit for bit."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+
+    qw, s, z, x = _exact_case(k, 128, x_dtype, scale_dtype, seed=k + splits)
+    w = dequant_independent(qw, s, z, 32).to(x_dtype)  # [OC, IC] rounded once from fp32 (exact there)
+    expected = (x.double() @ w.double().T).to(x_dtype)
+    out = launch_awq_mma_cuda(x, awq_to_mma_layout(qw), s, z, 32, splits=min(splits, k // 64), item_chunks=1,
+                              warps=warps, prefetch=False)
+    assert torch.equal(out, expected)
+
+
+def test_groups_of_32_dispatch_and_errors(monkeypatch):
+    """awq_mma_linear with groups of 32: the decode kernel up to 128 rows, dequantize + cuBLAS beyond (the Hopper
+    kernel takes groups of 64 rows or more); the op refuses what the kernel is not built for."""
+    import torchforge.ops.awq_mma as awq_mma
+    from torchforge.ops.awq_mma import awq_mma_linear
+
+    qw, mma, s, z = _case(1024, 512, 32, sym=False, seed=6)
+    calls = []
+    real = awq_mma.launch_awq_mma_cuda
+    monkeypatch.setattr(awq_mma, "launch_awq_mma_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for m in (1, 16, 128, 300):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        _check(awq_mma_linear(x, mma, s, z, 32), x, qw, s, z, 32)
+    assert calls == [1, 1, 1]
+    op = torch.ops.torchforge.awq_mma_cuda
+    x = torch.randn(2, 1024, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(op, (x, mma, s, z, 32, None, 2, 1))
+    with pytest.raises(RuntimeError, match="or 32 with item_chunks 1\\), got 32 with item_chunks 2"):
+        op(x, mma, s, z, 32, None, 1, 2)
+    with pytest.raises(RuntimeError, match="groups of 64 rows or more, got item_chunks 2, group_size 32"):
+        op(x, mma, s, z, 32, None, 1, 2, None, 8, True)
+    if hasattr(torch.ops.torchforge, "awq_wgmma_cuda") and torch.cuda.get_device_capability() == (9, 0):
+        with pytest.raises(RuntimeError, match="got 32 with item_chunks"):
+            torch.ops.torchforge.awq_wgmma_cuda(x.expand(64, -1).contiguous(), mma, s, z, 32, None, 1, 64, 0, 1)

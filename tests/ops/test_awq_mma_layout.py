@@ -125,7 +125,7 @@ def test_errors_name_the_tensor():
 
 
 @pytest.mark.skipif(not can_launch(torch.empty(0)), reason="needs triton (CUDA, or the interpreter on CPU)")
-@pytest.mark.parametrize("G", [64, 128])
+@pytest.mark.parametrize("G", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_dequantize_kernel_equals_the_awq_one(G, dtype):
     """The Triton dequantization of the mma layout (awq_mma_linear's large-M path) writes every element the AWQ
@@ -154,6 +154,7 @@ def test_cuda_config_follows_the_sweep():
     assert mma_cuda_config(64, 7168, 7168, 128) == (1, 2)   # 4 row blocks x 112
     assert mma_cuda_config(16, 4096, 1536, 128) == (4, 2)   # 24 tiles: 4 K slices
     assert mma_cuda_config(1, 4096, 576, 64) == (4, 1)      # groups of 64: items of one chunk
+    assert mma_cuda_config(1, 4096, 576, 32) == (4, 1)      # groups of 32 too (the kernel takes no other)
     assert mma_cuda_config(1, 128, 576, 128) == (1, 2)      # one item: one slice
 
 

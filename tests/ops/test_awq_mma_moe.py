@@ -94,6 +94,7 @@ def test_module_use_mma_layout_same_outputs_and_awq_exports():
     fresh.load_state_dict(state)
     assert torch.equal(fresh.gate_up_qweight, mod.gate_up_qweight) and torch.equal(fresh.down_qweight, mod.down_qweight)
     assert not ForgeAWQExperts(E, 96, 32, group_size=32).use_mma_layout()  # 96 and 32 are not multiples of 64
+    assert not ForgeAWQExperts(E, 128, 64, group_size=32).use_mma_layout()  # the grouped kernels: 64-row groups
 
 
 cuda = pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extension (csrc/) and a GPU")

@@ -85,7 +85,7 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
         if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
             return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias,
                                        tickets=tickets if ok else None, perm=perm)
-    if use_triton(x) and group_size % 64 == 0:  # with act_perm, W^T is written in x's feature order
+    if use_triton(x) and (group_size % 64 == 0 or group_size == 32):  # with act_perm, W^T in x's feature order
         w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype, act_perm)
         return matmul_bias(x, w_t, bias)
     if act_perm is not None:

@@ -135,14 +135,16 @@ def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, 
     if x.dim() == 0 or x.shape[-1] == 0 or qweight_mma.shape[0] == 0:
         return False
     m = x.numel() // x.shape[-1]
-    return 1 <= m <= MMA_CUDA_MAX_M and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
+    # groups of 32: the kernel dequantizes every register instead (csrc/awq_mma.cuh, item_dq)
+    return (1 <= m <= MMA_CUDA_MAX_M and (group_size % 64 == 0 or group_size == 32)
+            and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias))
 
 
 def _dense_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
               bias: Optional[Tensor]) -> bool:
     from torchforge.ops._ext import has_cuda_ext
 
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)  # (the group size: the callers)
             and _dense_shape_ok(x.numel(), x.shape[-1], qweight_mma.shape[0] * 64)
             and has_cuda_ext() and hasattr(torch.ops.torchforge, "awq_mma_cuda")
             and _scales_ok(x, scales)
@@ -250,6 +252,7 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
     return (torch.cuda.get_device_capability(x.device) == (9, 0)
             and wgmma_rows_ok(x.numel() // x.shape[-1], x.shape[-1], qweight_mma.shape[0] * 64,
                               _sm_count(x.device.index))
+            and group_size % 64 == 0  # (the stages hold one row of scales per 64-k chunk)
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32  # ops.cpp: the kernel's group by high multiply
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
             and _aligned16(scales, qzeros))  # bulk copies

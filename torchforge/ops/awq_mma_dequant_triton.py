@@ -1,7 +1,7 @@
 """Triton dequantization of the mma layout (`torchforge.ops.awq_mma_layout`) to W^T [IC, OC] in the activation
 dtype, for `awq_mma_linear` at large M (dequantize once, then cuBLAS), as `awq_dequant_triton` does for AWQ.
 
-One program per 64-k chunk of a 64-column block (inside one quantization group: groups of 64 or more rows). It
+One program per 64-k chunk of a 64-column block (inside one quantization group, or two groups of 32). It
 loads the chunk's 2 KB of words once, unpacks and permutes the nibbles in registers into its [64, 64] tile of W^T,
 and writes the tile row by row. On the H100 (2026-11-22, 18432x7168 / 7168x7168, bf16) that takes 0.119 / 0.047 ms,
 2.8 TB/s of words read plus W^T written. For comparison:
@@ -34,7 +34,10 @@ if HAS_TRITON:
         kk = tl.arange(0, 64)[:, None]
         cc = tl.arange(0, 64)[None, :]
         col = 64 * cb + cc
-        g = (64 * c) // GROUP_SIZE
+        if GROUP_SIZE < 64:  # groups of 32: two per chunk, a row's own (loads of [64, 64], from L1 but for 2 rows)
+            g = (64 * c + kk) // GROUP_SIZE
+        else:
+            g = (64 * c) // GROUP_SIZE
         s = tl.load(s_ptr + g * N + col).to(tl.float32)
         zw = tl.load(z_ptr + g * (N // 8) + col // 8)
         z = (zw >> ((((col % 8) // 2) + 4 * (col % 2)) * 4)) & 0xF
@@ -55,8 +58,8 @@ def launch_awq_mma_dequantize_t(qweight_mma: Tensor, scales: Tensor, qzeros: Ten
     x @ W^T needs no gathered x."""
     if not HAS_TRITON:
         raise RuntimeError("torchforge dequantize kernel needs triton")
-    if group_size % 64:
-        raise ValueError(f"launch_awq_mma_dequantize_t: group_size={group_size} must be a multiple of 64")
+    if group_size % 64 and group_size != 32:
+        raise ValueError(f"launch_awq_mma_dequantize_t: group_size={group_size} must be 32 or a multiple of 64")
     nb, k8 = qweight_mma.shape
     ic, oc = k8 // 8, nb * 64
     out = torch.empty((ic, oc), dtype=dtype, device=qweight_mma.device)

@@ -33,10 +33,11 @@ _TO_MMA = (0, 4, 6, 3, 5, 1, 8, 7, 2)
 _FROM_MMA = (0, 5, 8, 3, 1, 4, 2, 7, 6)
 
 
-def mma_layout_fits(ic: int, oc: int, group_size: int) -> bool:
-    """Whether a layer can run on the mma layout: 64-multiples, and groups of whole 64-row chunks (the CUDA kernel
-    applies scales and zero points per chunk)."""
-    return ic % 64 == 0 and oc % 64 == 0 and group_size % 64 == 0
+def mma_layout_fits(ic: int, oc: int, group_size: int, experts: bool = False) -> bool:
+    """Whether a layer can run on the mma layout: 64-multiples, and groups of whole 64-row chunks (the kernels apply
+    scales and zero points per chunk) or, for linear layers (not `experts`: the grouped MoE kernels do not), groups of
+    32 (lane t's 16 rows of a chunk, 16 t .. 16 t + 15, lie in one group of 32; csrc/awq_mma.cuh, item_dq)."""
+    return ic % 64 == 0 and oc % 64 == 0 and (group_size % 64 == 0 or (group_size == 32 and not experts))
 
 
 def check_mma_layout_shape(ic: int, oc: int, what: str) -> None:
