@@ -4,7 +4,7 @@
     python bench/moe_w4a16.py --gemv-sweep [--gemv-m 1,8]
 Baseline: transformers' DeepseekV3Experts in bf16 with `_experts_implementation = "grouped_mm"` (its
 fastest path; falls back to the default loop if this transformers lacks it), measured in the same run.
-Ours: ForgeAWQExperts (group 128) through awq_moe_gemm: the grouped GEMV (awq_moe_gemv_triton.py) when the
+Ours: ForgeAWQExperts (group 128, or --group-size) through awq_moe_gemm: the grouped GEMV (awq_moe_gemv_triton.py) when the
 routed rows are few relative to the experts (`use_moe_gemv`; the `path` column), else the expert-sorted
 Triton grouped GEMM. Times: eager medians (both sides launch from Python) and, where capture works,
 CUDA-graph medians. `floor` is the int4 bytes of the experts actually hit over the measured copy bandwidth.
@@ -160,6 +160,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,8,64,512")
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--group-size", type=int, default=128, help="AWQ group size of the experts (the mma columns need "
+                    "64 or more: smaller groups time the AWQ layout only)")
     ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs over tile configs (M = 1, 8, 64)")
     ap.add_argument("--gemv-sweep", action="store_true",
                     help="only time the grouped GEMV kernel's configs (and the grouped GEMM) on random AWQ experts")
@@ -199,21 +201,22 @@ def main() -> int:
     from torchforge.ops.awq_moe import use_moe_gemv
 
     E, H, I, K = args.experts, 7168, 2048, 8
+    G = args.group_size
     torch.manual_seed(0)
     # hf_deq: the same module on our dequantized weights, the accuracy oracle
     (hf, hf_deq), impl = deepseek_v3_hf_experts(E, H, I, K, copies=2)
     chunk = 16
     q = quantize_experts_chunked(
-        lambda n: ForgeAWQExperts(n, H, I, group_size=128, act_fn=hf.act_fn, device="cuda"), hf, chunk)
+        lambda n: ForgeAWQExperts(n, H, I, group_size=G, act_fn=hf.act_fn, device="cuda"), hf, chunk)
     with torch.no_grad():
         for i in range(0, E, chunk):  # chunked: the reference dequantizer's temporaries are large
             sl = slice(i, i + chunk)
             hf_deq.gate_up_proj.data[sl] = torchforge.ops.awq_dequantize(
-                q.gate_up_qweight[sl], q.gate_up_scales[sl].float(), q.gate_up_qzeros[sl], 128).bfloat16()
+                q.gate_up_qweight[sl], q.gate_up_scales[sl].float(), q.gate_up_qzeros[sl], G).bfloat16()
             hf_deq.down_proj.data[sl] = torchforge.ops.awq_dequantize(
-                q.down_qweight[sl], q.down_scales[sl].float(), q.down_qzeros[sl], 128).bfloat16()
+                q.down_qweight[sl], q.down_scales[sl].float(), q.down_qzeros[sl], G).bfloat16()
     torch.cuda.empty_cache()
-    per_expert_int4 = (H * 2 * I + I * H) // 2 + (H // 128 * 2 * I + I // 128 * H) * (2 + 0.5)
+    per_expert_int4 = (H * 2 * I + I * H) // 2 + (H // G * 2 * I + I // G * H) * (2 + 0.5)
     bw = copy_bandwidth_gbs(1 << 30)
     rows = []
 
@@ -255,8 +258,7 @@ def main() -> int:
     # the last columns time the grouped mma.sync kernel there too (MOE_WGMMA = False), in the same run.
     import torchforge.ops.awq_mma_cuda as mma_cuda
 
-    assert q.use_mma_layout()
-    for row, M in zip(rows, map(int, args.m.split(","))):
+    for row, M in zip(rows if q.use_mma_layout() else [], map(int, args.m.split(","))):
         torch.manual_seed(M)
         x, ids, w = routed_batch(M, H, E, K)
         with torch.no_grad():

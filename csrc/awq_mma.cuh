@@ -217,6 +217,23 @@ __device__ __forceinline__ void load_group(GroupVals<S>& v, const S* __restrict_
   }
 }
 
+// load_group with the 8 zero words (32 contiguous bytes) read as two 16-byte loads: qz 16-byte aligned (ops.cpp checks
+// it where the G32 kernels use this). A group's values are loaded per chunk there, twice as often as with groups of 64.
+template <typename S>
+__device__ __forceinline__ void load_group_z16(GroupVals<S>& v, const S* __restrict__ sc,
+                                               const uint32_t* __restrict__ qz, int N, int cb, int group, int g) {
+  const S* srow = sc + static_cast<size_t>(group) * N + cb * kCols + g;
+  const uint4* zrow = reinterpret_cast<const uint4*>(qz + static_cast<size_t>(group) * (N / 8) + cb * (kCols / 8));
+  const uint4 z0 = __ldg(zrow), z1 = __ldg(zrow + 1);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v.s[2 * i] = srow[16 * i];
+    v.s[2 * i + 1] = srow[16 * i + 8];
+    v.z[i] = word(z0, i);
+    v.z[4 + i] = word(z1, i);
+  }
+}
+
 // acc += s * (part - (magic + z) * xs) with the group's scales and zeros; C rows g (e < 2) and g + 8 (e >= 2) of
 // each column tile. Columns 64 cb + 16 i + g (+ 8) share their nibble position in the zero words
 // (zshift = awq_shift(g)), and magic + z = z | magic since z < 16 <= magic.
@@ -352,7 +369,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
       GroupVals<S> gv[CPG];
 #pragma unroll
-      for (int c = 0; c < CPG; ++c) load_group(gv[c], sc, qz, N, cb, 2 * (item * CPG + c) + half, g);
+      for (int c = 0; c < CPG; ++c) load_group_z16(gv[c], sc, qz, N, cb, 2 * (item * CPG + c) + half, g);
       item_dq<T, S, NT, CPG>(acc, w, gv, zshift, [&](int c, int j, uint4(&v)[2]) {
         const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
         v[0] = __ldg(p);

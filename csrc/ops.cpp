@@ -322,6 +322,8 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(!prefetch || (item_chunks == 2 && group_size != 32),
               "awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k) and groups of 64 rows or more, got "
               "item_chunks " + i2s(item_chunks) + ", group_size " + i2s(group_size));
+  TORCH_CHECK(group_size != 32 || aligned16(qzeros),
+              "awq_mma_cuda: with groups of 32, qzeros must be 16-byte aligned (its rows are read as 16-byte vectors)");
   const int32_t* perm_ptr = check_perm("awq_mma_cuda: ", x, perm);
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 64;
   const c10::cuda::OptionalCUDAGuard guard(x.device());

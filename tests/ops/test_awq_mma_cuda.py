@@ -325,8 +325,16 @@ def test_groups_of_32_dispatch_and_errors(monkeypatch):
     torch.library.opcheck(op, (x, mma, s, z, 32, None, 2, 1))
     with pytest.raises(RuntimeError, match="or 32 with item_chunks 1\\), got 32 with item_chunks 2"):
         op(x, mma, s, z, 32, None, 1, 2)
-    with pytest.raises(RuntimeError, match="groups of 64 rows or more, got item_chunks 2, group_size 32"):
-        op(x, mma, s, z, 32, None, 1, 2, None, 8, True)
+    with pytest.raises(RuntimeError, match="groups of 64 rows or more, got item_chunks 1, group_size 32"):
+        op(x, mma, s, z, 32, None, 1, 1, None, 8, True)
+    from torchforge.ops.awq_mma_cuda import mma_cuda_ok
+
+    shifted = torch.empty(z.numel() + 1, dtype=torch.int32, device="cuda")[1:].view(z.shape)  # 4 bytes in
+    shifted.copy_(z)
+    assert mma_cuda_ok(x, mma, s, z, 32, None) and not mma_cuda_ok(x, mma, s, shifted, 32, None)
+    torch.testing.assert_close(awq_mma_linear(x, mma, s, shifted, 32), awq_mma_linear(x, mma, s, z, 32))
+    with pytest.raises(RuntimeError, match="with groups of 32, qzeros must be 16-byte aligned"):
+        op(x, mma, s, shifted, 32, None, 1, 1)
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda") and torch.cuda.get_device_capability() == (9, 0):
         with pytest.raises(RuntimeError, match="got 32 with item_chunks"):
             torch.ops.torchforge.awq_wgmma_cuda(x.expand(64, -1).contiguous(), mma, s, z, 32, None, 1, 64, 0, 1)

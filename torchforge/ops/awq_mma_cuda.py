@@ -135,8 +135,9 @@ def mma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, 
     if x.dim() == 0 or x.shape[-1] == 0 or qweight_mma.shape[0] == 0:
         return False
     m = x.numel() // x.shape[-1]
-    # groups of 32: the kernel dequantizes every register instead (csrc/awq_mma.cuh, item_dq)
-    return (1 <= m <= MMA_CUDA_MAX_M and (group_size % 64 == 0 or group_size == 32)
+    # groups of 32: the kernel dequantizes every register instead (csrc/awq_mma.cuh, item_dq), zero words read as
+    # 16-byte vectors
+    return (1 <= m <= MMA_CUDA_MAX_M and (group_size % 64 == 0 or (group_size == 32 and _aligned16(qzeros)))
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias))
 
 

@@ -13,7 +13,8 @@ lane t then reads 16 consecutive elements of x per chunk, and fragment register 
 shift and one mask away. Scales and zero points keep their AWQ layout; the conversion is exact both ways, so
 checkpoints are written in vLLM's layout whatever a module runs with.
 
-Shape: int32 `[OC / 64, IC * 8]` (OC and IC multiples of 64), `[E, OC / 64, IC * 8]` for stacked experts.
+Shape: int32 `[OC / 64, IC * 8]` (OC and IC multiples of 64), `[E, OC / 64, IC * 8]` for stacked experts. Groups of
+32 fit too (linear layers): lane t's 16 rows of a chunk, 64 c + 16 t .. + 15, lie in group 2 c + t / 2.
 """
 from __future__ import annotations
 
