@@ -337,4 +337,5 @@ def test_groups_of_32_dispatch_and_errors(monkeypatch):
         op(x, mma, s, shifted, 32, None, 1, 1)
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda") and torch.cuda.get_device_capability() == (9, 0):
         with pytest.raises(RuntimeError, match="got 32 with item_chunks"):
-            torch.ops.torchforge.awq_wgmma_cuda(x.expand(64, -1).contiguous(), mma, s, z, 32, None, 1, 64, 0, 1)
+            torch.ops.torchforge.awq_wgmma_cuda(torch.randn(64, 1024, device="cuda", dtype=torch.float16), mma, s, z,
+                                                32, None, 1, 64, 4, 1)
