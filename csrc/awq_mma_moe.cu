@@ -18,8 +18,9 @@ namespace awq_mma_detail {
 // With shared_qw (and shared_sc, shared_qz: one expert's tensors) expert id E is a shared expert stored apart from
 // the E routed ones: the caller routes every token to it as one more pick, so it costs no launch of its own.
 // W warps per block, 4 or 8 as in awq_mma.cu: 16 warps per SM either way. launch_awq_mma_moe_cuda passes 4 (the
-// op's schema default is 8, what it ran before warps became an argument).
-template <typename T, typename S, int NT, int CPG, int W>
+// op's schema default is 8, what it ran before warps became an argument). G32: groups of 32 rows (awq_mma.cuh, item_dq;
+// items of one chunk).
+template <typename T, typename S, int NT, int CPG, int W, bool G32>
 __global__ void __launch_bounds__(32 * W, 16 / W)
     awq_mma_moe_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                        const uint32_t* __restrict__ qz, const uint4* __restrict__ shared_qw,
@@ -52,7 +53,7 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
   const int g = lane / 4, t = lane % 4;
   const int chunks = K / 64;
   const int items = chunks / CPG;
-  const size_t groups = static_cast<size_t>(K / (64 * chunks_per_group));
+  const size_t groups = static_cast<size_t>(G32 ? K / 32 : K / (64 * chunks_per_group));
   const size_t ex = shared ? 0 : static_cast<size_t>(e);
   const uint4* wbase = (shared ? shared_qw : qw) + (ex * (N / kCols) + cb) * chunks * 128 + lane;
   const S* sce = (shared ? shared_sc : sc) + ex * groups * N;
@@ -65,8 +66,8 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
     xoff[j] = (r >= 0 && r < R ? r / x_row_div : 0) * (K / 8);
   }
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG>(acc, wbase, sce, qze, xb, xoff, N, cb, items, slice * W + warp, splits * W,
-                         chunks_per_group, g);
+  accumulate<T, S, NT, CPG, false, G32>(acc, wbase, sce, qze, xb, xoff, N, cb, items, slice * W + warp, splits * W,
+                                     chunks_per_group, g);
   stash<NT>(red, acc, warp, g, t);
   __syncthreads();
   constexpr int kPer = NT * 8 * kCols / kBlockThreads;
@@ -83,13 +84,13 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
   }
 }
 
-template <typename T, typename S, int NT, int CPG, int W>
+template <typename T, typename S, int NT, int CPG, int W, bool G32>
 cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const int32_t* sqw,
                        const void* ssc, const int32_t* sqz, const int32_t* rows, const int32_t* block_expert,
                        float* partial, int R, int N, int K, int E, int B, int x_row_div, int group_size, int splits,
                        cudaStream_t stream) {
   const dim3 grid(B, N / kCols, splits);
-  return pdl::launch(awq_mma_moe_kernel<T, S, NT, CPG, W>, true, grid, dim3(32 * W), 0, stream,
+  return pdl::launch(awq_mma_moe_kernel<T, S, NT, CPG, W, G32>, true, grid, dim3(32 * W), 0, stream,
                      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), reinterpret_cast<const uint4*>(sqw),
                      static_cast<const S*>(ssc), reinterpret_cast<const uint32_t*>(sqz), rows, block_expert, partial, R,
@@ -99,7 +100,8 @@ cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const i
 }  // namespace awq_mma_detail
 
 // Grouped (MoE) launcher; dtype and scale_dtype as in awq_mma_launch. The caller has checked shapes and alignment;
-// block_rows (8 or 16) = sorted_rows.numel() / B; partial holds splits * R * N floats; warps 4 or 8 per block.
+// block_rows (8 or 16) = sorted_rows.numel() / B; partial holds splits * R * N floats; warps 4 or 8 per block; groups of
+// 32 with item_chunks 1 only (and qzeros 16-byte aligned), else group_size a multiple of 64 * item_chunks.
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
                                const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
@@ -121,7 +123,12 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
         return kernel_launch(x, qweight, scales, qzeros, shared_qweight, shared_scales, shared_qzeros, sorted_rows,
                              block_expert, partial, r, n, k, e, b, xd, g, s, stream);
       };
-      return warps == 4 ? go(launch_moe<T, S, NT, CPG, 4>) : go(launch_moe<T, S, NT, CPG, 8>);
+      if (g == 32) {
+        if constexpr (CPG == 1)
+          return warps == 4 ? go(launch_moe<T, S, NT, CPG, 4, true>) : go(launch_moe<T, S, NT, CPG, 8, true>);
+        return cudaErrorInvalidValue;
+      }
+      return warps == 4 ? go(launch_moe<T, S, NT, CPG, 4, false>) : go(launch_moe<T, S, NT, CPG, 8, false>);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;

@@ -440,8 +440,9 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   const int64_t num_rows = num_rows_sym.expect_int();
   TORCH_CHECK(warps == 4 || warps == 8, op + "warps must be 4 or 8, got " + i2s(warps));
   TORCH_CHECK(item_chunks == 1 || item_chunks == 2, op + "item_chunks must be 1 or 2, got " + i2s(item_chunks));
+  const bool g32 = group_size == 32 && item_chunks == 1;  // groups of 32: awq_mma.cuh, item_dq
   check_grouped(op, x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size,
-                64 * item_chunks, "64 * item_chunks = " + i2s(64 * item_chunks));
+                g32 ? 32 : 64 * item_chunks, "64 * item_chunks = " + i2s(64 * item_chunks) + " (or 32 with item_chunks 1)");
   const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64, B = block_expert.size(0);
   // direct mode: sorted_rows empty, block_expert = the expert id of each routed row (one row per block)
   const bool direct = sorted_rows.numel() == 0;
@@ -461,6 +462,8 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   TORCH_CHECK(aligned16(x) && aligned16(qweight), op + "x and qweight must be 16-byte aligned");
   const bool shared = check_shared_expert(op, x, qweight, scales, qzeros, shared_qweight, shared_scales,
                                           shared_qzeros, false);
+  TORCH_CHECK(!g32 || (aligned16(qzeros) && (!shared || aligned16(*shared_qzeros))),
+              op + "with groups of 32, qzeros (and shared_qzeros) must be 16-byte aligned (rows read as 16-byte vectors)");
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor partial = at::empty({splits, num_rows, N}, x.options().dtype(at::kFloat));
   if (num_rows == 0 || N == 0) return partial;

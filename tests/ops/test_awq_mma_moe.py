@@ -94,7 +94,7 @@ def test_module_use_mma_layout_same_outputs_and_awq_exports():
     fresh.load_state_dict(state)
     assert torch.equal(fresh.gate_up_qweight, mod.gate_up_qweight) and torch.equal(fresh.down_qweight, mod.down_qweight)
     assert not ForgeAWQExperts(E, 96, 32, group_size=32).use_mma_layout()  # 96 and 32 are not multiples of 64
-    assert not ForgeAWQExperts(E, 128, 64, group_size=32).use_mma_layout()  # the grouped kernels: 64-row groups
+    assert ForgeAWQExperts(E, 128, 64, group_size=32).use_mma_layout()  # groups of 32: dequantized per register
 
 
 cuda = pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extension (csrc/) and a GPU")
@@ -102,12 +102,18 @@ cuda = pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extensi
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("T,k,E,G", [(1, 8, 16, 128), (2, 4, 16, 64), (3, 8, 16, 64), (40, 8, 16, 128), (7, 1, 4, 128)])
+@pytest.mark.parametrize("T,k,E,G", [(1, 8, 16, 128), (2, 4, 16, 64), (3, 8, 16, 64), (40, 8, 16, 128), (7, 1, 4, 128),
+                                     (1, 8, 16, 32), (40, 8, 16, 32)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_grouped_kernel_matches_oracle(T, k, E, G, dtype):
+def test_cuda_grouped_kernel_matches_oracle(T, k, E, G, dtype, monkeypatch):
     """Decode (rows <= experts: one row per block, no sort) and prefill (sorted blocks of 16, several rows per
-    expert) shapes."""
+    expert) shapes; groups of 32 (each register dequantized) even where the grouped wgmma kernel is asked for (it
+    takes groups of 64 or more: the mma.sync kernel runs)."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
+
+    if G == 32:
+        monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
 
     gu, down = _experts(E, G, "cuda", seed=T * k)
     g = torch.Generator().manual_seed(T)

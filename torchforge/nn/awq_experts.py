@@ -141,7 +141,7 @@ class ForgeAWQExperts(nn.Module):
         if self.weight_layout == "mma":
             return True
         H, I, G = self.hidden_size, self.intermediate_size, self.group_size
-        if not (mma_layout_fits(H, 2 * I, G, experts=True) and mma_layout_fits(I, H, G, experts=True)):
+        if not (mma_layout_fits(H, 2 * I, G) and mma_layout_fits(I, H, G)):
             return False
         self.gate_up_qweight = awq_to_mma_layout(self.gate_up_qweight)
         self.down_qweight = awq_to_mma_layout(self.down_qweight)

@@ -290,8 +290,8 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
 
     # x.shape[-1] > 0: with K = 0 the launcher's K-slice rule has no items, which ops.cpp rejects (the reference
     # returns the empty sums)
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and group_size % 64 == 0 and has_cuda_ext()
-            and x.dim() > 0 and x.shape[-1] > 0
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and (group_size % 64 == 0 or group_size == 32)
+            and has_cuda_ext() and x.dim() > 0 and x.shape[-1] > 0
             and x.numel() < _MAX_X_NUMEL and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and _scales_ok(x, scales)
             and qweight_mma.device == x.device and _aligned16(qweight_mma)
             and (shared is None or (all(t.is_contiguous() for t in shared) and _aligned16(shared[0]))))
@@ -364,7 +364,7 @@ def wgmma_moe_ok(x: Tensor, rows: int, num_experts: int, scales: Tensor, qzeros:
     # comparisons only: under torch.compile `rows` may be a SymInt, which int() would pin to one token count (a
     # recompile per prefill length); a comparison is a guard with two outcomes
     busy = MOE_WGMMA is True or rows >= WGMMA_MOE_MIN_ROWS_PER_EXPERT * num_experts
-    return (busy and mma_moe_sorts(rows, num_experts)
+    return (busy and mma_moe_sorts(rows, num_experts) and group_size % 64 == 0  # (one row of scales per chunk)
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32 and _aligned16(scales, qzeros)
             and (shared is None or _aligned16(*shared)))
 
@@ -426,6 +426,10 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
             x_row_div, group_size, block, 2, *(shared or (None, None, None)), True)
     # K slices by the dense kernel's rule, on the (upper bound of the) number of row blocks
     item_chunks = 2 if group_size % 128 == 0 else 1
+    if group_size == 32:  # the kernel reads their zero words as 16-byte vectors (a copy only where not aligned)
+        qzeros = qzeros if _aligned16(qzeros) else qzeros.clone()
+        if shared is not None and not _aligned16(shared[2]):
+            shared = (shared[0], shared[1], shared[2].clone())
     tiles = block_expert.numel() * (n // 64)
     splits = 1 if tiles >= 96 else max(1, min(4, k // (64 * item_chunks)))
     if MOE_SPLITS is not None:

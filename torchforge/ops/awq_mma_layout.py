@@ -14,7 +14,7 @@ shift and one mask away. Scales and zero points keep their AWQ layout; the conve
 checkpoints are written in vLLM's layout whatever a module runs with.
 
 Shape: int32 `[OC / 64, IC * 8]` (OC and IC multiples of 64), `[E, OC / 64, IC * 8]` for stacked experts. Groups of
-32 fit too (linear layers): lane t's 16 rows of a chunk, 64 c + 16 t .. + 15, lie in group 2 c + t / 2.
+32 fit too: lane t's 16 rows of a chunk, 64 c + 16 t .. + 15, lie in group 2 c + t / 2.
 """
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ _TO_MMA = (0, 4, 6, 3, 5, 1, 8, 7, 2)
 _FROM_MMA = (0, 5, 8, 3, 1, 4, 2, 7, 6)
 
 
-def mma_layout_fits(ic: int, oc: int, group_size: int, experts: bool = False) -> bool:
+def mma_layout_fits(ic: int, oc: int, group_size: int) -> bool:
     """Whether a layer can run on the mma layout: 64-multiples, and groups of whole 64-row chunks (the kernels apply
-    scales and zero points per chunk) or, for linear layers (not `experts`: the grouped MoE kernels do not), groups of
-    32 (lane t's 16 rows of a chunk, 16 t .. 16 t + 15, lie in one group of 32; csrc/awq_mma.cuh, item_dq)."""
-    return ic % 64 == 0 and oc % 64 == 0 and (group_size % 64 == 0 or (group_size == 32 and not experts))
+    scales and zero points per chunk) or of 32 (lane t's 16 rows of a chunk, 16 t .. 16 t + 15, lie in one group of
+    32: the decode kernels dequantize each register, csrc/awq_mma.cuh item_dq; the Hopper kernels keep 64+)."""
+    return ic % 64 == 0 and oc % 64 == 0 and (group_size % 64 == 0 or group_size == 32)
 
 
 def check_mma_layout_shape(ic: int, oc: int, what: str) -> None:
