@@ -81,7 +81,6 @@ def main() -> int:
                     torchforge.use_mma_layout(torch.nn.Sequential(mod))
             torchforge.use_mma_layout(torch.nn.Sequential(mods["AWQ"]))
             w = mods["AWQ"].dequantized_weight(torch.bfloat16)
-            w = mods["AWQ"].dequantized_weight(torch.bfloat16)
             w64 = {"plain": mods["AWQ"].dequantized_weight().double(),  # fp32 is exact; act-order: other groups
                    "act": mods["act-order before"].dequantized_weight().double()}
             wbytes = sum(t.numel() * t.element_size() for t in weight_tensors(mods["AWQ"]))

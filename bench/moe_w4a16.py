@@ -161,7 +161,7 @@ def main() -> int:
     ap.add_argument("--m", default="1,8,64,512")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--group-size", type=int, default=128, help="AWQ group size of the experts (the mma columns need "
-                    "64 or more: smaller groups time the AWQ layout only)")
+                    "32 or a multiple of 64: group 16 times the AWQ layout only)")
     ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs over tile configs (M = 1, 8, 64)")
     ap.add_argument("--gemv-sweep", action="store_true",
                     help="only time the grouped GEMV kernel's configs (and the grouped GEMM) on random AWQ experts")

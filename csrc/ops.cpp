@@ -444,6 +444,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   check_grouped(op, x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size,
                 g32 ? 32 : 64 * item_chunks, "64 * item_chunks = " + i2s(64 * item_chunks) + " (or 32 with item_chunks 1)");
   const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64, B = block_expert.size(0);
+  TORCH_CHECK(K % 64 == 0, op + "K = " + i2s(K) + " must be a multiple of 64 (the layout's chunks)");
   // direct mode: sorted_rows empty, block_expert = the expert id of each routed row (one row per block)
   const bool direct = sorted_rows.numel() == 0;
   TORCH_CHECK(!direct || B == num_rows,

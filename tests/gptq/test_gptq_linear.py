@@ -318,6 +318,11 @@ def test_awq_layout_where_the_mma_layout_does_not_fit(act_order):
     kept = _module(qweight, scales, zeros16, g_idx, 256, 96, 32)
     assert not kept.use_awq_layout() and kept.weight_layout == "gptq"
     assert not ForgeGPTQLinear(256, 96, group_size=32, device="meta").use_awq_layout()
+    fits = _module(qweight[:, :64], scales[:, :64], qzeros[:, :8], g_idx, 256, 64, 32)  # OC = 64: the mma layout fits
+    before = fits(x)
+    assert fits.use_awq_layout() and fits.use_mma_layout() and fits.weight_layout == "mma"  # AWQ -> mma, exact
+    torch.testing.assert_close(fits(x), before, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(fits.gptq_tensors(), (qweight[:, :64], qzeros[:, :8])))
 
 
 def test_act_order_perm():
@@ -384,17 +389,18 @@ def test_cuda_awq_layout(m, act_order):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("G", [128, 32])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("m", [1, 16, 300])
-def test_cuda_mma_layout(m, act_order):
+def test_cuda_mma_layout(m, act_order, G):
     """On the GPU the mma layout runs csrc/awq_mma.cu (1..128 rows) or Triton dequantize + cuBLAS: same outputs as
     the GPTQ kernel within bf16 tolerance."""
     from torchforge.ops._ext import has_cuda_ext
 
     if not has_cuda_ext():
         pytest.skip("needs the compiled extension")
-    qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 512, 128, seed=m, act_order=act_order)
-    mod = _module(qweight, scales, qzeros, g_idx, 1024, 512, 128).cuda()
+    qweight, scales, qzeros, g_idx, _, _ = random_gptq(1024, 512, G, seed=m, act_order=act_order)
+    mod = _module(qweight, scales, qzeros, g_idx, 1024, 512, G).cuda()
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     expected = x.double() @ mod.dequantized_weight(torch.float32).double().T
     assert mod.use_mma_layout()

@@ -227,16 +227,18 @@ def test_cuda_out_of_range_expert_gives_nan_rows(rows, shared):
     assert torch.isfinite(part[:, [r for r in range(rows) if r not in (1, 3)]]).all()
 
 
-@pytest.mark.parametrize("device,T,k", [
-    ("cpu", 3, 3),
-    pytest.param("cuda", 2, 9, marks=[pytest.mark.cuda, cuda]),   # 18 routed rows > 8 experts: sorted
-    pytest.param("cuda", 1, 5, marks=[pytest.mark.cuda, cuda]),   # direct: one row per block
-    pytest.param("cuda", 40, 5, marks=[pytest.mark.cuda, cuda]),  # sorted blocks of 16
+@pytest.mark.parametrize("device,T,k,G", [
+    ("cpu", 3, 3, 64),
+    pytest.param("cuda", 2, 9, 64, marks=[pytest.mark.cuda, cuda]),   # 18 routed rows > 8 experts: sorted
+    pytest.param("cuda", 1, 5, 64, marks=[pytest.mark.cuda, cuda]),   # direct: one row per block
+    pytest.param("cuda", 40, 5, 64, marks=[pytest.mark.cuda, cuda]),  # sorted blocks of 16
+    pytest.param("cuda", 1, 5, 32, marks=[pytest.mark.cuda, cuda]),   # groups of 32 (item_dq), direct
+    pytest.param("cuda", 40, 5, 32, marks=[pytest.mark.cuda, cuda]),  # and sorted
 ])
-def test_grouped_shared_expert_equals_stacked(device, T, k):
+def test_grouped_shared_expert_equals_stacked(device, T, k, G):
     """A shared expert passed on its own (`shared=`, routed as expert id E) gives what the same expert stacked as row
     E of the experts gives, bit for bit: the kernel only reads its words from another address."""
-    E, G = 7, 64
+    E = 7
     gu, down = _experts(E + 1, G, device, seed=k)
     mgu, mdn = awq_to_mma_layout(gu[0]), awq_to_mma_layout(down[0])
     g = torch.Generator().manual_seed(T)
@@ -254,6 +256,13 @@ def test_grouped_shared_expert_equals_stacked(device, T, k):
     out = awq_mma_moe_down_combine(h, ids, w, dq.contiguous(), ds.contiguous(), dz.contiguous(), G,
                                    tuple(t.contiguous() for t in dn_shared))
     assert torch.equal(h, h_all) and torch.equal(out, out_all)
+    if G == 32:  # zero words the kernel would read misaligned (4 bytes in): copied first, same bits
+        def shifted(t):
+            u = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+            return u.copy_(t)
+        h2 = awq_mma_moe_gate_up_silu(x, ids, gq.contiguous(), gs.contiguous(), shifted(gz), G, k,
+                                      (gu_shared[0].contiguous(), gu_shared[1].contiguous(), shifted(gu_shared[2])))
+        assert torch.equal(h2, h)
     if device == "cpu":
         args = (gq.contiguous(), gs.contiguous(), gz.contiguous(), G)
         torch.library.opcheck(torch.ops.torchforge.awq_mma_moe_gate_up_silu,

@@ -137,7 +137,7 @@ class ForgeAWQExperts(nn.Module):
     @torch.no_grad()
     def use_mma_layout(self) -> bool:
         """Switch both projections to the mma layout (exact); False, and nothing changed, where a shape or the group
-        size does not fit it (hidden and intermediate sizes and the group size multiples of 64)."""
+        size does not fit it (hidden and intermediate sizes multiples of 64, the group size 32 or a multiple of 64)."""
         if self.weight_layout == "mma":
             return True
         H, I, G = self.hidden_size, self.intermediate_size, self.group_size

@@ -100,7 +100,7 @@ class ForgeAWQLinear(W4LinearMixin, nn.Module):
     @torch.no_grad()
     def use_mma_layout(self) -> bool:
         """Switch qweight to the mma layout (exact, in place of the AWQ words); False, and nothing changed, where
-        the shape or group size does not fit it (OC, IC and the group size multiples of 64). The CUDA kernel needs
+        the shape or group size does not fit it (OC and IC multiples of 64, the group size 32 or a multiple of 64). The CUDA kernel needs
         the compiled extension and reads fp16 scales (AWQ's own dtype), or bf16 ones with bf16 activations (after
         `model.to(torch.bfloat16)`); otherwise, and past 128 rows, a call dequantizes the weight and runs cuBLAS,
         except on Hopper, where 32-512 rows run the warpgroup-MMA kernel wherever its time model has it faster
@@ -144,8 +144,8 @@ def use_mma_layout(model: nn.Module, experts: bool = True, fused_moe: bool = Tru
     `fused_moe`, every `ForgeMoE` block that then qualifies also takes the fused decode path
     (`ForgeMoE.use_fused_decode`: shared expert inside the grouped expert kernels, DeepSeek-V3 routing in one
     kernel). Returns how many modules switched, fused blocks included. Exports are
-    unchanged (each module's own checkpoint layout). A `ForgeGPTQLinear` the mma layout does not fit (group size 32,
-    dims not multiples of 64) goes to vLLM's AWQ layout instead (`ForgeGPTQLinear.use_awq_layout`), and counts too."""
+    unchanged (each module's own checkpoint layout). A `ForgeGPTQLinear` the mma layout does not fit (dims not multiples
+    of 64, a group size of 16) goes to vLLM's AWQ layout instead (`ForgeGPTQLinear.use_awq_layout`), and counts too."""
     from torchforge.nn.awq_experts import ForgeAWQExperts
     from torchforge.nn.gptq_linear import ForgeGPTQLinear
     from torchforge.nn.moe import ForgeMoE

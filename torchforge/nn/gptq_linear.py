@@ -37,8 +37,8 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
     csrc/awq_mma.cu: qweight as AWQ codes in MMA fragment order [OC // 64, IC * 8] and qzeros as true zero points in
     AWQ order. With act-order the input rows are stored sorted by group (``act_perm``, a non-persistent int32 buffer,
     derived from ``g_idx`` when switching or loading: assign ``g_idx`` only through ``load_state_dict``) and each call
-    computes with ``x[..., act_perm]``. Where the mma layout does not fit (group size 32, OC or IC not multiples of
-    64), :meth:`use_awq_layout` re-packs the same way into vLLM's AWQ layout for ``w4a16_linear``'s kernels: the GPTQ
+    computes with ``x[..., act_perm]``. Where the mma layout does not fit (OC or IC not multiples of 64, or a group
+    size of 16), :meth:`use_awq_layout` re-packs the same way into vLLM's AWQ layout for ``w4a16_linear``'s kernels: the GPTQ
     layout's own kernel reads a scale and zero point per input row through ``g_idx`` and runs at 0.08-0.5x bf16
     (BENCHMARKS.md, twenty-ninth session). ``state_dict()``, :meth:`gptq_tensors` and the exporters still give the
     GPTQ layout, rows in their checkpoint order.
@@ -152,18 +152,23 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
     def use_mma_layout(self) -> bool:
         """Switch to the mma layout (exact); False, and nothing changed, for a stored zero point of 16 (GPTQ v1 can
         hold it, 4 bits cannot), an act-order ``g_idx`` whose groups are not all ``group_size`` rows, or a shape
-        that does not fit (OC, IC, group size multiples of 64). Act-order layers store their rows sorted by group
+        that does not fit (OC and IC multiples of 64, the group size 32 or a multiple of 64). A layer on the AWQ
+        layout (use_awq_layout) moves on to it where it fits. Act-order layers store their rows sorted by group
         and permute x on each call (``act_perm``)."""
         if self.weight_layout == "mma":
             return True
-        if self.weight_layout != "gptq" or not mma_layout_fits(self.in_features, self.out_features, self.group_size):
+        if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
             return False
+        if self.weight_layout == "awq":  # already AWQ words, rows sorted by group: only the fragment order changes
+            self.qweight, self.weight_layout = awq_to_mma_layout(self.qweight), "mma"
+            add_mma_tickets(self)
+            return True
         return self._switch_layout("mma")
 
     @torch.no_grad()
     def use_awq_layout(self) -> bool:
-        """Switch to vLLM's AWQ layout (exact), for layers the mma layout does not fit (a group size of 32, OC or IC
-        not multiples of 64): ``w4a16_linear``'s kernels read contiguous groups, one scale per group, where the GPTQ
+        """Switch to vLLM's AWQ layout (exact), for layers the mma layout does not fit (OC or IC not multiples of 64, a
+        group size of 16): ``w4a16_linear``'s kernels read contiguous groups, one scale per group, where the GPTQ
         kernel gathers a scale and zero point per input row. Act-order as on the mma layout (rows sorted by group,
         ``x[..., act_perm]`` on each call). False, and nothing changed, on the mma layout already, for a stored zero
         point of 16, act-order groups of unequal sizes, or on the meta device."""

@@ -251,9 +251,9 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
             and hasattr(torch.ops.torchforge, "awq_wgmma_cuda")):
         return False
     return (torch.cuda.get_device_capability(x.device) == (9, 0)
+            and group_size % 64 == 0  # (the stages hold one row of scales per 64-k chunk; first: see wgmma_rows_ok)
             and wgmma_rows_ok(x.numel() // x.shape[-1], x.shape[-1], qweight_mma.shape[0] * 64,
                               _sm_count(x.device.index))
-            and group_size % 64 == 0  # (the stages hold one row of scales per 64-k chunk)
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32  # ops.cpp: the kernel's group by high multiply
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
             and _aligned16(scales, qzeros))  # bulk copies
@@ -291,7 +291,7 @@ def mma_moe_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, group_size: 
     # x.shape[-1] > 0: with K = 0 the launcher's K-slice rule has no items, which ops.cpp rejects (the reference
     # returns the empty sums)
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and (group_size % 64 == 0 or group_size == 32)
-            and has_cuda_ext() and x.dim() > 0 and x.shape[-1] > 0
+            and has_cuda_ext() and x.dim() > 0 and x.shape[-1] > 0 and x.shape[-1] % 64 == 0
             and x.numel() < _MAX_X_NUMEL and hasattr(torch.ops.torchforge, "awq_mma_moe_cuda") and _scales_ok(x, scales)
             and qweight_mma.device == x.device and _aligned16(qweight_mma)
             and (shared is None or (all(t.is_contiguous() for t in shared) and _aligned16(shared[0]))))
