@@ -44,6 +44,9 @@
 //     fits) completing on the stage's mbarrier (cp.async.mbarrier.arrive.noinc). Same bits, but 1.5-3.7x slower at
 //     128-4096 rows: 128 threads at 24 registers moved a 32 KB tile in about 3x a chunk's time.
 //   - (64, 4) spills a little: 128 accumulators plus two 64-register A buffers. ptxas serializes its wgmmas (C7511).
+// * Groups of 32 (G32, warp-specialized kernels only): a chunk's stage holds both its groups' rows of scales and zero
+//   words, and lane t dequantizes with row t / 2 (its 16 k of the chunk lie in group 2 c + t / 2); the arithmetic is
+//   the same. The other kernels' SASS is unchanged by it (thirty-first session).
 // * K slices as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for every tile or
 //   only for those of a last, nearly empty round of blocks (dp_tiles, see launch), whose blocks come first in the grid.
 // * Stream-K (splits 0): one block per SM, each on an equal share of the (tile, pair of chunks) units, its producer running on
@@ -132,12 +135,15 @@ constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
 #define TORCHFORGE_WGMMA_ABLATE 0
 #endif
 constexpr int kAblate = TORCHFORGE_WGMMA_ABLATE;
-template <int BM>
+// G32: groups of 32 rows, two per chunk (lane t's 16 k of a chunk lie in group 2 c + t / 2): the stage holds both
+// rows of scales and of zero words, each lane reads its own (awq_mma.cuh, item_dq has the dense decode form).
+template <int BM, bool G32 = false>
 struct Stage {
+  static constexpr int kRowsSZ = G32 ? 2 : 1;
   static constexpr int kX = BM * 128;   // BM rows x 64 k of x
   static constexpr int kW = 4 * 128 * 16;  // 4 column blocks x 4 k-steps x 32 lanes x uint4
-  static constexpr int kS = kBlockCols * 2;  // scales of the chunk's group
-  static constexpr int kZ = kBlockCols / 8 * 4;  // zero words
+  static constexpr int kS = kRowsSZ * kBlockCols * 2;  // scales of the chunk's group (groups)
+  static constexpr int kZ = kRowsSZ * kBlockCols / 8 * 4;  // zero words
   static constexpr int kBytes = (kX + kW + kS + kZ + 1023) / 1024 * 1024;  // x stays 1024-byte aligned
   static constexpr int kFit = (kMaxSmem - 1024 - kStaticSmem) / kBytes;
   static constexpr int kStages = BM == 256 ? 4 : kFit < kMaxStages ? kFit : kMaxStages;
@@ -188,7 +194,7 @@ struct Grouped {
   int E;
 };
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool G32 = false>
 __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0), (kMinBlocks<BM, TW>))
     awq_wgmma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
@@ -196,7 +202,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
                      int chunks_per_group, int splits, int group_m, int sliced_tiles, int whole_tiles,
                      Grouped<S> gp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using St = Stage<BM>;
+  using St = Stage<BM, G32>;
   constexpr int kStages = St::kStages;
   using P = Pair<T>;
   using Tr = Traits<T>;
@@ -304,7 +310,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     tl.valid_cbs = min(4, nblocks - 4 * tl.cbg);
     tl.s_bytes = min(kBlockCols, N - tl.n0) * static_cast<uint32_t>(sizeof(S));
     tl.z_bytes = min(kBlockCols, N - tl.n0) / 8 * 4u;
-    tl.stage_bytes = St::kX + tl.valid_cbs * 2048u + tl.s_bytes + tl.z_bytes;
+    tl.stage_bytes = St::kX + tl.valid_cbs * 2048u + St::kRowsSZ * (tl.s_bytes + tl.z_bytes);
     tl.x_tiles = x + static_cast<size_t>(mb) * chunks * (BM * 64);
     tl.qw = qw, tl.sc = sc, tl.qz = qz, tl.expert = 0;
     if constexpr (GROUPED) {  // this tile's expert: its weights, or the shared expert's
@@ -314,8 +320,9 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
         tl.qw = gp.shared_qw, tl.sc = gp.shared_sc, tl.qz = gp.shared_qz;
       } else if (e >= 0 && e < gp.E) {
         tl.qw = qw + static_cast<size_t>(e) * (N / 64) * (K / 64) * 128;
-        tl.sc = sc + static_cast<size_t>(e) * (K / 64 / chunks_per_group) * N;
-        tl.qz = qz + static_cast<size_t>(e) * (K / 64 / chunks_per_group) * (N / 8);
+        const int groups = G32 ? K / 32 : K / 64 / chunks_per_group;
+        tl.sc = sc + static_cast<size_t>(e) * groups * N;
+        tl.qz = qz + static_cast<size_t>(e) * groups * (N / 8);
       }
     }
     return tl;
@@ -332,7 +339,9 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       const int n = min(first.c_end - first.c_begin, 2 * kStages);
       for (int i = 0; i < tl.valid_cbs; ++i)
         pdl::prefetch_l2(tl.qw + (static_cast<size_t>(4 * tl.cbg + i) * chunks + first.c_begin) * 128, n * 2048u);
-      for (int gi = first.c_begin / chunks_per_group; gi <= (first.c_begin + n - 1) / chunks_per_group; ++gi) {
+      const int g_first = G32 ? 2 * first.c_begin : first.c_begin / chunks_per_group;
+      const int g_last = G32 ? 2 * (first.c_begin + n) - 1 : (first.c_begin + n - 1) / chunks_per_group;
+      for (int gi = g_first; gi <= g_last; ++gi) {
         pdl::prefetch_l2(tl.sc + static_cast<size_t>(gi) * N + tl.n0, tl.s_bytes);
         pdl::prefetch_l2(tl.qz + static_cast<size_t>(gi) * (N / 8) + tl.n0 / 8, tl.z_bytes);
       }
@@ -354,7 +363,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   // 2^32, which ops.cpp checks ((K / 64) (group_size / 64) < 2^32). ncu (ninth session) had the loop's two runtime
   // divisions per chunk, MUFU.RCP sequences, among its busiest instructions.
   const uint32_t group_mul =
-      chunks_per_group > 1 ? static_cast<uint32_t>((0x100000000ull + chunks_per_group - 1) / chunks_per_group) : 0u;
+      !G32 && chunks_per_group > 1 ? static_cast<uint32_t>((0x100000000ull + chunks_per_group - 1) / chunks_per_group) : 0u;
   auto group_of = [&](int c) {
     return chunks_per_group > 1 ? static_cast<int>(__umulhi(static_cast<uint32_t>(c), group_mul)) : c;
   };
@@ -370,10 +379,14 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     for (int i = 0; kCopyW && i < tl.valid_cbs; ++i)
       ptx::bulk_copy(base + St::kX + i * 2048, tl.qw + (static_cast<size_t>(4 * tl.cbg + i) * chunks + c) * 128, 2048,
                      bar);
-    const int group = group_of(c);
-    ptx::bulk_copy(base + St::kX + St::kW, tl.sc + static_cast<size_t>(group) * N + tl.n0, tl.s_bytes, bar);
-    ptx::bulk_copy(base + St::kX + St::kW + St::kS, tl.qz + static_cast<size_t>(group) * (N / 8) + tl.n0 / 8,
-                   tl.z_bytes, bar);
+    const int group = G32 ? 2 * c : group_of(c);
+#pragma unroll
+    for (int r = 0; r < St::kRowsSZ; ++r) {  // (G32: groups 2 c and 2 c + 1)
+      ptx::bulk_copy(base + St::kX + St::kW + r * kBlockCols * 2, tl.sc + static_cast<size_t>(group + r) * N + tl.n0,
+                     tl.s_bytes, bar);
+      ptx::bulk_copy(base + St::kX + St::kW + St::kS + r * kBlockCols / 2,
+                     tl.qz + static_cast<size_t>(group + r) * (N / 8) + tl.n0 / 8, tl.z_bytes, bar);
+    }
   };
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) ptx::mbar_init(bar_base + i * 8, 1);
@@ -442,9 +455,10 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       const uint8_t* wsm = stage + St::kX + (warp * 128 + lane) * 16;
 #pragma unroll
       for (int k = 0; k < 4; ++k) lds_words<TW>(wr[k], wsm + k * 32 * 16, tl.tq);
-      if (c == s.c_begin || group_of(c) * chunks_per_group == c) {
-        const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW);
-        const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS);
+      if (G32 || c == s.c_begin || group_of(c) * chunks_per_group == c) {
+        const int row = G32 ? t >> 1 : 0;  // G32: this lane's group of the chunk's two
+        const S* ss = reinterpret_cast<const S*>(stage + St::kX + St::kW) + row * kBlockCols;
+        const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + St::kX + St::kW + St::kS) + row * (kBlockCols / 8);
 #pragma unroll
         for (int i = 0; i < TW; ++i) {
 #pragma unroll
@@ -699,13 +713,13 @@ __global__ void x_image_perm_kernel(const T* __restrict__ x, T* __restrict__ img
   }
 }
 
-template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false>
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool G32 = false>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1,
                    const int32_t* perm = nullptr) {
-  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK>;
-  constexpr int smem = Stage<BM>::kSmem;
+  auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK, G32>;
+  constexpr int smem = Stage<BM, G32>::kSmem;
   static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
   int dev = 0;
   cudaGetDevice(&dev);
@@ -747,13 +761,13 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
 // with a producer warpgroup starts at 168 registers (384 x 168 = 128 x 24 + 256 x 240), as ptxas builds it today.
 // A build that started lower would hang in setmaxnreg.inc; it runs the kernel without WS instead (the same bits).
-template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false>
+template <typename T, typename S, int BM, int TW, bool GROUPED = false, bool SK = false, bool G32 = false>
 bool producer_pool_ok() {
   if constexpr (kGroups<BM, TW> == 1) return true;  // a producer warp: no setmaxnreg
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
-    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK>) == cudaSuccess
+    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK, G32>) == cudaSuccess
                ? attr.numRegs
                : 0;
   }
@@ -801,6 +815,17 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
     using S = decltype(sv);
     auto run = [&](auto bm, auto tw) {
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
+      if (gs == 32) {  // groups of 32: built for the warp-specialized kernel only (whole tiles, K slices, stream-K)
+        if (!producer_warp) return cudaErrorInvalidValue;
+        if (s == 0 && k / 64 % 2 == 0 && producer_pool_ok<T, S, BM, TW, false, true, true>())
+          return launch<T, S, BM, TW, true, false, true, true>(x, x_image, qweight, scales, qzeros, bias, out,
+                                                               partial, tickets, m, n, k, gs, 0, gm, dp, stream, {}, 1,
+                                                               perm);
+        if (!producer_pool_ok<T, S, BM, TW, false, false, true>()) return cudaErrorInvalidValue;
+        return launch<T, S, BM, TW, true, false, false, true>(x, x_image, qweight, scales, qzeros, bias, out, partial,
+                                                              tickets, m, n, k, gs, s == 0 ? 1 : s, gm,
+                                                              s == 0 ? 0 : dp, stream, {}, 1, perm);
+      }
       // Stream-K needs the producer and whole pairs of chunks (see the kernel); otherwise splits 0 runs whole tiles
       // (the dispatch's config must not turn into an error; ops.cpp refuses splits 0 without producer_warp itself).
       if (s == 0 && k / 64 % 2 == 0 && producer_warp && producer_pool_ok<T, S, BM, TW, false, true>())
@@ -846,6 +871,12 @@ cudaError_t awq_wgmma_moe_launch(int dtype, int scale_dtype, const void* x, void
     auto run = [&](auto bm, auto tw) {
       constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
       // group_m 8: the row blocks of one expert, adjacent in the sort, run together on the same columns
+      if (gs == 32) {  // groups of 32: the warp-specialized kernel only
+        if (!(producer_warp && producer_pool_ok<T, S, BM, TW, true, false, true>())) return cudaErrorInvalidValue;
+        return launch<T, S, BM, TW, true, true, false, true>(x, x_image, qweight, scales, qzeros, nullptr, nullptr,
+                                                             partial, nullptr, m, n, k, gs, 1, 8, 0, stream, gp,
+                                                             static_cast<int>(x_row_div));
+      }
       if (producer_warp && producer_pool_ok<T, S, BM, TW, true>())
         return launch<T, S, BM, TW, true, true>(x, x_image, qweight, scales, qzeros, nullptr, nullptr, partial,
                                                 nullptr, m, n, k, gs, 1, 8, 0, stream, gp,

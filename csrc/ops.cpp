@@ -499,7 +499,8 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
   TORCH_CHECK(splits >= 0, op + "splits must be 0 (stream-K) or in [1, K / 64], got " + i2s(splits));
   // splits == 0: stream-K (the kernel's own check of the rest is that of splits == 1)
   const void* bias_ptr = check_mma_dense(op, x, qweight, scales, qzeros, group_size, bias, splits == 0 ? 1 : splits,
-                                         1, b);
+                                         1, b, true);
+  TORCH_CHECK(group_size != 32 || producer_warp, op + "groups of 32 run the warp-specialized kernel: producer_warp=True");
   TORCH_CHECK(splits > 0 || producer_warp, op + "splits == 0 (stream-K) needs producer_warp=True");
   TORCH_CHECK((block_m == 64 && (tile_set == 4 || tile_set == 2)) || (block_m == 128 && tile_set == 2) ||
                   ((block_m == 192 || block_m == 256) && tile_set == 1),
@@ -580,9 +581,11 @@ at::Tensor awq_wgmma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, co
   const int64_t num_rows = num_rows_sym.expect_int();
   TORCH_CHECK((block_m == 64 || block_m == 128) && tile_set == 2,
               op + "(block_m, tile_set) must be (64, 2) or (128, 2), got (" + i2s(block_m) + ", " + i2s(tile_set) + ")");
-  check_grouped(op, x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, 64, "64");
+  check_grouped(op, x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size,
+                group_size == 32 ? 32 : 64, "64 (or 32)");
   const int64_t K = x.size(1), E = qweight.size(0), N = qweight.size(1) * 64, B = block_expert.size(0);
-  TORCH_CHECK(K > 0, op + "K must be positive (x [X, K]), got K = 0");
+  TORCH_CHECK(K > 0 && K % 64 == 0, op + "K must be a positive multiple of 64 (x [X, K]), got K = " + i2s(K));
+  TORCH_CHECK(group_size != 32 || producer_warp, op + "groups of 32 run the warp-specialized kernel: producer_warp=True");
   TORCH_CHECK(sorted_rows.numel() == B * block_m,
               op + "sorted_rows must hold B * block_m = " + i2s(B) + " * " + i2s(block_m) + " rows (moe_align with "
                    "block_m), got " + i2s(sorted_rows.numel()));

@@ -107,8 +107,8 @@ cuda = pytest.mark.skipif(not has_cuda_ext(), reason="needs the compiled extensi
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_grouped_kernel_matches_oracle(T, k, E, G, dtype, monkeypatch):
     """Decode (rows <= experts: one row per block, no sort) and prefill (sorted blocks of 16, several rows per
-    expert) shapes; groups of 32 (each register dequantized) even where the grouped wgmma kernel is asked for (it
-    takes groups of 64 or more: the mma.sync kernel runs)."""
+    expert) shapes; groups of 32 (each register dequantized), with the grouped wgmma kernel asked for where the rows
+    are sorted."""
     import torchforge.ops.awq_mma_cuda as mma_cuda
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
 

@@ -29,7 +29,8 @@ def _case(k, n, G, sym=True, seed=0):
 
 
 def _run(x, mma, s, z, G, b=None, shape=(128, 2), splits=1, group_m=8):
-    return torch.ops.torchforge.awq_wgmma_cuda(x, mma, s, z, G, b, splits, shape[0], shape[1], group_m)
+    # groups of 32 run the warp-specialized kernel only (producer_warp)
+    return torch.ops.torchforge.awq_wgmma_cuda(x, mma, s, z, G, b, splits, shape[0], shape[1], group_m, G == 32)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -56,10 +57,12 @@ def test_perm_reads_x_through_it(shape, splits, ws, m, k):
 @pytest.mark.parametrize("dtype,scale_dtype", [(torch.bfloat16, torch.float16), (torch.bfloat16, torch.bfloat16),
                                                (torch.float16, torch.float16)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_one_hot_rows_give_the_weights_bit_exact(shape, dtype, scale_dtype, splits):
+@pytest.mark.parametrize("G", [128, 32])
+def test_one_hot_rows_give_the_weights_bit_exact(shape, dtype, scale_dtype, splits, G):
     """Row m of x = e_{k_m}: out[m] is column k_m of the weight, (q - z) s rounded once to x's dtype (the reference's
-    weight), whatever the k order in shared memory, the column mapping of the warps, the scale split or the slices."""
-    k, n, G = 768, 640, 128  # 640 columns: the last block of 256 has 2 of its 4 column blocks
+    weight), whatever the k order in shared memory, the column mapping of the warps, the scale split or the slices;
+    with groups of 32, whichever of a chunk's two rows of scales each lane takes."""
+    k, n = 768, 640  # 640 columns: the last block of 256 has 2 of its 4 column blocks
     qw, mma, s, z = _case(k, n, G, sym=False, seed=1)
     s = s.to(scale_dtype)
     w = dequant_independent(qw, s, z, G)  # fp32 [n, k]: exact products
@@ -81,6 +84,8 @@ def test_one_hot_rows_give_the_weights_bit_exact(shape, dtype, scale_dtype, spli
     (1152, 128, 192, 17, 3, False),  # groups of 192: slices start inside a group
     (7168, 512, 128, 200, 7, True),  # DeepSeek-V3 width, uneven slices
     (1024, 128, 256, 257, 1, False),
+    (1024, 256, 32, 70, 1, False),   # groups of 32: two rows of scales per chunk
+    (2048, 192, 32, 130, 3, True),
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -342,12 +347,13 @@ def test_contiguous_but_misaligned_x_is_copied(m):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("blocks", [0, 5, 37, 10_000])
-def test_stream_k_one_hot_rows_give_the_weights_bit_exact(shape, blocks):
+@pytest.mark.parametrize("G", [128, 32])
+def test_stream_k_one_hot_rows_give_the_weights_bit_exact(shape, blocks, G):
     """Stream-K (splits 0): the blocks share the tiles' pairs of chunks evenly (0: one block per SM; 5: each runs the
     tail of one tile, whole tiles and the head of another; 10 000, capped at one block per pair: every tile in
     two-chunk parts). Each output of one-hot rows is a single weight, however its tile was cut: the bits of the weight, so a
     part that is lost, added twice or written to another tile's place shows."""
-    k, n, G = 768, 640, 128
+    k, n = 768, 640
     qw, mma, s, z = _case(k, n, G, sym=False, seed=21)
     w = dequant_independent(qw, s, z, G)
     torch.manual_seed(22)

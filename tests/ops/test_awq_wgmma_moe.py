@@ -35,7 +35,7 @@ def _ids(T, k, E, seed):
     return ids.cuda(), torch.rand(T, k, generator=g).cuda()
 
 
-@pytest.mark.parametrize("T,k,E,G", [(200, 2, 4, 128), (96, 8, 16, 64), (33, 4, 3, 128)])
+@pytest.mark.parametrize("T,k,E,G", [(200, 2, 4, 128), (96, 8, 16, 64), (33, 4, 3, 128), (96, 8, 16, 32)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_matches_oracle_and_the_mma_kernel(T, k, E, G, dtype, block_m, monkeypatch):

@@ -251,7 +251,7 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
             and hasattr(torch.ops.torchforge, "awq_wgmma_cuda")):
         return False
     return (torch.cuda.get_device_capability(x.device) == (9, 0)
-            and group_size % 64 == 0  # (the stages hold one row of scales per 64-k chunk; first: see wgmma_rows_ok)
+            and (group_size % 64 == 0 or group_size == 32)  # (before wgmma_rows_ok, which pins a traced row count)
             and wgmma_rows_ok(x.numel() // x.shape[-1], x.shape[-1], qweight_mma.shape[0] * 64,
                               _sm_count(x.device.index))
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32  # ops.cpp: the kernel's group by high multiply
@@ -364,7 +364,7 @@ def wgmma_moe_ok(x: Tensor, rows: int, num_experts: int, scales: Tensor, qzeros:
     # comparisons only: under torch.compile `rows` may be a SymInt, which int() would pin to one token count (a
     # recompile per prefill length); a comparison is a guard with two outcomes
     busy = MOE_WGMMA is True or rows >= WGMMA_MOE_MIN_ROWS_PER_EXPERT * num_experts
-    return (busy and mma_moe_sorts(rows, num_experts) and group_size % 64 == 0  # (one row of scales per chunk)
+    return (busy and mma_moe_sorts(rows, num_experts) and (group_size % 64 == 0 or group_size == 32)
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32 and _aligned16(scales, qzeros)
             and (shared is None or _aligned16(*shared)))
 

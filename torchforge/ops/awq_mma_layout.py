@@ -37,7 +37,8 @@ _FROM_MMA = (0, 5, 8, 3, 1, 4, 2, 7, 6)
 def mma_layout_fits(ic: int, oc: int, group_size: int) -> bool:
     """Whether a layer can run on the mma layout: 64-multiples, and groups of whole 64-row chunks (the kernels apply
     scales and zero points per chunk) or of 32 (lane t's 16 rows of a chunk, 16 t .. 16 t + 15, lie in one group of
-    32: the decode kernels dequantize each register, csrc/awq_mma.cuh item_dq; the Hopper kernels keep 64+)."""
+    32: the decode kernels dequantize each register, csrc/awq_mma.cuh item_dq; the Hopper kernels, which do that
+    anyway, read two rows of scales per chunk)."""
     return ic % 64 == 0 and oc % 64 == 0 and (group_size % 64 == 0 or group_size == 32)
 
 
