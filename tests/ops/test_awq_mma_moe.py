@@ -235,7 +235,7 @@ def test_cuda_out_of_range_expert_gives_nan_rows(rows, shared):
     pytest.param("cuda", 1, 5, 32, marks=[pytest.mark.cuda, cuda]),   # groups of 32 (item_dq), direct
     pytest.param("cuda", 40, 5, 32, marks=[pytest.mark.cuda, cuda]),  # and sorted
 ])
-def test_grouped_shared_expert_equals_stacked(device, T, k, G):
+def test_grouped_shared_expert_equals_stacked(device, T, k, G, monkeypatch):
     """A shared expert passed on its own (`shared=`, routed as expert id E) gives what the same expert stacked as row
     E of the experts gives, bit for bit: the kernel only reads its words from another address."""
     E = 7
@@ -256,13 +256,18 @@ def test_grouped_shared_expert_equals_stacked(device, T, k, G):
     out = awq_mma_moe_down_combine(h, ids, w, dq.contiguous(), ds.contiguous(), dz.contiguous(), G,
                                    tuple(t.contiguous() for t in dn_shared))
     assert torch.equal(h, h_all) and torch.equal(out, out_all)
-    if G == 32:  # zero words the kernel would read misaligned (4 bytes in): copied first, same bits
+    if G == 32:  # zero words the mma.sync kernel would read misaligned (4 bytes in): copied first, same bits
+        import torchforge.ops.awq_mma_cuda as mma_cuda
+
         def shifted(t):
             u = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
             return u.copy_(t)
+        monkeypatch.setattr(mma_cuda, "MOE_WGMMA", False)  # (the grouped wgmma kernel needs aligned ones: not taken)
+        shared_gu = tuple(t.contiguous() for t in gu_shared)
+        h1 = awq_mma_moe_gate_up_silu(x, ids, gq.contiguous(), gs.contiguous(), gz.contiguous(), G, k, shared_gu)
         h2 = awq_mma_moe_gate_up_silu(x, ids, gq.contiguous(), gs.contiguous(), shifted(gz), G, k,
-                                      (gu_shared[0].contiguous(), gu_shared[1].contiguous(), shifted(gu_shared[2])))
-        assert torch.equal(h2, h)
+                                      (*shared_gu[:2], shifted(gu_shared[2])))
+        assert torch.equal(h2, h1)
     if device == "cpu":
         args = (gq.contiguous(), gs.contiguous(), gz.contiguous(), G)
         torch.library.opcheck(torch.ops.torchforge.awq_mma_moe_gate_up_silu,
