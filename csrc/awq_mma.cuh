@@ -61,61 +61,46 @@ struct Traits<__half> {
   }
 };
 
-// Packed pairs of x's dtype (awq_wgmma.cu's dequantization, and this file's for groups of 32).
+// Packed pairs of x's dtype (awq_wgmma.cu's dequantization, and this file's for groups of 32). The two
+// specializations differ only in the PTX type (bf16x2, f16x2) and in `low`.
+// splat: v rounded, twice: one cvt that packs the pair (F2FP, a full-rate ALU op; rounding to one half and shifting it
+// over went through F2F on the slow conversion pipe, on the dequantization's critical path at every group start).
+#define TORCHFORGE_PAIR_OPS(TY)                                                  \
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {       \
+    uint32_t r;                                                                  \
+    asm("sub.rn." TY " %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));                 \
+    return r;                                                                    \
+  }                                                                              \
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {       \
+    uint32_t r;                                                                  \
+    asm("mul.rn." TY " %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));                 \
+    return r;                                                                    \
+  }                                                                              \
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) { \
+    uint32_t r;                                                                  \
+    asm("fma.rn." TY " %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));     \
+    return r;                                                                    \
+  }                                                                              \
+  static __device__ __forceinline__ uint32_t splat(float v) {                    \
+    uint32_t r;                                                                  \
+    asm("cvt.rn." TY ".f32 %0, %1, %1;" : "=r"(r) : "f"(v));                     \
+    return r;                                                                    \
+  }
 template <typename T>
 struct Pair;
 template <>
 struct Pair<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-  }
-  // v rounded, twice: one cvt that packs the pair (F2FP, a full-rate ALU op; rounding to one half and shifting it over
-  // went through F2F on the slow conversion pipe, on the dequantization's critical path at every group start).
-  static __device__ __forceinline__ uint32_t splat(float v) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
-    return r;
-  }
+  TORCHFORGE_PAIR_OPS("bf16x2")
   static __device__ __forceinline__ float low(uint32_t pair) { return __uint_as_float(pair << 16); }
 };
 template <>
 struct Pair<__half> {
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-  }
-  static __device__ __forceinline__ uint32_t splat(float v) {
-    uint32_t r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
-    return r;
-  }
+  TORCHFORGE_PAIR_OPS("f16x2")
   static __device__ __forceinline__ float low(uint32_t pair) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xFFFFu)));
   }
 };
+#undef TORCHFORGE_PAIR_OPS
 
 // Quiet NaN bits of an fp16 / bf16 value.
 template <typename T>
