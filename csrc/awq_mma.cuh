@@ -134,6 +134,16 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t m
 // AWQ packs column 8w + j of a zero word at nibble (j / 2) + 4 (j % 2).
 __device__ __forceinline__ int awq_shift(int col) { return 4 * (((col & 7) >> 1) + 4 * (col & 1)); }
 
+// The B fragments of k-step s for each row tile j, from this lane's x of the chunk (xv[j]: its 16 k, two uint4).
+template <int NT>
+__device__ __forceinline__ void b_frags(uint32_t (&b0)[NT], uint32_t (&b1)[NT], const uint4 (&xv)[NT][2], int s) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    b0[j] = word(xv[j][s / 2], 2 * (s % 2));
+    b1[j] = word(xv[j][s / 2], 2 * (s % 2) + 1);
+  }
+}
+
 // One work item (CPG chunks of 64 k, inside one quantization group) of this lane's C fragments: part = sum_k x (magic
 // + q) for 4 column tiles x NT tiles of 8 rows, xs = sum_k x in the same fragment positions (all-ones A).
 // w: the item's layout words of this lane (chunk c, k-step s at 4 c + s); xload(c, j, v): this lane's B-fragment x
@@ -159,12 +169,9 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint32_t b0[NT], b1[NT];
+      b_frags(b0, b1, xv, s);
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        b0[j] = word(xv[j][s / 2], 2 * (s % 2));
-        b1[j] = word(xv[j][s / 2], 2 * (s % 2) + 1);
-        Tr::mma_ones(xs[j], b0[j], b1[j]);
-      }
+      for (int j = 0; j < NT; ++j) Tr::mma_ones(xs[j], b0[j], b1[j]);
       const uint4 ws = w[c * 4 + s];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -286,11 +293,7 @@ __device__ __forceinline__ void item_dq(float (&acc)[4][NT][4], const uint4 (&w)
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint32_t b0[NT], b1[NT];
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        b0[j] = word(xv[j][s / 2], 2 * (s % 2));
-        b1[j] = word(xv[j][s / 2], 2 * (s % 2) + 1);
-      }
+      b_frags(b0, b1, xv, s);
       const uint4 ws = w[c * 4 + s];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
