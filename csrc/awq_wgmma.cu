@@ -142,7 +142,7 @@ struct Stage {
   static constexpr int kRowsSZ = G32 ? 2 : 1;
   static constexpr int kX = BM * 128;   // BM rows x 64 k of x
   static constexpr int kW = 4 * 128 * 16;  // 4 column blocks x 4 k-steps x 32 lanes x uint4
-  static constexpr int kS = kRowsSZ * kBlockCols * 2;  // scales of the chunk's group (groups)
+  static constexpr int kS = kRowsSZ * kBlockCols * 2;  // scales: one row per group of the chunk
   static constexpr int kZ = kRowsSZ * kBlockCols / 8 * 4;  // zero words
   static constexpr int kBytes = (kX + kW + kS + kZ + 1023) / 1024 * 1024;  // x stays 1024-byte aligned
   static constexpr int kFit = (kMaxSmem - 1024 - kStaticSmem) / kBytes;
@@ -242,6 +242,9 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   //   calls 10-20% from the twenty-first session until the twenty-third.
   // (awq_wgmma_launch runs whole tiles without WS or with an odd number of chunks; grouped: one segment)
   static_assert(!SK || (WS && !GROUPED), "stream-K is built into the dense warp-specialized kernel only");
+  // (the launchers build groups of 32 for it only: where producer_pool_ok fails they return cudaErrorInvalidValue
+  // instead of falling back to the kernel without a producer, which would need its own instances)
+  static_assert(!G32 || WS, "groups of 32 are built into the warp-specialized kernel only");
   constexpr bool stream_k = SK;
   const int pairs = chunks / 2;  // stream-K's units per tile
   // Unit math (ops.cpp checks units < 2^31): u0(b) = U b / G = q b + r b / G. r b < G^2 passes 2^31 from G = 46342
@@ -794,7 +797,8 @@ int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set)
 
 // dtype: x, bias and out (0 = bf16, 1 = fp16); scale_dtype as in awq_mma.cu. (block_m, tile_set): (64, 4), (64, 2),
 // (128, 2), (192, 1) or (256, 1) rows of x per block x column tiles per warp. The caller (ops.cpp) has checked shapes,
-// alignment, N % 64 == 0, group_size % 64 == 0, K % group_size == 0, 0 <= splits <= K / 64, that the device is an
+// alignment, N % 64 == 0, group_size % 64 == 0 (or 32 with producer_warp), K % group_size == 0, 0 <= splits <= K / 64,
+// that the device is an
 // sm_90 one; `x_image` holds awq_wgmma_image_rows(M, block_m) * K elements; with splits > 1, `tickets` holds
 // awq_wgmma_tiles(...) - dp_tiles zeros and `partial` splits * (tiles - dp_tiles) * awq_wgmma_block_outputs floats;
 // producer_warp (WS): see the kernel and producer_pool_ok; dp_tiles: see launch. splits == 0: stream-K on dp_tiles

@@ -320,6 +320,15 @@ def test_groups_of_32_dispatch_and_errors(monkeypatch):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         _check(awq_mma_linear(x, mma, s, z, 32), x, qw, s, z, 32)
     assert calls[:2] == [1, 1]
+    if hasattr(torch.ops.torchforge, "awq_wgmma_cuda") and torch.cuda.get_device_capability() == (9, 0):
+        import torchforge.ops.awq_mma_cuda as mma_cuda  # the Hopper kernel, where its time model picks it
+
+        wg, real_wg = [], awq_mma.launch_awq_wgmma_cuda
+        monkeypatch.setattr(awq_mma, "launch_awq_wgmma_cuda", lambda *a, **kw: wg.append(1) or real_wg(*a, **kw))
+        monkeypatch.setattr(mma_cuda, "wgmma_rows_ok", lambda *a, **kw: True)
+        x = torch.randn(200, 1024, device="cuda", dtype=torch.bfloat16)
+        _check(awq_mma_linear(x, mma, s, z, 32), x, qw, s, z, 32)
+        assert wg == [1]
     op = torch.ops.torchforge.awq_mma_cuda
     x = torch.randn(2, 1024, device="cuda", dtype=torch.float16)
     torch.library.opcheck(op, (x, mma, s, z, 32, None, 2, 1))
