@@ -20,7 +20,8 @@ Variants (one model, quantized in place between the bf16 and the W4A16 runs):
                   bytes at batch 1, far more at 16); that switch is turned off unless `--bf16-experts hf`.
   bf16-compile    the same, decode step under torch.compile (HF's auto-compile of `generate`, static cache,
                   CompileConfig(mode="reduce-overhead", dynamic=False): CUDA graphs)
-  w4a16           `torchforge.quantize(model, "w4a16-rtn")` (group 128, symmetric; lm_head, embeddings, routers and
+  w4a16           `torchforge.quantize(model, "w4a16-rtn")` (group 128, or --group-size, e.g. 32 as Kimi K2's int4
+                  experts and many GPTQ checkpoints; symmetric; lm_head, embeddings, routers and
                   kv_b_proj stay bf16), eager
   w4a16-compile   the W4A16 model's decode step under torch.compile, as bf16-compile
   w4a16-mma(-compile)  the same model after `torchforge.use_mma_layout(model)`: every ForgeAWQLinear and the
@@ -334,6 +335,7 @@ def main() -> int:
     ap.add_argument("--pdl-levels", type=int, nargs="*", default=[], choices=(0, 1, 2),
                     help="time each compiled mma-layout variant again at these levels of programmatic dependent "
                          "launch (csrc/pdl.cuh; row suffix /pdl-N)")
+    ap.add_argument("--group-size", type=int, default=128, help="the W4A16 variants' quantization group (32, 64, 128)")
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.new_tokens < 2:
@@ -378,11 +380,11 @@ def main() -> int:
             reset_dynamo(model)
             gen.drop_caches()
             t0 = time.perf_counter()
-            torchforge.quantize(model, "w4a16-rtn")
+            torchforge.quantize(model, torchforge.Recipe.from_preset("w4a16-rtn").replace(group_size=args.group_size))
             sync(device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            log(f"quantized (w4a16-rtn) in {time.perf_counter() - t0:.1f} s: {weight_gb(model):.3f} GB of weights")
+            log(f"quantized (w4a16-rtn, group {args.group_size}) in {time.perf_counter() - t0:.1f} s: {weight_gb(model):.3f} GB of weights")
         if v.startswith("w4a16-mma") and not any(k.startswith("w4a16-mma") for k in weights):
             reset_dynamo(model)
             gen.drop_caches()

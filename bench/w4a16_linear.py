@@ -514,6 +514,7 @@ def _report(rows: list, title: str, columns: list) -> int:
 
 
 def main() -> int:
+    global G
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="18432x7168,7168x7168", help="OCxIC list")
@@ -546,9 +547,12 @@ def main() -> int:
     ap.add_argument("--pdl-check", default="",
                     help="M list: awq_mma_linear as dispatched at PDL levels 0, 1 and 2, back to back and after a "
                          "norm kernel, bf16 in the same run (csrc/pdl.cuh)")
+    ap.add_argument("--group-size", type=int, default=G,
+                    help="quantization group of every case (32, 64, 128; the issue's goals are at 128)")
     ap.add_argument("--scale-dtype", default="fp16", choices=("fp16", "bf16"),
                     help="with --stream-k-check: the scales' dtype (x is bf16)")
     args = ap.parse_args()
+    G = args.group_size
     if not torch.cuda.is_available():
         print("bench/w4a16_linear.py: no CUDA device; nothing to measure")
         return 0

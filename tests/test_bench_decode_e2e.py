@@ -48,13 +48,15 @@ def test_overrides_and_their_checks():
         make_config("h9999")
 
 
-def test_tiny_smoke_run_prints_the_table():
+@pytest.mark.parametrize("group", [128, 32])
+def test_tiny_smoke_run_prints_the_table(group):
     cmd = [sys.executable, os.path.join(BENCH, "decode_e2e.py"), "--model", "tiny", "--experts", "16", "--variants",
            "bf16", "w4a16-mma", "--batches", "1", "--new-tokens", "3", "--repeats", "1", "--no-compile",
-           "--device", "cpu"]
+           "--device", "cpu", "--group-size", str(group)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "16 experts of 128 (top-4)" in out.stdout
+    assert f"quantized (w4a16-rtn, group {group})" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| bf16 |", "| w4a16-mma |"))]
     assert len(rows) == 2 and "failed" not in out.stdout, out.stdout[-3000:]
     # generate() gets its cache under the installed transformers' name (5.24 renamed past_key_values to cache)

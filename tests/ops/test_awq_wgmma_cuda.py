@@ -37,16 +37,20 @@ def _run(x, mma, s, z, G, b=None, shape=(128, 2), splits=1, group_m=8):
 @pytest.mark.parametrize("splits,ws", [(1, False), (3, True), (0, True)])  # whole tiles, K slices, stream-K
 @pytest.mark.parametrize("m", [70, 300])
 @pytest.mark.parametrize("k", [1024, 24576, 24704])  # a row of x in shared memory (48 KB at most), else from L2
-def test_perm_reads_x_through_it(shape, splits, ws, m, k):
+@pytest.mark.parametrize("G", [128, 32])
+def test_perm_reads_x_through_it(shape, splits, ws, m, k, G):
     """perm (an act-order layer's feature order): the x image kernels gather x[:, perm]; the same bits as the kernel
-    on the gathered copy (rows past M zero in both)."""
+    on the gathered copy (rows past M zero in both). Groups of 32 (act-order GPTQ checkpoints of group 32): the
+    warp-specialized kernels only."""
     if k > 1024 and (shape != (128, 2) or m != 70):
         pytest.skip("the large-K path once per configuration kind")
-    qw, mma, s, z = _case(k, 256, 128, seed=m)
+    if G == 32 and not ws:
+        pytest.skip("groups of 32 run the warp-specialized kernel only")
+    qw, mma, s, z = _case(k, 256, G, seed=m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     perm = torch.randperm(k, device="cuda").to(torch.int32)
     op = torch.ops.torchforge.awq_wgmma_cuda
-    args = (s, z, 128, None, splits, shape[0], shape[1], 8, ws)
+    args = (s, z, G, None, splits, shape[0], shape[1], 8, ws)
     out = op(x, mma, *args, 0, None, perm)
     assert torch.equal(out, op(x[:, perm.long()].contiguous(), mma, *args))
     with pytest.raises(RuntimeError, match=f"perm must be a contiguous, 16-byte aligned int32 tensor of K = {k}"):

@@ -143,16 +143,18 @@ def test_experts_op_compiles_and_graphs(monkeypatch):
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_long_k_wraps_the_stage_ring(block_m, monkeypatch):
+@pytest.mark.parametrize("G", [128, 32])
+def test_long_k_wraps_the_stage_ring(block_m, G, monkeypatch):
     """K = 1024 (16 chunks of 64) runs past the kernel's 8 stages, so every stage is refilled (the grouped form of the
-    wait-and-refill path); against the fp64 oracle of one expert per routed row."""
+    wait-and-refill path; with groups of 32, stages of two rows of scales and zero words); against the fp64 oracle of
+    one expert per routed row."""
     from tests.ops.awq_oracle import dequant_independent
     import torchforge.ops.awq_mma_cuda as mma_cuda
     from torchforge.ops import awq_quantize
 
     monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
     monkeypatch.setattr(mma_cuda, "WGMMA_MOE_BLOCK_M", block_m)
-    E, N, K, G, k, T = 3, 192, 1024, 128, 2, 100
+    E, N, K, k, T = 3, 192, 1024, 2, 100
     torch.manual_seed(4)
     qw, s, z = [t.cuda() for t in awq_quantize(torch.randn(E, N, K) * 0.2, G, symmetric=False)]
     ids, _ = _ids(T, k, E, seed=4)
