@@ -190,6 +190,12 @@ def test_mma_cuda_launch_config_rules():
                                                             (1, 2, 8, False)]
     assert cfg(16, 4096, 18432) == (1, 2, 4, False)    # 32 items: too few for slices
     assert cfg(16, 7168, 16384) == (1, 2, 8, False)    # 256 tiles: a grid of 8-warp blocks
+    # groups of 32: 8-warp blocks, the fewest K slices that fill 0.8 of the last wave of them (2 per SM)
+    assert cfg(1, 7168, 18432, 32) == (3, 1, 8, False)  # 288 tiles: 1.09, 2.18, 3.27 waves
+    assert cfg(16, 7168, 7168, 32) == (2, 1, 8, False)  # 112 tiles: 0.42, 0.85 waves
+    assert cfg(1, 2048, 512, 32) == (4, 1, 8, False)    # 8 tiles: never 0.8 of a wave, the fullest of 1-4 slices
+    assert cfg(1, 64, 512, 32) == (1, 1, 8, False)      # one chunk: one slice
+    assert cfg(64, 7168, 18432, 32) == (1, 1, 8, False)  # 1152 tiles: 4.36 waves
 
 
 def test_wgmma_config_follows_the_sweep():

@@ -7,6 +7,7 @@ models call.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -15,7 +16,8 @@ from torch import Tensor
 from torchforge.ops._check import check
 from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_config, decode_mma_time_us, dequant_cublas_time_us
 
-__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_prefetch", "mma_cuda_launch_config",
+__all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_prefetch", "mma_cuda_g32_splits",
+           "mma_cuda_launch_config",
            "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
            "mma_moe_cuda_ok", "mma_moe_sorts", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M",
            "wgmma_cuda_config", "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake",
@@ -83,9 +85,28 @@ def mma_cuda_prefetch(blocks: int, sms: int, warps: int, item_chunks: int, split
     return item_chunks == 2 and warps == 8 and splits == 1 and blocks <= sms
 
 
+def mma_cuda_g32_splits(tiles: int, items: int, sms: int) -> int:
+    """K slices of the dense CUDA kernel with groups of 32 (8-warp blocks, items of one chunk): the fewest, up to 4,
+    whose grid fills at least 0.8 of its last wave of 8-warp blocks (2 per SM), else the fullest. Each register is
+    dequantized there (item_dq), a longer chain per item than the magic form's; ncu at one row on 18432x7168 (288
+    4-warp blocks, the group-128 rule): 8.7 warps per SM, no warp eligible in 54% of the cycles, issue slots 36% busy,
+    DRAM 44%: latency bound. H100, CUDA-graph us, fp16 scales, bf16 x (BENCHMARKS.md, thirty-second session):
+    18432x7168 3 slices 37.2 against 41.0 (1 slice of 4 warps) at one row, 41.6 against 41.8 at 16; 7168x7168 2
+    slices 16.0 against 17.8 at one row, 18.0 against 19.9 at 16 (3 slices, 1.27 waves: 19.6)."""
+    best, best_fill = 1, 0.0
+    for splits in range(1, max(1, min(4, items)) + 1):
+        waves = tiles * splits / (2 * sms)
+        fill = waves / math.ceil(waves)
+        if fill >= 0.8:
+            return splits
+        if fill > best_fill:
+            best, best_fill = splits, fill
+    return best
+
+
 def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) -> tuple[int, int, int, bool]:
     """(splits, item_chunks, warps, prefetch) of the dense CUDA kernel for x [m, k] and n output columns on `sms` SMs:
-    mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch, except at 9-16 rows where mma_cuda_warps takes 4-warp
+    mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch (groups of 32: mma_cuda_g32_splits, 8 warps), except at 9-16 rows where mma_cuda_warps takes 4-warp
     blocks (more than 2 and at most 3 tiles per SM) and there are at least 48 items: 3 K slices, still 4-warp blocks.
     The items of 16 rows (two 8-row MMA tiles) cost twice the tensor work of 8 rows, and 2-3 4-warp blocks leave
     about 9 warps per SM to hide it; with 3 K slices each SM holds 16 (the rest run in a second wave). H100, kept
@@ -94,6 +115,8 @@ def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) ->
     14336x4096 16.7 against 14.3 (2 slices, the best with slices)."""
     splits, item_chunks = mma_cuda_config(m, k, n, group_size)
     tiles = -(-m // 16) * (n // 64)
+    if group_size == 32:
+        return mma_cuda_g32_splits(tiles, k // 64, sms), 1, 8, False
     warps = mma_cuda_warps(tiles * splits, sms)
     if 8 < m <= 16 and splits == 1 and warps == 4 and k // (64 * item_chunks) >= 48:
         return 3, item_chunks, 4, False
