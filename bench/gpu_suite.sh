@@ -18,9 +18,10 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
 start=$(date +%s)
-# The build takes about 3 minutes of a 10-minute call. SAVE_EXT=1 copies the built extension and a hash of the
-# sources it was built from to $OUT; a later call can carry both back (torchforge/_C*.so, torchforge/_C.sources)
-# and skip the build with PREBUILT=1, which builds anyway if csrc/ or setup.py changed since.
+# The build takes about 3 minutes of a 10-minute call. SAVE_EXT=1 copies the built extension (gzipped) and a hash of
+# the sources it was built from to $OUT; a later call can carry both back (gunzip -c $files_at/_C*.so.gz >
+# torchforge/<the same name without .gz>; torchforge/_C.sources) and skip the build with PREBUILT=1, which builds
+# anyway if csrc/ or setup.py changed since.
 sources_hash() { cat setup.py csrc/* | sha256sum | cut -d' ' -f1; }
 if [ -n "${PREBUILT:-}" ] && ls torchforge/_C*.so >/dev/null 2>&1 \
     && [ "$(cat torchforge/_C.sources 2>/dev/null)" = "$(sources_hash)" ]; then
@@ -29,10 +30,14 @@ if [ -n "${PREBUILT:-}" ] && ls torchforge/_C*.so >/dev/null 2>&1 \
 else
   [ -n "${PREBUILT:-}" ] && echo "PREBUILT: no carried extension built from these sources; building"
   python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; }
-  # (stripped of its local symbols: with the group-32 wgmma kernels, thirty-first session, the .so passed what the device
-  # returns; strip --strip-unneeded took a 16.4 MB build to 11.4 MB, keeping the dynamic symbols the import needs)
+  # (stripped of its local symbols and gzipped: with the group-32 wgmma kernels, thirty-first session, the .so passed
+  # the 16 MiB a returned file may have; stripped it was still 15.3 MB on the device, thirty-second session)
   if [ -n "${SAVE_EXT:-}" ]; then
-    cp torchforge/_C*.so "$OUT/" 2>/dev/null && { command -v strip >/dev/null && strip --strip-unneeded "$OUT"/_C*.so; }
+    for so in torchforge/_C*.so; do
+      [ -f "$so" ] || continue
+      cp "$so" /tmp/_C_save.so && { command -v strip >/dev/null && strip --strip-unneeded /tmp/_C_save.so; }
+      gzip -1 -c /tmp/_C_save.so > "$OUT/$(basename "$so").gz"
+    done
     sources_hash > "$OUT/_C.sources"
   fi
 fi
