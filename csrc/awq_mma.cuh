@@ -148,25 +148,19 @@ __device__ __forceinline__ void b_frags(uint32_t (&b0)[NT], uint32_t (&b1)[NT], 
 // + q) for 4 column tiles x NT tiles of 8 rows, xs = sum_k x in the same fragment positions (all-ones A).
 // w: the item's layout words of this lane (chunk c, k-step s at 4 c + s); xload(c, j, v): this lane's B-fragment x
 // of chunk c, row tile j into v[0..1] (x[row, 64 c + 16 t .. + 15]).
-// GS = 2 (groups of 32, items of one chunk): the chunk's two groups apart, in part[0] / xs[0] (group 2 c) and part[1]
-// / xs[1] (2 c + 1). Lane t's k all lie in group 2 c + t / 2, so each MMA runs twice on the same A, with B zeroed in
-// the lanes of the other group (lo_mask: all ones where t < 2, else 0); A stays at one shift and one LOP3 per 2 weights.
-template <typename T, int NT, int CPG, int GS = 1, typename XLoad>
-__device__ __forceinline__ void item_sums(float (&part)[GS][4][NT][4], float (&xs)[GS][NT][4],
-                                          const uint4 (&w)[CPG * 4], XLoad&& xload, uint32_t lo_mask = ~0u) {
+template <typename T, int NT, int CPG, typename XLoad>
+__device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[NT][4], const uint4 (&w)[CPG * 4],
+                                          XLoad&& xload) {
   using Tr = Traits<T>;
-  static_assert(GS == 1 || (GS == 2 && CPG == 1), "two groups per item: items of one chunk");
 #pragma unroll
-  for (int h = 0; h < GS; ++h)
+  for (int j = 0; j < NT; ++j) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
+    for (int e = 0; e < 4; ++e) {
+      xs[j][e] = 0.0f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        xs[h][j][e] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) part[h][i][j][e] = 0.0f;
-      }
+      for (int i = 0; i < 4; ++i) part[i][j][e] = 0.0f;
     }
+  }
 #pragma unroll
   for (int c = 0; c < CPG; ++c) {
     uint4 xv[NT][2];
@@ -176,19 +170,8 @@ __device__ __forceinline__ void item_sums(float (&part)[GS][4][NT][4], float (&x
     for (int s = 0; s < 4; ++s) {
       uint32_t b0[NT], b1[NT];
       b_frags(b0, b1, xv, s);
-      uint32_t hb0[GS][NT], hb1[GS][NT];
 #pragma unroll
-      for (int h = 0; h < GS; ++h)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint32_t m = GS == 1 ? ~0u : (h == 0 ? lo_mask : ~lo_mask);
-          hb0[h][j] = GS == 1 ? b0[j] : b0[j] & m;
-          hb1[h][j] = GS == 1 ? b1[j] : b1[j] & m;
-        }
-#pragma unroll
-      for (int h = 0; h < GS; ++h)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) Tr::mma_ones(xs[h][j], hb0[h][j], hb1[h][j]);
+      for (int j = 0; j < NT; ++j) Tr::mma_ones(xs[j], b0[j], b1[j]);
       const uint4 ws = w[c * 4 + s];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -198,9 +181,7 @@ __device__ __forceinline__ void item_sums(float (&part)[GS][4][NT][4], float (&x
         const uint32_t a2 = and_or(wv >> 8, 0x000F000Fu, Tr::kMagic2);
         const uint32_t a3 = and_or(wv >> 12, 0x000F000Fu, Tr::kMagic2);
 #pragma unroll
-        for (int h = 0; h < GS; ++h)
-#pragma unroll
-          for (int j = 0; j < NT; ++j) Tr::mma(part[h][i][j], a0, a1, a2, a3, hb0[h][j], hb1[h][j]);
+        for (int j = 0; j < NT; ++j) Tr::mma(part[i][j], a0, a1, a2, a3, b0[j], b1[j]);
       }
     }
   }
@@ -370,31 +351,6 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
   if constexpr (G32) {
     static_assert(!PF, "groups of 32 run the plain loop");
     const int half = (threadIdx.x >> 1) & 1;  // t / 2: which of a chunk's two groups this lane's k lie in
-    if constexpr (NT == 1) {
-      // One row tile (up to 8 rows): the magic form with the chunk's two groups summed apart (item_sums, GS = 2), each
-      // folded with its own scale and zero, in fp32 as for larger groups: 2 ALU operations per 2 weights instead of
-      // item_dq's 4-5, for twice the MMAs (idle at 8 rows). The weight is then not rounded to x's dtype.
-      static_assert(CPG == 1, "groups of 32: items of one chunk");
-      const uint32_t lo_mask = half ? 0u : ~0u;
-      for (int item = first; item < items; item += workers) {
-        uint4 w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(item) * 4 + i) * 32);
-        GroupVals<S> gv[2];
-        load_group_z16(gv[0], sc, qz, N, cb, 2 * item, g);
-        load_group_z16(gv[1], sc, qz, N, cb, 2 * item + 1, g);
-        float part[2][4][NT][4];
-        float xs[2][NT][4];
-        item_sums<T, NT, 1, 2>(part, xs, w, [&](int, int j, uint4(&v)[2]) {
-          const uint4* p = xb + xoff[j] + item * 8;
-          v[0] = __ldg(p);
-          v[1] = __ldg(p + 1);
-        }, lo_mask);
-        fold<T, NT>(acc, part[0], xs[0], gv[0], zshift);
-        fold<T, NT>(acc, part[1], xs[1], gv[1], zshift);
-      }
-      return;
-    }
     for (int item = first; item < items; item += workers) {
       uint4 w[CPG * 4];
 #pragma unroll
@@ -419,8 +375,8 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       uint4 w[CPG * 4];
 #pragma unroll
       for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
-      float part[1][4][NT][4];
-      float xs[1][NT][4];
+      float part[4][NT][4];
+      float xs[NT][4];
       item_sums<T, NT, CPG>(part, xs, w, [&](int c, int j, uint4(&v)[2]) {
         const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
         v[0] = __ldg(p);
@@ -428,7 +384,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       });
       GroupVals<S> gv;
       load_group(gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
-      fold<T, NT>(acc, part[0], xs[0], gv, zshift);
+      fold<T, NT>(acc, part, xs, gv, zshift);
     }
   } else {
     auto load = [&](ItemRegs<S, NT, CPG>& r, int item) {
@@ -445,13 +401,13 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       load_group(r.gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
     };
     auto compute = [&](const ItemRegs<S, NT, CPG>& r) {
-      float part[1][4][NT][4];
-      float xs[1][NT][4];
+      float part[4][NT][4];
+      float xs[NT][4];
       item_sums<T, NT, CPG>(part, xs, r.w, [&](int c, int j, uint4(&v)[2]) {
         v[0] = r.x[c][j][0];
         v[1] = r.x[c][j][1];
       });
-      fold<T, NT>(acc, part[0], xs[0], r.gv, zshift);
+      fold<T, NT>(acc, part, xs, r.gv, zshift);
     };
     ItemRegs<S, NT, CPG> a, b;
     int item = first;
