@@ -780,6 +780,37 @@ bool producer_pool_ok() {
 
 }  // namespace awq_wgmma_detail
 
+// Whether the group-32 kernels can run for these dtypes (0 = bf16, 1 = fp16, as in awq_wgmma_launch): every dense
+// block shape (grouped: the grouped ones) has its warp-specialized instance starting with the registers that
+// setmaxnreg hands on (producer_pool_ok). Only those instances exist for groups of 32; where a build falls short the
+// launchers would return an error, so the Python dispatch asks here first and takes another kernel (op
+// torchforge::awq_wgmma_g32_ready). Stream-K falls back to the same shape's K-slice instance, so the dense answer
+// needs only those. False for an unknown dtype pair.
+bool awq_wgmma_g32_ready(int dtype, int scale_dtype, bool grouped) {
+  using namespace awq_wgmma_detail;
+  return awq_mma_detail::dispatch_dtypes(dtype, scale_dtype, [&](auto tv, auto sv) {
+           using T = decltype(tv);
+           using S = decltype(sv);
+           using std::integral_constant;
+           const auto ok = [](auto bm, auto tw, auto gr) {
+             return producer_pool_ok<T, S, decltype(bm)::value, decltype(tw)::value, decltype(gr)::value, false,
+                                     true>();
+           };
+           using I1 = integral_constant<int, 1>;
+           using I2 = integral_constant<int, 2>;
+           using I4 = integral_constant<int, 4>;
+           using I64 = integral_constant<int, 64>;
+           using I128 = integral_constant<int, 128>;
+           const bool ready =
+               grouped ? ok(I64{}, I2{}, std::true_type{}) && ok(I128{}, I2{}, std::true_type{})
+                       : ok(I64{}, I4{}, std::false_type{}) && ok(I64{}, I2{}, std::false_type{}) &&
+                             ok(I128{}, I2{}, std::false_type{}) &&
+                             ok(integral_constant<int, 192>{}, I1{}, std::false_type{}) &&
+                             ok(integral_constant<int, 256>{}, I1{}, std::false_type{});
+           return ready ? cudaSuccess : cudaErrorInvalidValue;
+         }) == cudaSuccess;
+}
+
 // Rows of the x image (M rounded up to whole blocks of block_m).
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m) { return (M + block_m - 1) / block_m * block_m; }
 

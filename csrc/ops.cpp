@@ -53,6 +53,7 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m);
 int64_t awq_wgmma_tiles(int64_t M, int64_t N, int64_t block_m, int64_t tile_set);
 int64_t awq_wgmma_block_outputs(int64_t block_m, int64_t tile_set);
+bool awq_wgmma_g32_ready(int dtype, int scale_dtype, bool grouped);
 cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
@@ -87,6 +88,13 @@ int64_t set_start_prefetch(int64_t mode) {
   TORCH_CHECK(mode >= -1 && mode <= 2, "set_start_prefetch: mode must be -1 (the launcher's rule), 0, 1 or 2, got ",
               std::to_string(mode));
   return pdl::start_prefetch_mode.exchange(static_cast<int>(mode));
+}
+
+// Whether the Hopper kernels can run groups of 32 with x of `dtype` and scales of `scale_dtype` on the current device
+// (awq_wgmma_g32_ready in awq_wgmma.cu: their only instances are warp-specialized); grouped: awq_wgmma_moe_cuda's.
+bool awq_wgmma_g32_ready_op(c10::ScalarType dtype, c10::ScalarType scale_dtype, bool grouped) {
+  const auto code = [](c10::ScalarType t) { return t == at::kBFloat16 ? 0 : t == at::kHalf ? 1 : 2; };
+  return awq_wgmma_g32_ready(code(dtype), code(scale_dtype), grouped);
 }
 
 // Sets when the CUDA launchers use programmatic dependent launch (csrc/pdl.cuh: 0, 1 or 2); returns the previous
@@ -624,6 +632,8 @@ at::Tensor awq_wgmma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, co
 TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def("set_pdl(int level) -> int", &torchforge::set_pdl);
   m.def("set_start_prefetch(int mode) -> int", &torchforge::set_start_prefetch);
+  m.def("awq_wgmma_g32_ready(ScalarType dtype, ScalarType scale_dtype, bool grouped) -> bool",
+        &torchforge::awq_wgmma_g32_ready_op);
   m.def(
       "awq_quantize_cuda(Tensor weight, int group_size, bool symmetric) -> (Tensor, Tensor, "
       "Tensor)");

@@ -329,6 +329,17 @@ def test_groups_of_32_dispatch_and_errors(monkeypatch):
         x = torch.randn(200, 1024, device="cuda", dtype=torch.bfloat16)
         _check(awq_mma_linear(x, mma, s, z, 32), x, qw, s, z, 32)
         assert wg == [1]
+        # its group-32 instances (warp-specialized only) start with the registers they hand on, on this build
+        idx = torch.cuda.current_device()
+        for dt, sdt in ((torch.bfloat16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16,) * 2):
+            for grouped in (False, True):
+                assert torch.ops.torchforge.awq_wgmma_g32_ready(dt, sdt, grouped)
+                assert mma_cuda.wgmma_g32_ready(dt, sdt, grouped, idx)
+        assert not torch.ops.torchforge.awq_wgmma_g32_ready(torch.float32, torch.float16, False)  # no such kernels
+        # a build whose instances fell short: another kernel takes the call instead of an error
+        monkeypatch.setattr(mma_cuda, "wgmma_g32_ready", lambda *a: False)
+        _check(awq_mma_linear(x, mma, s, z, 32), x, qw, s, z, 32)
+        assert wg == [1]
     op = torch.ops.torchforge.awq_mma_cuda
     x = torch.randn(2, 1024, device="cuda", dtype=torch.float16)
     torch.library.opcheck(op, (x, mma, s, z, 32, None, 2, 1))

@@ -231,3 +231,23 @@ def test_contiguous_but_misaligned_x_is_copied(wgmma, monkeypatch):
     assert x.is_contiguous() and x.data_ptr() % 16 != 0
     part = mma_cuda.launch_awq_mma_moe_cuda(x, ids, mgu, gu[1], gu[2], G, k)
     assert torch.equal(part, mma_cuda.launch_awq_mma_moe_cuda(x.clone(), ids, mgu, gu[1], gu[2], G, k))
+
+
+def test_groups_of_32_take_the_mma_kernel_where_the_hopper_instances_cannot_run(monkeypatch):
+    """Groups of 32 exist only as warp-specialized instances; where a build's could not run them
+    (awq_mma_cuda.wgmma_g32_ready false), the sorted grouped call takes the mma.sync kernel's blocks instead of the
+    wgmma kernel's (which would raise)."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+
+    E, G, T, k = 16, 32, 96, 8
+    gu, down = _experts(E, G, "cuda", seed=5)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", True)
+    assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], G) in (64, 128)
+    monkeypatch.setattr(mma_cuda, "wgmma_g32_ready", lambda *a: False)
+    assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], G) in (8, 16)
+    assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], 128) in (64, 128)  # group 128: not asked
+    ids, w = _ids(T, k, E, seed=5)
+    h, out = _run(x, ids, w, gu, down, G, k)
+    h_ref, out_ref = _oracle(x, ids, w, gu, down, k, G)
+    assert ((out.double() - out_ref).norm() / out_ref.norm()) < 1e-2

@@ -17,7 +17,7 @@ from torchforge.ops._check import check
 from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_config, decode_mma_time_us, dequant_cublas_time_us
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_prefetch", "mma_cuda_g32_splits",
-           "mma_cuda_launch_config",
+           "mma_cuda_launch_config", "wgmma_g32_ready",
            "mma_tickets", "mma_cuda_ok", "launch_awq_mma_cuda",
            "mma_moe_cuda_ok", "mma_moe_sorts", "launch_awq_mma_moe_cuda", "WGMMA_MIN_ROWS", "WGMMA_MAX_M",
            "wgmma_cuda_config", "wgmma_cuda_ok", "wgmma_rows_ok", "launch_awq_wgmma_cuda", "register_fake",
@@ -263,6 +263,25 @@ def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
     return best_wgmma_config(m, k, n, sms)[1] < other
 
 
+@functools.lru_cache(maxsize=None)
+def wgmma_g32_ready(dtype: torch.dtype, scale_dtype: torch.dtype, grouped: bool, device_index: int) -> bool:
+    """Whether the Hopper kernels run groups of 32 on this device for these dtypes (dense or grouped). Their only
+    instances are warp-specialized, whose producer hands registers on to the consumers with setmaxnreg: that needs the
+    kernel to start with enough of them (168 today, ptxas' choice). A build that falls short would make the op raise,
+    so the dispatch asks the extension (op awq_wgmma_g32_ready) once and takes another kernel there instead: the decode
+    kernel or dequantize + cuBLAS (MoE: the grouped mma.sync kernel)."""
+    op = getattr(torch.ops.torchforge, "awq_wgmma_g32_ready", None)
+    if op is None:  # an extension built before the op existed
+        return True
+    with torch.cuda.device(device_index):
+        return bool(op(dtype, scale_dtype, grouped))
+
+
+def _g32_ready(x: Tensor, scales: Tensor, group_size: int, grouped: bool) -> bool:
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return group_size != 32 or wgmma_g32_ready(x.dtype, scales.dtype, grouped, index)
+
+
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                   bias: Optional[Tensor]) -> bool:
     """Whether the Hopper kernel takes this call: the decode kernel's conditions, an sm_90 device, and the rows and
@@ -279,7 +298,8 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
                               _sm_count(x.device.index))
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32  # ops.cpp: the kernel's group by high multiply
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
-            and _aligned16(scales, qzeros))  # bulk copies
+            and _aligned16(scales, qzeros)  # bulk copies
+            and _g32_ready(x, scales, group_size, grouped=False))
 
 
 def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
@@ -389,7 +409,7 @@ def wgmma_moe_ok(x: Tensor, rows: int, num_experts: int, scales: Tensor, qzeros:
     busy = MOE_WGMMA is True or rows >= WGMMA_MOE_MIN_ROWS_PER_EXPERT * num_experts
     return (busy and mma_moe_sorts(rows, num_experts) and (group_size % 64 == 0 or group_size == 32)
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32 and _aligned16(scales, qzeros)
-            and (shared is None or _aligned16(*shared)))
+            and (shared is None or _aligned16(*shared)) and _g32_ready(x, scales, group_size, grouped=True))
 
 
 def wgmma_moe_block_m(rows: int, num_experts: int) -> int:
