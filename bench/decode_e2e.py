@@ -384,7 +384,9 @@ def main() -> int:
             sync(device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            log(f"quantized (w4a16-rtn, group {args.group_size}) in {time.perf_counter() - t0:.1f} s: {weight_gb(model):.3f} GB of weights")
+            groups = sorted({m.group_size for m in model.modules() if isinstance(getattr(m, "group_size", None), int)})
+            log(f"quantized (w4a16-rtn, group {args.group_size}) in {time.perf_counter() - t0:.1f} s: "
+                f"{weight_gb(model):.3f} GB of weights; modules' group sizes {groups}")
         if v.startswith("w4a16-mma") and not any(k.startswith("w4a16-mma") for k in weights):
             reset_dynamo(model)
             gen.drop_caches()

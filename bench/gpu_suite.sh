@@ -35,8 +35,10 @@ else
   if [ -n "${SAVE_EXT:-}" ]; then
     for so in torchforge/_C*.so; do
       [ -f "$so" ] || continue
-      cp "$so" /tmp/_C_save.so && { command -v strip >/dev/null && strip --strip-unneeded /tmp/_C_save.so; }
-      gzip -1 -c /tmp/_C_save.so > "$OUT/$(basename "$so").gz"
+      tmp=$(mktemp)
+      cp "$so" "$tmp" && { strip --strip-unneeded "$tmp" 2>/dev/null || true; } \
+        && gzip -1 -c "$tmp" > "$OUT/$(basename "$so").gz"
+      rm -f "$tmp"
     done
     sources_hash > "$OUT/_C.sources"
   fi

@@ -770,9 +770,13 @@ bool producer_pool_ok() {
   static int regs = -1;  // one binary for every device; a racing first call stores the same value
   if (regs < 0) {
     cudaFuncAttributes attr{};
-    regs = cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK, G32>) == cudaSuccess
-               ? attr.numRegs
-               : 0;
+    if (cudaFuncGetAttributes(&attr, awq_wgmma_kernel<T, S, BM, TW, true, GROUPED, SK, G32>) != cudaSuccess) {
+      // e.g. asked while a device other than sm_90 is current: not cached, and the (non-sticky) error is cleared so
+      // that the next launch check does not report it
+      (void)cudaGetLastError();
+      return false;
+    }
+    regs = attr.numRegs;
   }
   return regs * (kThreads<BM, TW> + kProducerThreads<BM, TW>) >=
          kProducerThreads<BM, TW> * kProducerRegs + kThreads<BM, TW> * kConsumerRegs;

@@ -93,6 +93,11 @@ int64_t set_start_prefetch(int64_t mode) {
 // Whether the Hopper kernels can run groups of 32 with x of `dtype` and scales of `scale_dtype` on the current device
 // (awq_wgmma_g32_ready in awq_wgmma.cu: their only instances are warp-specialized); grouped: awq_wgmma_moe_cuda's.
 bool awq_wgmma_g32_ready_op(c10::ScalarType dtype, c10::ScalarType scale_dtype, bool grouped) {
+  int device = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) return false;  // the kernels are built for sm_90a only
   const auto code = [](c10::ScalarType t) { return t == at::kBFloat16 ? 0 : t == at::kHalf ? 1 : 2; };
   return awq_wgmma_g32_ready(code(dtype), code(scale_dtype), grouped);
 }

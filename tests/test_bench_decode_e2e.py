@@ -57,6 +57,7 @@ def test_tiny_smoke_run_prints_the_table(group):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "16 experts of 128 (top-4)" in out.stdout
     assert f"quantized (w4a16-rtn, group {group})" in out.stdout
+    assert f"modules' group sizes [{group}]" in out.stdout  # read back from the quantized modules
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| bf16 |", "| w4a16-mma |"))]
     assert len(rows) == 2 and "failed" not in out.stdout, out.stdout[-3000:]
     # generate() gets its cache under the installed transformers' name (5.24 renamed past_key_values to cache)

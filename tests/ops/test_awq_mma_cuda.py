@@ -333,7 +333,8 @@ def test_groups_of_32_dispatch_and_errors(monkeypatch):
         idx = torch.cuda.current_device()
         for dt, sdt in ((torch.bfloat16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16,) * 2):
             for grouped in (False, True):
-                assert torch.ops.torchforge.awq_wgmma_g32_ready(dt, sdt, grouped)
+                # false would mean this toolchain's build runs group 32 on the slower kernels: worth knowing
+                assert torch.ops.torchforge.awq_wgmma_g32_ready(dt, sdt, grouped), (dt, sdt, grouped)
                 assert mma_cuda.wgmma_g32_ready(dt, sdt, grouped, idx)
         assert not torch.ops.torchforge.awq_wgmma_g32_ready(torch.float32, torch.float16, False)  # no such kernels
         # a build whose instances fell short: another kernel takes the call instead of an error

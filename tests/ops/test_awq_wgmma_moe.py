@@ -246,7 +246,8 @@ def test_groups_of_32_take_the_mma_kernel_where_the_hopper_instances_cannot_run(
     assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], G) in (64, 128)
     monkeypatch.setattr(mma_cuda, "wgmma_g32_ready", lambda *a: False)
     assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], G) in (8, 16)
-    assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], 128) in (64, 128)  # group 128: not asked
+    # group 128 does not ask (moe_align_block_rows reads only the scales' dtype and alignment, so group 32's serve)
+    assert mma_cuda.moe_align_block_rows(x, T * k, E, gu[1], gu[2], 128) in (64, 128)
     ids, w = _ids(T, k, E, seed=5)
     h, out = _run(x, ids, w, gu, down, G, k)
     h_ref, out_ref = _oracle(x, ids, w, gu, down, k, G)

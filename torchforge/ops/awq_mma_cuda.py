@@ -93,6 +93,8 @@ def mma_cuda_g32_splits(tiles: int, items: int, sms: int) -> int:
     DRAM 44%: latency bound. H100, CUDA-graph us, fp16 scales, bf16 x (BENCHMARKS.md, thirty-second session):
     18432x7168 3 slices 37.2 against 41.0 (1 slice of 4 warps) at one row, 41.6 against 41.8 at 16; 7168x7168 2
     slices 16.0 against 17.8 at one row, 18.0 against 19.9 at 16 (3 slices, 1.27 waves: 19.6)."""
+    if tiles <= 0:  # no rows: the op returns the empty output
+        return 1
     best, best_fill = 1, 0.0
     for splits in range(1, max(1, min(4, items)) + 1):
         waves = tiles * splits / (2 * sms)
@@ -106,17 +108,18 @@ def mma_cuda_g32_splits(tiles: int, items: int, sms: int) -> int:
 
 def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) -> tuple[int, int, int, bool]:
     """(splits, item_chunks, warps, prefetch) of the dense CUDA kernel for x [m, k] and n output columns on `sms` SMs:
-    mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch (groups of 32: mma_cuda_g32_splits, 8 warps), except at 9-16 rows where mma_cuda_warps takes 4-warp
-    blocks (more than 2 and at most 3 tiles per SM) and there are at least 48 items: 3 K slices, still 4-warp blocks.
+    groups of 32 take mma_cuda_g32_splits and 8-warp blocks; others mma_cuda_config, mma_cuda_warps and
+    mma_cuda_prefetch, except at 9-16 rows where mma_cuda_warps takes 4-warp blocks (more than 2 and at most 3 tiles
+    per SM) and there are at least 48 items: 3 K slices, still 4-warp blocks.
     The items of 16 rows (two 8-row MMA tiles) cost twice the tensor work of 8 rows, and 2-3 4-warp blocks leave
     about 9 warps per SM to hide it; with 3 K slices each SM holds 16 (the rest run in a second wave). H100, kept
     tickets (thirteenth session): 18432x7168 at 12 and 16 rows 32.8-33.0 us against 35.6-35.7; at 1 row 28.1 against
     27.8 (not taken). With 8-warp grids slices lost: 16384x7168 27.0 against 24.9, 12288x7168 22.8 against 22.2,
     14336x4096 16.7 against 14.3 (2 slices, the best with slices)."""
-    splits, item_chunks = mma_cuda_config(m, k, n, group_size)
     tiles = -(-m // 16) * (n // 64)
     if group_size == 32:
         return mma_cuda_g32_splits(tiles, k // 64, sms), 1, 8, False
+    splits, item_chunks = mma_cuda_config(m, k, n, group_size)
     warps = mma_cuda_warps(tiles * splits, sms)
     if 8 < m <= 16 and splits == 1 and warps == 4 and k // (64 * item_chunks) >= 48:
         return 3, item_chunks, 4, False
@@ -267,12 +270,13 @@ def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
 def wgmma_g32_ready(dtype: torch.dtype, scale_dtype: torch.dtype, grouped: bool, device_index: int) -> bool:
     """Whether the Hopper kernels run groups of 32 on this device for these dtypes (dense or grouped). Their only
     instances are warp-specialized, whose producer hands registers on to the consumers with setmaxnreg: that needs the
-    kernel to start with enough of them (168 today, ptxas' choice). A build that falls short would make the op raise,
-    so the dispatch asks the extension (op awq_wgmma_g32_ready) once and takes another kernel there instead: the decode
-    kernel or dequantize + cuBLAS (MoE: the grouped mma.sync kernel)."""
+    kernel to start with enough of them (168 registers a thread today, ptxas' choice). A build that falls short would
+    make the op raise, so the dispatch asks the extension (op awq_wgmma_g32_ready) once and takes another kernel there
+    instead: the decode kernel or dequantize + cuBLAS (MoE: the grouped mma.sync kernel). The extension answers false
+    on a device other than sm_90 (the kernels are built for sm_90a only)."""
     op = getattr(torch.ops.torchforge, "awq_wgmma_g32_ready", None)
-    if op is None:  # an extension built before the op existed
-        return True
+    if op is None:  # an extension built before the op existed: the other kernels, slower but sure to run
+        return False
     with torch.cuda.device(device_index):
         return bool(op(dtype, scale_dtype, grouped))
 
