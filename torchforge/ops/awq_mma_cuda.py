@@ -282,8 +282,10 @@ def wgmma_g32_ready(dtype: torch.dtype, scale_dtype: torch.dtype, grouped: bool,
 
 
 def _g32_ready(x: Tensor, scales: Tensor, group_size: int, grouped: bool) -> bool:
+    if group_size != 32:
+        return True
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return group_size != 32 or wgmma_g32_ready(x.dtype, scales.dtype, grouped, index)
+    return wgmma_g32_ready(x.dtype, scales.dtype, grouped, index)
 
 
 def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
