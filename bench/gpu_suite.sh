@@ -4,7 +4,7 @@
 #   device run:  bash bench/gpu_suite.sh        (carry .whl: wheels missing on the device, e.g. expecttest)
 #   decode only: SUITE=bench BENCHES=decode bash bench/gpu_suite.sh   (DECODE_ARGS: e.g. "--batches 1")
 #   sanitizer:   SUITE=sanitize bash bench/gpu_suite.sh   (compute-sanitizer on the csrc kernels' tests; SANITIZE_SETS
-#                picks some of "quantize mma wgmma pdl")
+#                picks some of "quantize mma wgmma cluster pdl")
 #   some tests: SUITE=tests TESTS="tests/ops/x.py ..." (PYTEST_ARGS="-k 'a or b'" too), or SHARD=1/2 then SHARD=2/2 for all of them; W4A16_ARGS / DECODE_ARGS / MOE_ARGS pass
 #   arguments to the benchmarks; BENCHES="w4a16 w4a16_sweep" runs w4a16_linear.py a second time with W4A16_SWEEP_ARGS
 set -uo pipefail
@@ -114,7 +114,7 @@ case " $SUITE " in *" demo "*) step demo python3 -m torchforge demo ;; esac
 # the Hopper wgmma kernel); PyTorch's caching allocator is turned off so
 # that out-of-bounds accesses inside a cached block are caught too.
 case " $SUITE " in *" sanitize "*)
-  sets=" ${SANITIZE_SETS:-quantize mma wgmma pdl} "  # which of the groups below
+  sets=" ${SANITIZE_SETS:-quantize mma wgmma cluster pdl} "  # which of the groups below
   for tool in memcheck racecheck; do
     [[ $sets == *" quantize "* ]] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
@@ -134,6 +134,10 @@ case " $SUITE " in *" sanitize "*)
     [[ $sets == *" wgmma "* ]] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_wgmma_moe_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
       tests/ops/test_awq_wgmma_moe.py -m "not slow" -k "${SANITIZE_WGMMA_MOE_K:-dtype1-33-4-3-128 or shared_expert and True}"
+    # its K slices as clusters (distributed shared memory, the cluster barrier): every block shape and slice count once
+    [[ $sets == *" cluster "* ]] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_cluster_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/ops/test_awq_wgmma_cluster.py -m "not slow" -k "${SANITIZE_CLUSTER_K:-1152-128 or one_hot and dtype0}"
     # programmatic dependent launch (csrc/pdl.cuh): chains of decode, wgmma and MoE decode calls at every level
     [[ $sets == *" pdl "* ]] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=6 step "sanitize_pdl_$tool" timeout "${SANITIZE_TIMEOUT:-240}" \
       compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \

@@ -176,13 +176,15 @@ def _model_ms(m: int, k: int, n: int, cfg: tuple, sms: int) -> float:
     """The dispatch's time model (torchforge/ops/awq_wgmma_cost.py) for a swept WS configuration, to check its fit
     against the measured column (nan where it has no estimate: non-WS kernels, shapes without a fit, and inf where the
     model rules a configuration out)."""
-    from torchforge.ops.awq_wgmma_cost import (WGMMA_US_PER_CHUNK, wgmma_split_time_us, wgmma_stream_k_time_us,
-                                               wgmma_tail_time_us, wgmma_time_us)
+    from torchforge.ops.awq_wgmma_cost import (WGMMA_US_PER_CHUNK, wgmma_cluster_time_us, wgmma_split_time_us,
+                                               wgmma_stream_k_time_us, wgmma_tail_time_us, wgmma_time_us)
 
     shape, splits, ws, dp = tuple(cfg[:2]), cfg[2], cfg[4], (cfg[5] if len(cfg) > 5 else 0)
     if not ws or shape not in WGMMA_US_PER_CHUNK:
         return float("nan")
-    if splits == 0:
+    if len(cfg) > 6 and cfg[6]:
+        us = wgmma_cluster_time_us(m, k, n, shape, splits, sms)
+    elif splits == 0:
         us = wgmma_stream_k_time_us(m, k, n, shape, sms)
     elif dp:
         us = wgmma_tail_time_us(m, k, n, shape, splits, sms)
@@ -218,7 +220,8 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
             t_deq = bench_graph_ms(lambda: x @ launch_awq_mma_dequantize_t(mma, sc, qz, G, x.dtype), rep_ms=50)
             t_tg = timed_tinygemm(w, x, rep_ms=50) if M <= 256 else float("nan")
             default = wgmma_cuda_config(M, IC, OC, sms)
-            default = default if default[5] else default[:5]  # no tail slices: the plain 5-tuple the sweep makes
+            # no tail slices, no cluster: the plain 5-tuple the sweep makes
+            default = default if default[5] or default[6] else default[:5]
             configs = {default}
             for bm, tw in ((64, 4), (64, 2), (128, 2), (192, 1), (256, 1)):
                 if bm > 2 * M and bm > 64:
@@ -242,7 +245,8 @@ def wgmma_sweep(shapes: str, ms: str, producer_warp: bool = False, only: str = "
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
                 kind = ("stream-K" if cfg[2] == 0 else ("ws" if cfg[4] else "")
-                        + (f"+tail {cfg[5]}" if len(cfg) > 5 else ""))
+                        + (f"+tail {cfg[5]}" if len(cfg) > 5 and cfg[5] else "")
+                        + ("+cluster" if len(cfg) > 6 and cfg[6] else ""))
                 out.append([shape, M, *cfg[:3], kind, "*" if cfg == default else "", t,
                             _model_ms(M, IC, OC, cfg, sms), 2 * M * OC * IC / t / 1e9,
                             wbytes / t / 1e6, t_bf16, t_dec, t_deq, t_tg, t_bf16 / t, f"{rel:.1e}"])
@@ -336,6 +340,89 @@ def stream_k_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
             out.append([shape, M, str(new[:3]), str(old[:3]), t[new], t[old], t[old] / t[new], t_bf16,
                         t_bf16 / t[new], t_bf16 / t[old]])
             print("done", shape, M, flush=True)
+    L2Rotation.stop()
+    return out
+
+
+def cluster_check(shapes: str, ms: str, split_counts: str = "2,3,4,6,8", scale_dtype: str = "fp16") -> list:
+    """Every tile in K slices (awq_wgmma_cuda, dp_tiles 0), the slices meeting through fp32 partials in global memory
+    (one last block reads them all) against the same slices run as a thread block cluster (cluster=True: they meet in
+    distributed shared memory), bf16 and the dispatched configuration in the same run. `same` checks the two give the
+    same bits; `slots`: clusters of that many blocks the device runs at once (awq_wgmma_cluster_slots)."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, wgmma_cuda_config
+    from torchforge.ops.awq_wgmma_cost import wgmma_blocks
+
+    out = []
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    for shape in shapes.split(","):
+        OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape, scale_dtype)
+        for M in map(int, ms.split(",")):
+            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
+            default = wgmma_cuda_config(M, IC, OC, sms)
+            t_default = bench_graph_ms(lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=default,
+                                                                     tickets=tickets), rep_ms=50)
+            for bm, tw in ((64, 2), (128, 2), (192, 1), (256, 1)):
+                if bm > 2 * M and bm > 64:
+                    continue
+                blocks = wgmma_blocks(M, OC, (bm, tw))
+                for splits in map(int, split_counts.split(",")):
+                    slots = torch.ops.torchforge.awq_wgmma_cluster_slots(bm, tw, splits)
+                    if slots == 0 or blocks * splits > 2 * sms or splits > IC // 64:
+                        continue
+                    t, res = {}, {}
+                    for cluster in (False, True):
+                        cfg = (bm, tw, splits, 8, True, 0, cluster)
+                        f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets)  # noqa: E731
+                        res[cluster] = f()
+                        t[cluster] = bench_graph_ms(f, rep_ms=30)
+                    out.append([shape, M, f"({bm}, {tw})", splits, blocks * splits, slots, t[False], t[True],
+                                t[False] / t[True], "yes" if torch.equal(res[False], res[True]) else "NO", t_bf16,
+                                str(default[:3]), t_default, t_bf16 / min(t[True], t_default)])
+            print("done", shape, M, flush=True)
+    L2Rotation.stop()
+    return out
+
+
+def cluster_dispatch_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
+    """awq_mma_linear as dispatched with clusters in the time model (new) and without (old: awq_wgmma_cost's cluster
+    slots emptied), bf16 in the same run: what the thirty-third session's dispatch change buys or costs, including
+    the rows it moves from the decode kernel to the Hopper kernel (path: the wgmma config (block_m, tile_set, splits,
+    c for a cluster), or "decode" / "cuBLAS")."""
+    from torchforge.ops import awq_wgmma_cost as cost
+    from torchforge.ops.awq_mma import awq_mma_linear
+    from torchforge.ops.awq_mma_cuda import MMA_CUDA_MAX_M, wgmma_cuda_config, wgmma_rows_ok
+
+    slots = dict(cost.H100_CLUSTER_SLOTS)
+
+    def use_clusters(on: bool) -> None:
+        cost.H100_CLUSTER_SLOTS = slots if on else {}
+        cost.best_wgmma_config.cache_clear()
+
+    def path(m, k, n, sms):
+        if not wgmma_rows_ok(m, k, n, sms):
+            return "decode" if m <= MMA_CUDA_MAX_M else "cuBLAS"
+        c = wgmma_cuda_config(m, k, n, sms)
+        return f"{c[0]}x{c[1]}/{c[2]}" + ("t" if c[5] else "") + ("c" if c[6] else "")
+
+    out = []
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    try:
+        for shape in shapes.split(","):
+            OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape, scale_dtype)
+            for M in map(int, ms.split(",")):
+                x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+                t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
+                t, p = {}, {}
+                for on in (True, False):
+                    use_clusters(on)
+                    p[on] = path(M, IC, OC, sms)
+                    t[on] = bench_graph_ms(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets), rep_ms=50)
+                out.append([shape, M, p[True], p[False], t[True], t[False], t[False] / t[True], t_bf16,
+                            t_bf16 / t[True], t_bf16 / t[False]])
+                print("done", shape, M, flush=True)
+    finally:
+        use_clusters(True)
     L2Rotation.stop()
     return out
 
@@ -540,6 +627,10 @@ def main() -> int:
                          "every tile")
     ap.add_argument("--wgmma-only", default="",
                     help="with --wgmma-sweep: only these block shapes (e.g. 64x2,128x2) besides the default")
+    ap.add_argument("--cluster-check", default="",
+                    help="M list: K slices through global partials against clusters (distributed shared memory)")
+    ap.add_argument("--cluster-dispatch-check", default="",
+                    help="M list: awq_mma_linear as dispatched with clusters in the time model and without")
     ap.add_argument("--stream-k-check", default="",
                     help="M list: the wgmma dispatch with stream-K against the one without, then stop")
     ap.add_argument("--prefetch-sweep", default="",
@@ -591,6 +682,21 @@ def main() -> int:
                        "dequantize + cuBLAS in parts (weights rotated, bf16 x, fp16 scales, CUDA graphs), ms, against "
                        "the dispatch's estimate (awq_wgmma_cost.dequant_cublas_time_us):",
                        ["W", "M", "dequant ms", "matmul ms", "both ms", "model ms", "model / both", "matmul TFLOP/s"])
+    if args.cluster_check:
+        return _report(cluster_check(args.shapes, args.cluster_check, args.wgmma_splits, args.scale_dtype),
+                       f"every tile in K slices, partials in global memory against a cluster per tile (DSMEM), CUDA "
+                       f"graphs, weights rotated, bf16 x, {args.scale_dtype} scales, ms; dispatched = the time model's "
+                       f"choice (block_m, tile_set, splits):",
+                       ["W", "M", "block", "splits", "blocks", "slots", "partials ms", "cluster ms",
+                        "partials/cluster", "same bits", "bf16 ms", "dispatched", "dispatched ms",
+                        "bf16/best"])
+    if args.cluster_dispatch_check:
+        return _report(cluster_dispatch_check(args.shapes, args.cluster_dispatch_check, args.scale_dtype),
+                       f"awq_mma_linear as dispatched with clusters (new) and without (old), CUDA graphs, weights "
+                       f"rotated, bf16 x, {args.scale_dtype} scales; path: wgmma block_m x tile_set / splits (t: the "
+                       f"last round's tiles, c: clusters), or the decode kernel / dequantize + cuBLAS:",
+                       ["W", "M", "new path", "old path", "new ms", "old ms", "old/new", "bf16 ms", "bf16/new",
+                        "bf16/old"])
     if args.stream_k_check:
         return _report(stream_k_check(args.shapes, args.stream_k_check, args.scale_dtype),
                        f"wgmma dispatch with stream-K (new) and without (old), CUDA graphs, weights rotated, bf16 x, "

@@ -49,6 +49,13 @@
 //   the same. The other kernels' SASS is unchanged by it (thirty-first session).
 // * K slices as in awq_mma.cu (fp32 partials; the last block of a tile adds them in slice order), for every tile or
 //   only for those of a last, nearly empty round of blocks (dp_tiles, see launch), whose blocks come first in the grid.
+// * K slices in clusters (cluster, thirty-third session): every tile's slices run as one thread block cluster, whose
+//   blocks add the slices' sums through distributed shared memory, each a share of the tile, instead of each slice
+//   writing fp32 partials to global memory for one last block to read (a serial read of the whole tile on one SM, on
+//   the critical path). Same additions in the same order, so the same bits. 7168x7168 on the H100: 0.026 against 0.032
+//   ms at 64 rows ((64, 2) in 4 slices), 0.034 against 0.045 at 128 ((128, 2) in 4), 0.051 against 0.056 at 256
+//   ((256, 1) in 2). Clusters of s blocks need s free SMs of one GPC (op awq_wgmma_cluster_slots: 30 of 4 blocks on
+//   the H100, 15 of 8), so the time model weighs the rounds (awq_wgmma_cost.wgmma_cluster_time_us).
 // * Stream-K (splits 0): one block per SM, each on an equal share of the (tile, pair of chunks) units, its producer running on
 //   from one tile to the next. At 64 rows on 18432x7168 (72 tiles of (64, 2) for 132 SMs) the K-sliced grid left a
 //   quarter of the SMs' time idle (ncu, twenty-first session: 85k of 113k cycles active) and refilled the ring once
@@ -80,6 +87,7 @@
 #include <type_traits>
 
 #include "awq_mma.cuh"
+#include "cluster.cuh"
 #include "pdl.cuh"
 #include "wgmma.cuh"
 
@@ -135,6 +143,12 @@ constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
 #define TORCHFORGE_WGMMA_ABLATE 0
 #endif
 constexpr int kAblate = TORCHFORGE_WGMMA_ABLATE;
+// K slices in clusters: at most the portable cluster size. Built into the dense warp-specialized K-slice kernels
+// but (64, 4), which spills (the launchers run the others without clusters): ptxas gave the kernels without a
+// producer more registers and (64, 4) more spills with it.
+constexpr int kMaxClusterSlices = 8;
+template <int BM, int TW, bool WS, bool GROUPED, bool SK>
+constexpr bool kClusterPath = WS && !GROUPED && !SK && !(BM == 64 && TW == 4);
 // G32: groups of 32 rows, two per chunk (lane t's 16 k of a chunk lie in group 2 c + t / 2): the stage holds both
 // rows of scales and of zero words, each lane reads its own (awq_mma.cuh, item_dq has the dense decode form).
 template <int BM, bool G32 = false>
@@ -200,7 +214,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
                      const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                      float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
                      int chunks_per_group, int splits, int group_m, int sliced_tiles, int whole_tiles,
-                     Grouped<S> gp) {
+                     Grouped<S> gp, bool cluster_arg) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using St = Stage<BM, G32>;
   constexpr int kStages = St::kStages;
@@ -256,8 +270,11 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   const int u_end = stream_k ? block_start(bid + 1) : 1;
   const int sliced_blocks = sliced_tiles * splits;
   const bool sliced = !stream_k && bid < sliced_blocks;
-  const int slot = sliced ? bid % sliced_tiles : 0;  // a sliced tile's ticket and partials
-  const int slice = sliced ? bid / sliced_tiles : 0;
+  // a sliced tile's ticket and partials, and its K slice: slice-major, or in clusters (cluster: every tile sliced,
+  // its slices the blocks of one cluster, rank = slice)
+  const bool cluster = kClusterPath<BM, TW, WS, GROUPED, SK> && cluster_arg;  // (other instances: no such code)
+  const int slot = sliced ? (cluster ? bid / splits : bid % sliced_tiles) : 0;
+  const int slice = sliced ? (cluster ? bid % splits : bid / sliced_tiles) : 0;
   struct Segment {
     int pid, c_begin, c_end;
   };
@@ -571,6 +588,52 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
       ticket = s.pid;
     }
     if constexpr ((kAblate & 16) != 0) parts = 1;  // (profiling: no partials, each part stores its own sums)
+    // K slices in a cluster (cluster, see launch): the parts meet in distributed shared memory instead of through fp32
+    // partials in global memory that one last block reads. Every part stores its accumulators in its ring's memory
+    // (free once both warpgroups' wgmmas are done), in 16-byte quads (acc[i][e .. e + 3], e % 4 == 0: rows m, m + 1
+    // of columns n, n + 8), quad q of thread tid at q x threads + tid. Part r then owns this thread's quads
+    // [r Q / P, (r + 1) Q / P): it adds them over the parts in part order, the partials' own additions (so the same
+    // bits), and stores them. (A first form kept the own quads in registers and indexed the accumulators with
+    // compile-time loops over quads and parts: 4x the kernel's code.)
+    if constexpr (kClusterPath<BM, TW, WS, GROUPED, SK>) {
+      if (cluster && parts > 1) {
+        constexpr int kQ = TW * (BM / 2) / 4;
+        consumer_sync();
+        float4* mine = reinterpret_cast<float4*>(smem) + tid;
+#pragma unroll
+        for (int q = 0; q < kQ; ++q) {
+          const int i = 4 * q / (BM / 2), e = 4 * q % (BM / 2);
+          mine[q * kThreads<BM, TW>] = make_float4(acc[i][e], acc[i][e + 1], acc[i][e + 2], acc[i][e + 3]);
+        }
+        const uint32_t here = smem_base + tid * 16 + cluster::sync();
+        const int P = parts, r = my_part;
+#pragma unroll 1
+        for (int q = r * kQ / P; q < (r + 1) * kQ / P; ++q) {
+          const uint32_t a = here + q * kThreads<BM, TW> * 16;
+          float4 v[kMaxClusterSlices];
+#pragma unroll
+          for (int j = 0; j < kMaxClusterSlices; ++j)
+            if (j < P) v[j] = cluster::ld_v4(cluster::map(a, j));
+          float4 sum = v[0];
+#pragma unroll
+          for (int j = 1; j < kMaxClusterSlices; ++j)
+            if (j < P) sum.x += v[j].x, sum.y += v[j].y, sum.z += v[j].z, sum.w += v[j].w;
+          const float part_sum[4] = {sum.x, sum.y, sum.z, sum.w};
+          const int i = 4 * q / (BM / 2), e = 4 * q % (BM / 2);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {  // acc[i][e + w], as for_each below (with j = e / 4)
+            const int m = tl.m0 + 2 * e + 2 * t + (w & 1);
+            const int n = 64 * cb + 16 * (tl.tq * TW + i) + g + 8 * (w >> 1);
+            if (cols_ok && m < M)
+              out[static_cast<size_t>(m) * N + n] =
+                  Tr::from_f(bias != nullptr ? part_sum[w] + Tr::to_f(bias[n]) : part_sum[w]);
+          }
+        }
+        cluster::arrive_relaxed();  // this block has read what it needed of the others'
+        cluster::wait();            // and keeps its memory until they have too
+        continue;
+      }
+    }
     if (parts > 1) {
       // fp32 partials in the block's own order: part slot, then accumulator, then thread (each store and load
       // coalesced across the block, and no index math on rows and columns).
@@ -716,21 +779,40 @@ __global__ void x_image_perm_kernel(const T* __restrict__ x, T* __restrict__ img
   }
 }
 
+// A kernel instance's opt-in to more than 48 KB of dynamic shared memory, once per device.
+template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED, bool SK, bool G32>
+cudaError_t allow_smem() {
+  static unsigned long long attr_set = 0;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 64 || !(attr_set >> dev & 1)) {
+    const cudaError_t err = cudaFuncSetAttribute(awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK, G32>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, Stage<BM, G32>::kSmem);
+    if (err != cudaSuccess) return err;
+    if (dev < 64) attr_set |= 1ull << dev;
+  }
+  return cudaSuccess;
+}
+
+// Whether a tile's `splits` K slices can run as one cluster (the kernel's cluster path): a portable cluster size, and
+// the ring holds the block's accumulators (64-128 KB against at least 164 KB of stages).
+template <int BM, int TW, bool G32>
+constexpr bool cluster_fits(int splits) {
+  return kClusterPath<BM, TW, true, false, false> && splits >= 2 && splits <= kMaxClusterSlices &&
+         TW * (BM / 2) * 4 * kThreads<BM, TW> <= Stage<BM, G32>::kStages * Stage<BM, G32>::kBytes;
+}
+
 template <typename T, typename S, int BM, int TW, bool WS, bool GROUPED = false, bool SK = false, bool G32 = false>
 cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias,
                    void* out, float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    int group_m, int dp_tiles, cudaStream_t stream, Grouped<S> gp = {}, int x_row_div = 1,
-                   const int32_t* perm = nullptr) {
+                   const int32_t* perm = nullptr, bool cluster = false) {
   auto kernel = awq_wgmma_kernel<T, S, BM, TW, WS, GROUPED, SK, G32>;
   constexpr int smem = Stage<BM, G32>::kSmem;
-  static unsigned long long attr_set = 0;  // per device: more than 48 KB of dynamic shared memory is opt-in
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 64 || !(attr_set >> dev & 1)) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    if (dev < 64) attr_set |= 1ull << dev;
-  }
+  // cluster: every tile in `splits` K slices, each tile's slices one cluster (the kernel's cluster path)
+  if (cluster && (!kClusterPath<BM, TW, WS, GROUPED, SK> || dp_tiles != 0 || !cluster_fits<BM, TW, G32>(splits)))
+    return cudaErrorInvalidValue;
+  if (const cudaError_t err = allow_smem<T, S, BM, TW, WS, GROUPED, SK, G32>(); err != cudaSuccess) return err;
   const int64_t pieces = static_cast<int64_t>((M + BM - 1) / BM) * BM * K / 8;
   cudaError_t err =
       perm != nullptr && gp.sorted_rows == nullptr && K * static_cast<int>(sizeof(T)) <= kPermRowBytes
@@ -755,10 +837,11 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   const int whole = tiles - sliced;
   const int blocks = SK ? std::min(dp_tiles, tiles * (K / 128)) : sliced * splits + whole;
   const dim3 block(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0));
-  return pdl::launch(kernel, false, dim3(blocks), block, smem, stream,
-                     static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
-                     reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
-                     tickets, M, N, K, group_size / 64, splits, group_m, sliced, whole, gp);
+  return pdl::launch_clusters(kernel, false, cluster ? static_cast<unsigned>(splits) : 1u, dim3(blocks), block, smem,
+                              stream, static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
+                              static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
+                              static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N, K,
+                              group_size / 64, splits, group_m, sliced, whole, gp, cluster);
 }
 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
@@ -815,6 +898,47 @@ bool awq_wgmma_g32_ready(int dtype, int scale_dtype, bool grouped) {
          }) == cudaSuccess;
 }
 
+// How many clusters of `splits` blocks of the dense K-slice kernel (block_m, tile_set) the current device runs at
+// once (cudaOccupancyMaxActiveClusters; one block per SM), or 0 where the slices cannot run as clusters. Every
+// instance takes one SM a block, so the bf16 one answers for all dtypes.
+int awq_wgmma_cluster_slots(int64_t block_m, int64_t tile_set, int64_t splits) {
+  using namespace awq_wgmma_detail;
+  auto slots = [&](auto bm, auto tw) {
+    constexpr int BM = decltype(bm)::value, TW = decltype(tw)::value;
+    using T = __nv_bfloat16;
+    if (!cluster_fits<BM, TW, false>(static_cast<int>(splits))) return 0;
+    if (allow_smem<T, T, BM, TW, true, false, false, false>() != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(splits));
+    cfg.blockDim = dim3(kThreads<BM, TW> + kProducerThreads<BM, TW>);
+    cfg.dynamicSmemBytes = Stage<BM, false>::kSmem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(splits);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, awq_wgmma_kernel<T, T, BM, TW, true, false, false, false>, &cfg) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return n;
+  };
+  using std::integral_constant;
+  if (block_m == 64 && tile_set == 4) return slots(integral_constant<int, 64>{}, integral_constant<int, 4>{});
+  if (block_m == 64 && tile_set == 2) return slots(integral_constant<int, 64>{}, integral_constant<int, 2>{});
+  if (block_m == 128 && tile_set == 2) return slots(integral_constant<int, 128>{}, integral_constant<int, 2>{});
+  if (block_m == 192 && tile_set == 1) return slots(integral_constant<int, 192>{}, integral_constant<int, 1>{});
+  if (block_m == 256 && tile_set == 1) return slots(integral_constant<int, 256>{}, integral_constant<int, 1>{});
+  return 0;
+}
+
 // Rows of the x image (M rounded up to whole blocks of block_m).
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m) { return (M + block_m - 1) / block_m * block_m; }
 
@@ -844,7 +968,7 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                             int64_t dp_tiles, cudaStream_t stream, const int32_t* perm) {
+                             int64_t dp_tiles, cudaStream_t stream, const int32_t* perm, bool cluster) {
   using namespace awq_wgmma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int gs = static_cast<int>(group_size), s = static_cast<int>(splits), gm = static_cast<int>(group_m);
@@ -861,9 +985,9 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
                                                                partial, tickets, m, n, k, gs, 0, gm, dp, stream, {}, 1,
                                                                perm);
         if (!producer_pool_ok<T, S, BM, TW, false, false, true>()) return cudaErrorInvalidValue;
-        return launch<T, S, BM, TW, true, false, false, true>(x, x_image, qweight, scales, qzeros, bias, out, partial,
-                                                              tickets, m, n, k, gs, s == 0 ? 1 : s, gm,
-                                                              s == 0 ? 0 : dp, stream, {}, 1, perm);
+        return launch<T, S, BM, TW, true, false, false, true>(
+            x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, gs, s == 0 ? 1 : s, gm,
+            s == 0 ? 0 : dp, stream, {}, 1, perm, cluster && cluster_fits<BM, TW, true>(s) && dp == 0);
       }
       // Stream-K needs the producer and whole pairs of chunks (see the kernel); otherwise splits 0 runs whole tiles
       // (the dispatch's config must not turn into an error; ops.cpp refuses splits 0 without producer_warp itself).
@@ -871,9 +995,11 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
         return launch<T, S, BM, TW, true, false, true>(x, x_image, qweight, scales, qzeros, bias, out, partial,
                                                        tickets, m, n, k, gs, 0, gm, dp, stream, {}, 1, perm);
       const int whole_s = s == 0 ? 1 : s, whole_dp = s == 0 ? 0 : dp;
+      // cluster where it fits, else the same slices through partials (ops.cpp has allocated them either way)
       if (producer_warp && producer_pool_ok<T, S, BM, TW>())
         return launch<T, S, BM, TW, true>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
-                                          gs, whole_s, gm, whole_dp, stream, {}, 1, perm);
+                                          gs, whole_s, gm, whole_dp, stream, {}, 1, perm,
+                                          cluster && cluster_fits<BM, TW, false>(s) && dp == 0);
       return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
                                          gs, whole_s, gm, whole_dp, stream, {}, 1, perm);
     };

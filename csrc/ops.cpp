@@ -58,7 +58,8 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
                              const void* scales, const int32_t* qzeros, const void* bias, void* out, float* partial,
                              unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                              int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
-                             int64_t dp_tiles, cudaStream_t stream, const int32_t* perm);
+                             int64_t dp_tiles, cudaStream_t stream, const int32_t* perm, bool cluster);
+int awq_wgmma_cluster_slots(int64_t block_m, int64_t tile_set, int64_t splits);
 cudaError_t awq_wgmma_moe_launch(int dtype, int scale_dtype, const void* x, void* x_image, const int32_t* qweight,
                                  const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
                                  const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
@@ -100,6 +101,17 @@ bool awq_wgmma_g32_ready_op(c10::ScalarType dtype, c10::ScalarType scale_dtype, 
   if (major != 9 || minor != 0) return false;  // the kernels are built for sm_90a only
   const auto code = [](c10::ScalarType t) { return t == at::kBFloat16 ? 0 : t == at::kHalf ? 1 : 2; };
   return awq_wgmma_g32_ready(code(dtype), code(scale_dtype), grouped);
+}
+
+// How many clusters of `splits` blocks of awq_wgmma_cuda's (block_m, tile_set) K-slice kernel the current device runs
+// at once (0: off sm_90, or where its slices cannot run as clusters): the dispatch's one-round check for cluster=True.
+int64_t awq_wgmma_cluster_slots_op(int64_t block_m, int64_t tile_set, int64_t splits) {
+  int device = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) return 0;
+  return awq_wgmma_cluster_slots(block_m, tile_set, splits);
 }
 
 // Sets when the CUDA launchers use programmatic dependent launch (csrc/pdl.cuh: 0, 1 or 2); returns the previous
@@ -499,6 +511,9 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
 // dp_tiles > 0 (with splits > 1): tiles [0, dp_tiles) run whole and only the rest in K slices (their blocks first).
 // splits == 0 (with producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' pairs of chunks evenly;
 // with an odd K / 64 (group_size 64) the kernel runs whole tiles instead.
+// cluster (splits 2..8, dp_tiles 0, producer_warp): each tile's K slices run as one thread block cluster and add their
+// sums through distributed shared memory (the same bits); where the block shape's ring cannot hold them, the launcher
+// takes the partials below instead, so they are allocated either way.
 // Optional `tickets`: int32 zeros, at least as many as the sliced tiles (stream-K: as the tiles; awq_mma_cuda's kept
 // buffer is enough for every configuration up to 512 rows), left zero; without, a fresh zeroed buffer costs a memset
 // kernel per call. Optional `perm` as for awq_mma_cuda (the x image kernel reads x through it).
@@ -506,8 +521,11 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
                           const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                           int64_t splits, int64_t block_m, int64_t tile_set, int64_t group_m, bool producer_warp,
                           int64_t dp_tiles, const c10::optional<at::Tensor>& tickets_in,
-                          const c10::optional<at::Tensor>& perm) {
+                          const c10::optional<at::Tensor>& perm, bool cluster) {
   const std::string op = "awq_wgmma_cuda: ";
+  TORCH_CHECK(!cluster || (splits >= 2 && splits <= 8 && dp_tiles == 0 && producer_warp),
+              op + "cluster=True runs every tile in 2..8 K slices (got splits = " + i2s(splits) + ", dp_tiles = " +
+                  i2s(dp_tiles) + ") on the warp-specialized kernel (producer_warp=True)");
   at::Tensor b;
   TORCH_CHECK(splits >= 0, op + "splits must be 0 (stream-K) or in [1, K / 64], got " + i2s(splits));
   // splits == 0: stream-K (the kernel's own check of the rest is that of splits == 1)
@@ -572,7 +590,7 @@ at::Tensor awq_wgmma_cuda(const at::Tensor& x, const at::Tensor& qweight, const 
       dtype_code(x), dtype_code(scales), x.data_ptr(), x_image.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, block_m, tile_set,
-      group_m, producer_warp, dp_tiles, c10::cuda::getCurrentCUDAStream(), check_perm(op, x, perm));
+      group_m, producer_warp, dp_tiles, c10::cuda::getCurrentCUDAStream(), check_perm(op, x, perm), cluster);
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -656,7 +674,9 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int dp_tiles=0, "
-      "Tensor? tickets=None, Tensor? perm=None) -> Tensor");
+      "Tensor? tickets=None, Tensor? perm=None, bool cluster=False) -> Tensor");
+  m.def("awq_wgmma_cluster_slots(int block_m, int tile_set, int splits) -> int",
+        &torchforge::awq_wgmma_cluster_slots_op);
   m.def(
       "awq_wgmma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, SymInt num_rows, int x_row_div, int group_size, int block_m, int tile_set, "

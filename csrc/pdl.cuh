@@ -47,22 +47,36 @@ int level();
 // 0, 1 or 2 on every launch (the op torchforge::set_start_prefetch, for benchmarks that time them).
 int start_prefetch();
 
-// kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute where the level asks for it; first_of_op:
-// the op's first kernel (its predecessor is another op's).
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of cluster_x blocks along x (1: no clusters), with the
+// PDL attribute where the level asks for it; first_of_op: the op's first kernel (its predecessor is another op's).
 template <typename... Params, typename... Args>
-cudaError_t launch(void (*kernel)(Params...), bool first_of_op, dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, Args&&... args) {
+cudaError_t launch_clusters(void (*kernel)(Params...), bool first_of_op, unsigned cluster_x, dim3 grid, dim3 block,
+                            size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (level() >= (first_of_op ? 2 : 1)) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = level() >= (first_of_op ? 2 : 1) ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), bool first_of_op, dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args&&... args) {
+  return launch_clusters(kernel, first_of_op, 1u, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace pdl

@@ -206,20 +206,21 @@ def test_wgmma_config_follows_the_sweep():
 
     assert (WGMMA_MIN_ROWS, WGMMA_MAX_M) == (32, 512)
     # every configuration WS; 72 tiles of (64, 2) at 64 rows: stream-K on one block per SM (splits 0); 7168x7168 at
-    # 64 rows: every tile in 4 K slices (stream-K would cut each tile in 4.7 parts)
-    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 0, 8, True, 0)
-    assert wgmma_cuda_config(64, 7168, 7168) == (64, 2, 4, 8, True, 0)
-    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 0, 8, True, 0)
-    # 7168x7168 at 256 rows: (256, 1) in 2 K slices, 0.056 ms against 0.080 whole (twenty-sixth session)
-    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 2, 8, True, 0)
+    # 64 rows: every tile's 4 K slices as one cluster (stream-K would cut each tile in 4.7 parts)
+    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 0, 8, True, 0, False)
+    assert wgmma_cuda_config(64, 7168, 7168) == (64, 2, 4, 8, True, 0, True)
+    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 3, 8, True, 0, True)
+    # 7168x7168 at 256 rows: (256, 1) in 2 K slices, 0.056 ms against 0.080 whole (twenty-sixth session), as clusters
+    # 0.051 (thirty-third)
+    assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 2, 8, True, 0, True)
     # 288 blocks of (256, 1) at 512 rows: the 24 past two rounds of 132 in 4 K slices each
-    assert wgmma_cuda_config(512, 7168, 18432) == (256, 1, 4, 8, True, 264)
+    assert wgmma_cuda_config(512, 7168, 18432) == (256, 1, 4, 8, True, 264, False)
     # the rows taken: within WGMMA_MIN_ROWS..WGMMA_MAX_M where the model has the kernel faster
     assert [wgmma_rows_ok(m, 7168, 18432) for m in (32, 48, 512, 513)] == [False, True, True, False]
-    # (72 rows on 7168x7168: the decode kernel by 1 us in the model; measured 0.049 ms against stream-K's 0.046 in the
-    # twenty-first session, when stream-K's estimate still had a 1.15 margin)
-    assert ([wgmma_rows_ok(m, 7168, 7168) for m in (48, 64, 72, 128, 129, 384, 512)]
-            == [False, True, False, True, True, True, True])
+    # 7168x7168 from 33 rows since the clusters (thirty-third session, ms): 0.026 at 48 rows against the decode
+    # kernel's 0.033 (whose time steps up past 32 rows, 0.021 there), 0.033 at 72 against its 0.048
+    assert ([wgmma_rows_ok(m, 7168, 7168) for m in (32, 33, 48, 64, 72, 128, 129, 384, 512)]
+            == [False, True, True, True, True, True, True, True, True])
     # 4096x4096: (192, 1) in 4 K slices at 129-192 rows (twenty-sixth session: 0.027-0.028 ms against dequantize +
     # cuBLAS's 0.031-0.033), 2 K slices in one round of blocks at 321-512 (twenty-seventh session: 0.034 against 0.037
     # at 384 rows); 217-256 and 276-320 since the cuBLAS estimate's K walk (twenty-eighth: 0.033 against 0.035-0.036)

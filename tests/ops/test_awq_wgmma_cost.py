@@ -4,9 +4,9 @@ import expecttest
 
 from torchforge.ops.awq_mma_cuda import wgmma_cuda_config, wgmma_rows_ok
 from torchforge.ops.awq_wgmma_cost import (SPLIT_SPLITS, TAIL_SPLITS, WGMMA_MIN_M, best_wgmma_config, best_wgmma_shape,
-                                           decode_mma_time_us, dequant_cublas_time_us, wgmma_blocks,
-                                           wgmma_split_time_us, wgmma_stream_k_time_us, wgmma_tail_time_us,
-                                           wgmma_time_us)
+                                           cluster_slots, decode_mma_time_us, dequant_cublas_time_us, wgmma_blocks,
+                                           wgmma_cluster_time_us, wgmma_split_time_us, wgmma_stream_k_time_us,
+                                           wgmma_tail_time_us, wgmma_time_us)
 
 
 def test_blocks_and_rounds():
@@ -32,8 +32,9 @@ def test_choices_on_the_swept_shapes():
     # 0.059 (eleventh)
     assert best_wgmma_shape(160, 4096, 14336)[0] == (192, 1)
     # 7168x7168 at 256 rows: 56 blocks of (256, 1), in 2 K slices: 0.056-0.057 ms against 0.080 whole and 0.064 for
-    # (128, 2) in 2 slices (twenty-sixth session)
-    assert best_wgmma_config(256, 7168, 7168)[0] == (256, 1, 2, 0)
+    # (128, 2) in 2 slices (twenty-sixth session); the slices as clusters 0.051 (thirty-third)
+    assert best_wgmma_config(256, 7168, 7168, clusters=False)[0] == (256, 1, 2, 0, False)
+    assert best_wgmma_config(256, 7168, 7168)[0] == (256, 1, 2, 0, True)
     # dequantize + cuBLAS where the kernel leaves most SMs idle (64 blocks at most on 4096 columns)
     assert best_wgmma_shape(256, 4096, 4096)[1] > dequant_cublas_time_us(256, 4096, 4096)  # 0.041 against 0.035
     assert best_wgmma_shape(256, 7168, 18432)[1] < dequant_cublas_time_us(256, 7168, 18432)  # 0.196 against 0.228
@@ -61,7 +62,8 @@ def test_shapes_only_where_they_were_swept():
         for n, k in ((16384, 2048), (18432, 7168), (7168, 7168), (4096, 14336)):
             assert best_wgmma_config(m, k, n)[0][:2] not in WGMMA_MIN_M, (m, n, k)
             assert best_wgmma_shape(m, k, n)[0] not in WGMMA_MIN_M, (m, n, k)
-    assert best_wgmma_config(100, 2048, 16384)[0][:2] == (64, 2)
+    assert best_wgmma_config(100, 2048, 16384, clusters=False)[0][:2] == (64, 2)
+    assert best_wgmma_config(100, 2048, 16384)[0][:2] == (128, 2)  # in 2 K slices as clusters: 32 tiles, 20 us
     assert best_wgmma_config(129, 4096, 4096)[0][:2] == (192, 1)
 
 
@@ -99,8 +101,8 @@ def test_tail_slices():
     # (256, 1) with two warpgroups (twenty-sixth session) takes both: 144 blocks at 256 rows, the 12 past one round in
     # 4 K slices, 0.129 ms (its stream-K 0.127, (128, 2)'s stream-K 0.139); 288 at 512 rows, the 24 past two rounds,
     # 0.232 against (128, 2)'s tail slices' 0.257
-    assert best_wgmma_config(256, 7168, 18432)[0] == (256, 1, 4, 132)
-    assert best_wgmma_config(512, 7168, 18432)[0] == (256, 1, 4, 264)
+    assert best_wgmma_config(256, 7168, 18432)[0] == (256, 1, 4, 132, False)
+    assert best_wgmma_config(512, 7168, 18432)[0] == (256, 1, 4, 264, False)
     # no tail to slice: fewer blocks than SMs, a whole number of rounds, or slices that overflow the round
     assert wgmma_tail_time_us(128, 7168, 18432, (128, 2), 2) == float("inf")   # 72 blocks
     assert wgmma_tail_time_us(256, 7168, 16896, (128, 2), 2) == float("inf")   # 66 x 2 = 132 blocks
@@ -117,7 +119,8 @@ def test_every_tile_in_slices_at_few_rows():
         best = min(SPLIT_SPLITS, key=lambda s: wgmma_split_time_us(64, k, n, (64, 2), s))
         assert best == splits and wgmma_split_time_us(64, k, n, (64, 2), splits) < decode_mma_time_us(64, k, n)
         if n != 18432:  # (18432x7168 takes stream-K since the twenty-first session: test_stream_k)
-            assert best_wgmma_config(64, k, n)[0] == (64, 2, splits, 0)
+            assert best_wgmma_config(64, k, n, clusters=False)[0] == (64, 2, splits, 0, False)
+            assert best_wgmma_config(64, k, n)[0] == (64, 2, splits, 0, True)  # as clusters: test_clusters
     assert wgmma_split_time_us(64, 7168, 18432, (64, 2), 3) < wgmma_time_us(64, 7168, 18432, (64, 2))
     # up to 256 rows since the twenty-sixth session (7168x7168 at 256 rows: (256, 1) in 2 slices, 0.056 ms against
     # 0.080 whole; the estimate 0.057); past it only in one round of blocks up to 512 rows (twenty-seventh session:
@@ -127,7 +130,7 @@ def test_every_tile_in_slices_at_few_rows():
     assert wgmma_split_time_us(257, 7168, 18432, (128, 2), 2) == float("inf")
     assert wgmma_split_time_us(384, 7168, 18432, (128, 2), 3) == float("inf")
     assert wgmma_blocks(512, 4096, (256, 1)) * 2 <= 132 and abs(wgmma_split_time_us(512, 14336, 4096, (256, 1), 2) - 109) < 10
-    assert best_wgmma_config(512, 14336, 4096)[0] == (256, 1, 2, 0)
+    assert best_wgmma_config(512, 14336, 4096, clusters=False)[0] == (256, 1, 2, 0, False)
     assert wgmma_split_time_us(513, 14336, 4096, (256, 1), 2) == float("inf")
     assert wgmma_split_time_us(64, 128, 18432, (64, 2), 3) == float("inf")
 
@@ -149,16 +152,18 @@ def test_dispatch_takes_a_symbolic_row_count():
 
 
 def _cell(config) -> str:
-    block_m, tile_set, splits, dp_tiles = config[0], config[1], config[2], config[5]
+    block_m, tile_set, splits, dp_tiles, cluster = config[0], config[1], config[2], config[5], config[6]
     if splits == 0:
         return f"{block_m}x{tile_set}/sk"
-    return f"{block_m}x{tile_set}" + (f"/{splits}" + ("t" if dp_tiles else "") if splits > 1 else "")
+    return f"{block_m}x{tile_set}" + (f"/{splits}" + ("t" if dp_tiles else "") + ("c" if cluster else "")
+                                      if splits > 1 else "")
 
 
 class TestDispatchTable(expecttest.TestCase):
     def test_dispatch_table(self):
         """The block shape the op takes per matrix and row count; /s: every tile in s K slices, /st: the last round's
-        tiles in s K slices, /sk: stream-K ("-": the decode kernel up to 128 rows, else dequantize + cuBLAS)."""
+        tiles in s K slices, /sc: every tile's s K slices as one cluster, /sk: stream-K ("-": the decode kernel up to
+        128 rows, else dequantize + cuBLAS)."""
         ms = (32, 48, 56, 64, 72, 96, 128, 129, 160, 192, 256, 384, 512, 513)
         lines = [f"{'rows':>10} " + " ".join(f"{m:>8}" for m in ms)]
         for n, k in ((18432, 7168), (7168, 7168), (14336, 4096), (4096, 14336), (4096, 4096)):
@@ -166,19 +171,19 @@ class TestDispatchTable(expecttest.TestCase):
             lines.append(f"{f'{n}x{k}':>10} " + " ".join(f"{c:>8}" for c in cells))
         self.assertExpectedInline("\n".join(lines), """\
       rows       32       48       56       64       72       96      128      129      160      192      256      384      512      513
-18432x7168        -  64x2/sk  64x2/sk  64x2/sk 128x2/sk 128x2/sk 128x2/sk 192x1/sk 192x1/sk 192x1/sk 256x1/4t    128x2 256x1/4t        -
- 7168x7168        -        -   64x2/4   64x2/4        -  128x2/4  128x2/4  192x1/2  192x1/2  192x1/2  256x1/2    192x1    256x1        -
-14336x4096        -        -   64x2/2   64x2/2  128x2/2  128x2/2  128x2/2    192x1    192x1    192x1    256x1    192x1    256x1        -
-4096x14336        -        -        -        -        -   64x2/4   64x2/4  192x1/4  192x1/4  192x1/4  256x1/4  192x1/2  256x1/2        -
- 4096x4096        -        -        -        -        -        -        -  192x1/4  192x1/4  192x1/4  256x1/4  192x1/2  256x1/2        -""")
+18432x7168        -  64x2/sk  64x2/sk  64x2/sk 128x2/3c 128x2/3c 128x2/3c 192x1/sk 192x1/sk 192x1/sk 256x1/4t    128x2 256x1/4t        -
+ 7168x7168        -  64x2/4c  64x2/4c  64x2/4c 128x2/4c 128x2/4c 128x2/4c 192x1/2c 192x1/2c 192x1/2c 256x1/2c    192x1    256x1        -
+14336x4096        -  64x2/2c  64x2/2c  64x2/2c 128x2/2c 128x2/2c 128x2/2c    192x1    192x1    192x1    256x1    192x1    256x1        -
+4096x14336        -        -  64x2/6c  64x2/6c 128x2/6c 128x2/6c 128x2/6c 192x1/3c 192x1/3c 192x1/3c 256x1/3c 192x1/2c 256x1/2c        -
+ 4096x4096        -        -        -        -        -        -  64x2/3c 192x1/3c 192x1/3c 192x1/3c 256x1/3c 192x1/2c 256x1/2c        -""")
 
 
 def test_stream_k():
     # twenty-first session, H100, weights rotated (ms): 18432x7168 at 64 rows, (64, 2) in stream-K 0.056-0.057 against
     # 3 K slices 0.065-0.066; 7168x7168 at 64 rows 4.7 parts per tile, 0.035 against 4 slices 0.032; 14336x4096 at 64
     # rows 27 chunks per SM, 0.035 against 2 slices 0.032-0.033
-    assert best_wgmma_config(64, 7168, 18432)[0] == (64, 2, 0, 0)
-    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 0, 8, True, 0)
+    assert best_wgmma_config(64, 7168, 18432)[0] == (64, 2, 0, 0, False)
+    assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 0, 8, True, 0, False)
     assert abs(wgmma_stream_k_time_us(64, 7168, 18432, (64, 2)) - 56.5) < 3
     assert wgmma_stream_k_time_us(64, 7168, 7168, (64, 2)) == float("inf")  # past STREAM_K_MAX_PARTS
     assert wgmma_stream_k_time_us(64, 4096, 14336, (64, 2)) == float("inf")  # under STREAM_K_MIN_CHUNKS
@@ -193,5 +198,33 @@ def test_stream_k():
     assert wgmma_stream_k_time_us(0, 7168, 18432, (64, 2)) == float("inf")
     assert wgmma_stream_k_time_us(64, 32, 18432, (64, 2)) == float("inf")
     assert best_wgmma_config(0, 7168, 18432)[0][2] != 0
-    # (128, 2) blocks from 96 rows on 18432x7168: 0.087-0.090 against 3 K slices' 0.105-0.109
-    assert best_wgmma_config(128, 7168, 18432)[0] == (128, 2, 0, 0)
+    # (128, 2) blocks from 96 rows on 18432x7168: 0.087-0.090 against 3 K slices' 0.105-0.109 (since the thirty-third
+    # session those 3 slices as clusters, two rounds of 39, 0.081 against stream-K's 0.081-0.087)
+    assert best_wgmma_config(128, 7168, 18432, clusters=False)[0] == (128, 2, 0, 0, False)
+
+
+# K slices as clusters, measured (H100, thirty-third session, `bench/w4a16_linear.py --cluster-check`, weights rotated):
+# (rows, K, N, block shape, slices) -> ms, one round of clusters unless noted
+CLUSTER_MEASURED_MS = {(64, 7168, 7168, (64, 2), 4): 0.026, (64, 7168, 7168, (64, 2), 2): 0.041,
+                       (128, 7168, 7168, (128, 2), 4): 0.034, (128, 7168, 7168, (192, 1), 2): 0.042,
+                       (256, 7168, 7168, (256, 1), 2): 0.052, (64, 14336, 4096, (64, 2), 6): 0.032,
+                       (128, 14336, 4096, (128, 2), 3): 0.066, (64, 4096, 14336, (64, 2), 2): 0.028,
+                       (64, 7168, 18432, (64, 2), 3): 0.060,  # 72 tiles: two rounds of 39
+                       (128, 7168, 18432, (128, 2), 3): 0.081}  # the same
+
+
+def test_clusters():
+    """The cluster estimate within 0.88-1.1x of the measured; the H100's cluster slots, scaled for other SM counts;
+    no (64, 4) (no cluster path), no third round, no slice counts without slots."""
+    ratios = {key: wgmma_cluster_time_us(*key) / 1e3 / ms for key, ms in CLUSTER_MEASURED_MS.items()}
+    assert all(0.88 <= r <= 1.1 for r in ratios.values()), ratios
+    assert [cluster_slots(s) for s in (1, 2, 3, 4, 5, 6, 8)] == [0, 66, 39, 30, 0, 17, 15]
+    assert cluster_slots(4, sms=66) == 15
+    assert wgmma_cluster_time_us(64, 7168, 7168, (64, 4), 4) == float("inf")
+    assert wgmma_cluster_time_us(64, 7168, 7168, (64, 2), 5) == float("inf")
+    assert wgmma_cluster_time_us(256, 7168, 18432, (256, 1), 2) == float("inf")  # 144 tiles: 3 rounds of 66
+    assert wgmma_cluster_time_us(64, 128, 7168, (64, 2), 4) == float("inf")  # 2 chunks
+    # the partials against clusters, same slices (ms): 7168x7168 at 64 rows 0.032 / 0.026, at 128 0.045 / 0.034
+    assert best_wgmma_config(64, 7168, 7168)[0] == (64, 2, 4, 0, True)
+    assert best_wgmma_config(128, 7168, 7168)[0] == (128, 2, 4, 0, True)
+    assert wgmma_cuda_config(128, 7168, 7168) == (128, 2, 4, 8, True, 0, True)

@@ -239,18 +239,30 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 # - Every tile in 2 K slices at 257-512 rows where they fit in one round (twenty-seventh session): 4096x14336 and
 #   4096x12288 at 320-512 rows 0.077-0.109 against stream-K's 0.085-0.122; 4096x4096 at 384 rows 0.034 against
 #   dequantize + cuBLAS's 0.037, but at 512 0.041 against its 0.039 (the model has cuBLAS at 0.046 there).
+# - Every tile's K slices as one thread block cluster, the slices adding their sums in distributed shared memory
+#   (thirty-third session): 7168x7168 at 48-256 rows 1.1-1.46x faster (0.026 ms at 64 rows against 0.032, 0.033 at 128
+#   against 0.045, 0.033 at 72 against the decode kernel's 0.048); 14336x4096 and 4096x14336 at 48-128 rows 1.14-1.5x.
 WGMMA_MIN_ROWS = 32
 WGMMA_MAX_M = 512
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (192, 1), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
-def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool, int]:
-    """(block_m, tile_set, splits, group_m, producer_warp, dp_tiles) for x [m, k] and n output columns on `sms` SMs:
-    what the time model (awq_wgmma_cost) finds fastest, warp-specialized: whole tiles, the tiles of a last, nearly
-    empty round of blocks in K slices (dp_tiles > 0), every tile in K slices (dp_tiles = 0; up to 256 rows, up to 512 in
-    one round of blocks), or stream-K (splits 0)."""
-    (block_m, tile_set, splits, dp_tiles), _ = best_wgmma_config(int(m), int(k), int(n), sms)  # see wgmma_rows_ok
-    return block_m, tile_set, splits, 8, True, dp_tiles
+def _clusters_ok() -> bool:
+    """Whether the dispatch may run K slices as clusters: not with an extension built before they existed (no op
+    awq_wgmma_cluster_slots). Without a loaded extension no kernel runs, and the choices are the device's (the tests
+    on CPU pin those)."""
+    from torchforge.ops._ext import has_cuda_ext
+
+    return not has_cuda_ext() or hasattr(torch.ops.torchforge, "awq_wgmma_cluster_slots")
+
+
+def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool, int, bool]:
+    """(block_m, tile_set, splits, group_m, producer_warp, dp_tiles, cluster) for x [m, k] and n output columns on
+    `sms` SMs: what the time model (awq_wgmma_cost) finds fastest, warp-specialized: whole tiles, the tiles of a last,
+    nearly empty round of blocks in K slices (dp_tiles > 0), every tile in K slices (dp_tiles = 0; up to 256 rows, up to
+    512 in one round of blocks), each tile's K slices as one cluster (cluster True), or stream-K (splits 0)."""
+    (block_m, tile_set, splits, dp_tiles, cluster), _ = best_wgmma_config(int(m), int(k), int(n), sms, _clusters_ok())
+    return block_m, tile_set, splits, 8, True, dp_tiles, cluster
 
 
 def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
@@ -263,7 +275,7 @@ def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
         return False
     m, k, n = int(m), int(k), int(n)
     other = decode_mma_time_us(m, k, n) if m <= MMA_CUDA_MAX_M else dequant_cublas_time_us(m, k, n)
-    return best_wgmma_config(m, k, n, sms)[1] < other
+    return best_wgmma_config(m, k, n, sms, _clusters_ok())[1] < other
 
 
 @functools.lru_cache(maxsize=None)
@@ -313,8 +325,10 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
                           config: Optional[tuple] = None, tickets: Optional[Tensor] = None,
                           perm: Optional[Tensor] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype on Hopper, W in the mma layout `[N / 64, K * 8]`; config =
-    (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles]), else wgmma_cuda_config. dp_tiles > 0: tiles
-    [0, dp_tiles) run whole, only the rest in `splits` K slices (a last round of few tiles; their blocks first).
+    (block_m, tile_set, splits, group_m, producer_warp[, dp_tiles[, cluster]]), else wgmma_cuda_config. dp_tiles > 0:
+    tiles [0, dp_tiles) run whole, only the rest in `splits` K slices (a last round of few tiles; their blocks first).
+    cluster (dp_tiles 0, splits 2..8): each tile's K slices run as one thread block cluster and meet in distributed
+    shared memory instead of fp32 partials in global memory (the same bits).
     splits 0 (producer_warp): stream-K, dp_tiles blocks (0: one per SM) sharing the tiles' pairs of chunks evenly
     (whole tiles where K / 64 is odd).
     `tickets`: a kept zeroed buffer (`mma_tickets`; None: the op allocates one per call with K slices). `perm` (int32
@@ -325,10 +339,12 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     x2 = _packed_rows(x2)
     if config is None:
         config = wgmma_cuda_config(x2.shape[0], k, n, _sm_count(x2.device.index))
-    block_m, tile_set, splits, group_m, ws, *dp = config
-    out = torch.ops.torchforge.awq_wgmma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m,
-                                              tile_set, group_m, ws, dp[0] if dp else 0,
-                                              tickets if splits != 1 else None, perm)
+    block_m, tile_set, splits, group_m, ws, *rest = config
+    dp, cluster = (rest + [0, False])[:2]
+    args = (x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, ws, dp,
+            tickets if splits != 1 else None, perm)
+    # (cluster only when asked: an extension from before it has no such argument)
+    out = torch.ops.torchforge.awq_wgmma_cuda(*args, cluster=True) if cluster else torch.ops.torchforge.awq_wgmma_cuda(*args)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -516,7 +532,10 @@ def register_fake() -> None:
     if hasattr(torch.ops.torchforge, "awq_wgmma_cuda"):
         @torch.library.register_fake("torchforge::awq_wgmma_cuda")
         def _(x, qweight, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, producer_warp=False,
-              dp_tiles=0, tickets=None, perm=None):
+              dp_tiles=0, tickets=None, perm=None, cluster=False):
+            check(not cluster or (2 <= splits <= 8 and dp_tiles == 0 and producer_warp),
+                  lambda: f"awq_wgmma_cuda: cluster=True runs every tile in 2..8 K slices (got splits = {splits}, "
+                          f"dp_tiles = {dp_tiles}) on the warp-specialized kernel (producer_warp=True)")
             check(x.dim() == 2 and qweight.dim() == 2 and qweight.shape[1] == x.shape[1] * 8,
                   lambda: f"awq_wgmma_cuda: x must be [M, K] and qweight [N / 64, K * 8], got "
                           f"{tuple(x.shape)} and {tuple(qweight.shape)}")

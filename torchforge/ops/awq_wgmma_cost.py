@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 
 __all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "WGMMA_MIN_M", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us",
-           "wgmma_tail_time_us", "wgmma_split_time_us", "wgmma_stream_k_time_us", "best_wgmma_shape",
+           "wgmma_tail_time_us", "wgmma_split_time_us", "wgmma_stream_k_time_us", "wgmma_cluster_time_us",
+           "cluster_slots", "best_wgmma_shape",
            "best_wgmma_config", "dequant_cublas_time_us", "decode_mma_time_us"]
 
 H100_SMS = 132
@@ -78,6 +79,22 @@ SPLIT_US_PER_SLICE = 3.0
 # sweeps' (past it the model would send 2048x7168 at 748-1024 rows to one round of slices, never measured).
 SPLIT_MAX_M = 256
 SPLIT_ONE_ROUND_MAX_M = 512
+# Every tile in K slices, each tile's slices one thread block cluster (cluster=True, thirty-third session): the slices
+# add their sums through distributed shared memory, every block of the cluster a share, instead of one last block
+# reading fp32 partials from L2. Clusters of s blocks need s free SMs of one GPC: the H100 runs 66 / 39 / 30 / 17 / 15
+# at once for s = 2 / 3 / 4 / 6 / 8 (cudaOccupancyMaxActiveClusters, one block per SM), so 4 slices use 120 SMs and 6
+# only 102. Fitted on 7168x7168, 4096x14336 and 14336x4096 at 64-256 rows (41 configurations in one round, bench
+# `--cluster-check`): FIXED + CLUSTER_FIXED_US + 0.91 x the chunks' time + 1.3 us per slice for a block of 128 x 256
+# outputs, within 0.88-1.09 of the measured (256 rows 9-12% under). Up to two rounds of clusters (18432x7168 at 64-128
+# rows measured within 10% of the estimate); 7168x7168 at 64 rows, (64, 2) in 4 slices: 0.026 ms against 0.032 through
+# the partials, at 128 rows (128, 2) in 4: 0.034 against 0.045.
+CLUSTER_SPLITS = (2, 3, 4, 6, 8)
+H100_CLUSTER_SLOTS = {2: 66, 3: 39, 4: 30, 6: 17, 8: 15}
+CLUSTER_FIXED_US = 2.0
+CLUSTER_CHUNK_FACTOR = 0.91
+CLUSTER_US_PER_SLICE = 1.3
+CLUSTER_MAX_ROUNDS = 2
+CLUSTER_SHAPES = ((64, 2), (128, 2), (192, 1), (256, 1))  # csrc/awq_wgmma.cu kClusterPath: not (64, 4)
 # Stream-K (splits 0, twenty-first session): one block per SM, each running an equal share of the (tile, pair of
 # chunks) units, so no SM idles through a partial last round; a tile cut between blocks costs fp32 partials and a
 # reduction by its last block, in part order. Per shape (fixed us, us per chunk per SM, us per part of a tile), fitted
@@ -179,22 +196,50 @@ def wgmma_stream_k_time_us(m: int, k: int, n: int, shape: tuple[int, int], sms: 
     return fixed + per_chunk * per_sm + per_part * max(1.0, parts)
 
 
+def cluster_slots(splits: int, sms: int = H100_SMS) -> int:
+    """Clusters of `splits` blocks (one per SM) that run at once: the H100's count, scaled to other SM counts."""
+    slots = H100_CLUSTER_SLOTS.get(splits, 0)
+    return slots if sms == H100_SMS else slots * sms // H100_SMS
+
+
+def wgmma_cluster_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: int, sms: int = H100_SMS) -> float:
+    """Estimated microseconds with every tile's `splits` K slices run as one cluster (inf for shapes without the
+    cluster path, past CLUSTER_MAX_ROUNDS rounds of clusters, past SPLIT_MAX_M rows, or SPLIT_ONE_ROUND_MAX_M in one
+    round, or where K has fewer than `splits` chunks of 64)."""
+    chunks = k // 64
+    slots = cluster_slots(splits, sms)
+    tiles = wgmma_blocks(m, n, shape)
+    if shape not in CLUSTER_SHAPES or slots == 0 or splits > chunks or tiles == 0:
+        return float("inf")
+    rounds = -(-tiles // slots)
+    if rounds > CLUSTER_MAX_ROUNDS or m > (SPLIT_ONE_ROUND_MAX_M if rounds == 1 else SPLIT_MAX_M):
+        return float("inf")
+    per_round = (CLUSTER_CHUNK_FACTOR * -(-chunks // splits) * WGMMA_US_PER_CHUNK[shape]
+                 + CLUSTER_US_PER_SLICE * splits * _block_outputs(shape) / (128 * 256))
+    return WGMMA_FIXED_US + CLUSTER_FIXED_US + rounds * per_round
+
+
 @functools.lru_cache(maxsize=4096)  # asked twice per call (wgmma_rows_ok, then wgmma_cuda_config), same few shapes
-def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[tuple[int, int, int, int], float]:
-    """((block_m, tile_set, splits, dp_tiles), estimated us) with the least estimated time: every block shape whole
-    (splits 1, dp_tiles 0), with its last round's tiles in TAIL_SPLITS slices (dp_tiles > 0), with every tile in
-    SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows, SPLIT_ONE_ROUND_MAX_M in one round), or stream-K (splits 0, dp_tiles 0: one block per SM).
-    Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times), then to
-    fewer slices."""
+def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS,
+                      clusters: bool = True) -> tuple[tuple[int, int, int, int, bool], float]:
+    """((block_m, tile_set, splits, dp_tiles, cluster), estimated us) with the least estimated time: every block shape
+    whole (splits 1, dp_tiles 0), with its last round's tiles in TAIL_SPLITS slices (dp_tiles > 0), with every tile in
+    SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows, SPLIT_ONE_ROUND_MAX_M in one round), every tile's
+    CLUSTER_SPLITS slices as one cluster (cluster True; with `clusters`), or stream-K (splits 0, dp_tiles 0: one block
+    per SM). Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times),
+    then to fewer slices, then to the partials."""
     options = []
     for shape in _shapes_for(m):
-        options.append(((*shape, 0, 0), wgmma_stream_k_time_us(m, k, n, shape, sms)))
-        options.append(((*shape, 1, 0), wgmma_time_us(m, k, n, shape, sms)))
+        options.append(((*shape, 0, 0, False), wgmma_stream_k_time_us(m, k, n, shape, sms)))
+        options.append(((*shape, 1, 0, False), wgmma_time_us(m, k, n, shape, sms)))
         blocks = wgmma_blocks(m, n, shape)
         for splits in TAIL_SPLITS:
-            options.append(((*shape, splits, blocks - blocks % sms), wgmma_tail_time_us(m, k, n, shape, splits, sms)))
+            options.append(((*shape, splits, blocks - blocks % sms, False),
+                            wgmma_tail_time_us(m, k, n, shape, splits, sms)))
         for splits in SPLIT_SPLITS:
-            options.append(((*shape, splits, 0), wgmma_split_time_us(m, k, n, shape, splits, sms)))
+            options.append(((*shape, splits, 0, False), wgmma_split_time_us(m, k, n, shape, splits, sms)))
+        for splits in CLUSTER_SPLITS if clusters else ():
+            options.append(((*shape, splits, 0, True), wgmma_cluster_time_us(m, k, n, shape, splits, sms)))
     return min(options, key=lambda o: o[1])
 
 
