@@ -609,6 +609,8 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
         const int P = parts, r = my_part;
 #pragma unroll 1
         for (int q = r * kQ / P; q < (r + 1) * kQ / P; ++q) {
+          const int i = 4 * q / (BM / 2), e = 4 * q % (BM / 2);
+          if (!cols_ok || tl.m0 + 2 * e + 2 * t >= M) continue;  // none of its outputs exists (tails)
           const uint32_t a = here + q * kThreads<BM, TW> * 16;
           float4 v[kMaxClusterSlices];
 #pragma unroll
@@ -619,18 +621,17 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
           for (int j = 1; j < kMaxClusterSlices; ++j)
             if (j < P) sum.x += v[j].x, sum.y += v[j].y, sum.z += v[j].z, sum.w += v[j].w;
           const float part_sum[4] = {sum.x, sum.y, sum.z, sum.w};
-          const int i = 4 * q / (BM / 2), e = 4 * q % (BM / 2);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {  // acc[i][e + w], as for_each below (with j = e / 4)
             const int m = tl.m0 + 2 * e + 2 * t + (w & 1);
             const int n = 64 * cb + 16 * (tl.tq * TW + i) + g + 8 * (w >> 1);
-            if (cols_ok && m < M)
+            if (m < M)
               out[static_cast<size_t>(m) * N + n] =
                   Tr::from_f(bias != nullptr ? part_sum[w] + Tr::to_f(bias[n]) : part_sum[w]);
           }
         }
-        cluster::arrive_relaxed();  // this block has read what it needed of the others'
-        cluster::wait();            // and keeps its memory until they have too
+        cluster::arrive();  // this block has read what it needed of the others'
+        cluster::wait();    // and keeps its memory until they have too
         continue;
       }
     }

@@ -8,12 +8,6 @@
 namespace torchforge {
 namespace cluster {
 
-// This block's rank in its cluster (blockIdx.x % cluster size for a 1-D grid of 1-D clusters).
-__device__ __forceinline__ uint32_t rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
 // arrive.release + wait.acquire: every thread's shared-memory writes before it are visible to every block of the
 // cluster after it. Threads that have exited count as arrived (PTX ISA, "exit"), so a warp-specialized block's
 // producer, which leaves early, holds nothing up. Returns 0, for loads that must not move above it (ld_v4).
@@ -25,8 +19,10 @@ __device__ __forceinline__ uint32_t sync() {
       "mov.u32 %0, 0;" : "=r"(token) :: "memory");
   return token;
 }
-// The second half of a sync for a block about to exit: its shared memory must outlive the other blocks' loads.
-__device__ __forceinline__ void arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
+// The second half of a sync for a block about to exit: its shared memory must outlive the other blocks' loads. With
+// release semantics, this thread's loads from the others are done before they can pass their wait (.relaxed would
+// not order a load whose value was never used).
+__device__ __forceinline__ void arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
 __device__ __forceinline__ void wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
 // The shared::cluster address of shared::cta address `addr` in block `rank` of the cluster.
 __device__ __forceinline__ uint32_t map(uint32_t addr, uint32_t rank) {

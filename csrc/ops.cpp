@@ -104,7 +104,8 @@ bool awq_wgmma_g32_ready_op(c10::ScalarType dtype, c10::ScalarType scale_dtype, 
 }
 
 // How many clusters of `splits` blocks of awq_wgmma_cuda's (block_m, tile_set) K-slice kernel the current device runs
-// at once (0: off sm_90, or where its slices cannot run as clusters): the dispatch's one-round check for cluster=True.
+// at once (0: off sm_90, or where its slices cannot run as clusters): the rounds of clusters in the dispatch's time
+// model, which takes cluster=True only where this is > 0 (a launch in clusters the device cannot place fails).
 int64_t awq_wgmma_cluster_slots_op(int64_t block_m, int64_t tile_set, int64_t splits) {
   int device = 0, major = 0, minor = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));

@@ -68,10 +68,43 @@ def test_cluster_one_hot_rows_give_the_weights_bit_exact(shape, dtype, scale_dty
     assert torch.equal(out, w[:, ks].T.to(dtype))
 
 
+@pytest.mark.parametrize("G", [128, 32])
+def test_cluster_with_perm(G):
+    """An act-order layer's permutation (perm) only changes the x image the clusters read: the same bits as the
+    partials, and as the clusters on the gathered x."""
+    qw, mma, s, z = _case(2048, 512, G, seed=5)
+    x = torch.randn(70, 2048, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(2048, device="cuda").to(torch.int32)
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    args = (s, z, G, None, 4, 64, 2, 8, True, 0)
+    out = op(x, mma, *args, None, perm, cluster=True)
+    assert torch.equal(out, op(x, mma, *args, None, perm))
+    assert torch.equal(out, op(x[:, perm.long()].contiguous(), mma, *args, cluster=True))
+
+
+@pytest.mark.parametrize("shape", [(64, 2), (128, 2), (192, 1), (256, 1)])
+def test_cluster_path_runs_without_tickets(shape):
+    """The cluster path takes no ticket: tickets that would make the partials' last-block test fire wrongly (all
+    ones) are left as they are and the result is right. The partials path, which the launcher falls back to where
+    clusters cannot run, would reset them and read unfinished partials."""
+    qw, mma, s, z = _case(1152, 512, 128, seed=3)
+    x = torch.randn(shape[0] + 5, 1152, device="cuda", dtype=torch.bfloat16)
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    tickets = torch.ones(64, dtype=torch.int32, device="cuda")
+    out = op(x, mma, s, z, 128, None, 4, shape[0], shape[1], 8, True, 0, tickets, cluster=True)
+    assert torch.equal(tickets, torch.ones_like(tickets))
+    assert torch.equal(out, op(x, mma, s, z, 128, None, 4, shape[0], shape[1], 8, True, 0))
+
+
 def test_cluster_slots():
     """One block per SM: clusters of 2 fit at least a third of the SMs' worth; none of 1 or 9 blocks, none of a shape
-    that does not exist."""
+    that does not exist. The dispatch reads the device's slots (the H100's: the time model's table)."""
+    from torchforge.ops.awq_mma_cuda import _device_cluster_slots
+    from torchforge.ops.awq_wgmma_cost import H100_CLUSTER_SLOTS
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms == 132:
+        assert dict(_device_cluster_slots(0)) == H100_CLUSTER_SLOTS
     slots = torch.ops.torchforge.awq_wgmma_cluster_slots
     for splits in (2, 4, 8):
         n = slots(64, 2, splits)

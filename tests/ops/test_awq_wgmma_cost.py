@@ -228,3 +228,9 @@ def test_clusters():
     assert best_wgmma_config(64, 7168, 7168)[0] == (64, 2, 4, 0, True)
     assert best_wgmma_config(128, 7168, 7168)[0] == (128, 2, 4, 0, True)
     assert wgmma_cuda_config(128, 7168, 7168) == (128, 2, 4, 8, True, 0, True)
+    # a device's own slots (op awq_wgmma_cluster_slots): none of 4 blocks leaves 3 slices (39 slots), none at all
+    # leaves the partials, fewer slots add rounds
+    own = tuple((s, 0 if s == 4 else n) for s, n in ((2, 66), (3, 39), (4, 30), (6, 17), (8, 15)))
+    assert best_wgmma_config(64, 7168, 7168, clusters=own)[0] == (64, 2, 3, 0, True)
+    assert best_wgmma_config(64, 7168, 7168, clusters=())[0] == (64, 2, 4, 0, False)
+    assert wgmma_cluster_time_us(64, 7168, 7168, (64, 2), 4, slots=14) > wgmma_cluster_time_us(64, 7168, 7168, (64, 2), 4)

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from torchforge.ops._check import check
-from torchforge.ops.awq_wgmma_cost import H100_SMS, best_wgmma_config, decode_mma_time_us, dequant_cublas_time_us
+from torchforge.ops.awq_wgmma_cost import (CLUSTER_SPLITS, H100_SMS, best_wgmma_config, decode_mma_time_us,
+                                           dequant_cublas_time_us)
 
 __all__ = ["MMA_CUDA_MAX_M", "mma_cuda_config", "mma_cuda_warps", "mma_cuda_prefetch", "mma_cuda_g32_splits",
            "mma_cuda_launch_config", "wgmma_g32_ready",
@@ -241,31 +242,49 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
 #   dequantize + cuBLAS's 0.037, but at 512 0.041 against its 0.039 (the model has cuBLAS at 0.046 there).
 # - Every tile's K slices as one thread block cluster, the slices adding their sums in distributed shared memory
 #   (thirty-third session): 7168x7168 at 48-256 rows 1.1-1.46x faster (0.026 ms at 64 rows against 0.032, 0.033 at 128
-#   against 0.045, 0.033 at 72 against the decode kernel's 0.048); 14336x4096 and 4096x14336 at 48-128 rows 1.14-1.5x.
+#   against 0.045, 0.033 at 72 against the decode kernel's 0.048); 14336x4096 at 48-128 rows 1.14-1.23x, 4096x14336
+#   at 64-128 1.16-1.50x, 4096x4096 at 128-512 1.07-1.35x. The slots come from the device (op awq_wgmma_cluster_slots).
 WGMMA_MIN_ROWS = 32
 WGMMA_MAX_M = 512
 _WGMMA_SHAPES = ((64, 4), (64, 2), (128, 2), (192, 1), (256, 1))  # (rows of x per block, column tiles per warp)
 
 
-def _clusters_ok() -> bool:
-    """Whether the dispatch may run K slices as clusters: not with an extension built before they existed (no op
-    awq_wgmma_cluster_slots). Without a loaded extension no kernel runs, and the choices are the device's (the tests
+@functools.lru_cache(maxsize=None)
+def _device_cluster_slots(device_index: int) -> tuple:
+    """((splits, clusters the device runs at once), ...) for the time model's slice counts, from the extension (op
+    awq_wgmma_cluster_slots: the GPC layout decides, e.g. 30 clusters of 4 on the H100 SXM); () where it has no such
+    op (built before clusters existed)."""
+    op = getattr(torch.ops.torchforge, "awq_wgmma_cluster_slots", None)
+    if op is None:
+        return ()
+    with torch.cuda.device(device_index):  # (the same for every block shape: one block per SM)
+        return tuple((s, int(op(64, 2, s))) for s in CLUSTER_SPLITS)
+
+
+def _clusters_ok(device_index: Optional[int] = None):
+    """What the time model may assume of clusters (awq_wgmma_cost.best_wgmma_config's `clusters`): the device's own
+    cluster slots where the extension is loaded; without it no kernel runs, and the choices are the H100's (the tests
     on CPU pin those)."""
     from torchforge.ops._ext import has_cuda_ext
 
-    return not has_cuda_ext() or hasattr(torch.ops.torchforge, "awq_wgmma_cluster_slots")
+    if not has_cuda_ext():
+        return True
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return _device_cluster_slots(index)
 
 
-def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS) -> tuple[int, int, int, int, bool, int, bool]:
+def wgmma_cuda_config(m: int, k: int, n: int, sms: int = H100_SMS,
+                      device_index: Optional[int] = None) -> tuple[int, int, int, int, bool, int, bool]:
     """(block_m, tile_set, splits, group_m, producer_warp, dp_tiles, cluster) for x [m, k] and n output columns on
     `sms` SMs: what the time model (awq_wgmma_cost) finds fastest, warp-specialized: whole tiles, the tiles of a last,
     nearly empty round of blocks in K slices (dp_tiles > 0), every tile in K slices (dp_tiles = 0; up to 256 rows, up to
     512 in one round of blocks), each tile's K slices as one cluster (cluster True), or stream-K (splits 0)."""
-    (block_m, tile_set, splits, dp_tiles, cluster), _ = best_wgmma_config(int(m), int(k), int(n), sms, _clusters_ok())
+    (block_m, tile_set, splits, dp_tiles, cluster), _ = best_wgmma_config(int(m), int(k), int(n), sms,
+                                                                          _clusters_ok(device_index))
     return block_m, tile_set, splits, 8, True, dp_tiles, cluster
 
 
-def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
+def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS, device_index: Optional[int] = None) -> bool:
     """Whether x [m, k] with n output columns goes to the wgmma kernel: WGMMA_MIN_ROWS..WGMMA_MAX_M rows, where the
     time model has it faster than the decode kernel (up to MMA_CUDA_MAX_M rows) or dequantize + cuBLAS."""
     # Dynamic shapes (SymInts under torch.compile: the rows of x, or the weight's size where one compiled function
@@ -275,7 +294,7 @@ def wgmma_rows_ok(m: int, k: int, n: int, sms: int = H100_SMS) -> bool:
         return False
     m, k, n = int(m), int(k), int(n)
     other = decode_mma_time_us(m, k, n) if m <= MMA_CUDA_MAX_M else dequant_cublas_time_us(m, k, n)
-    return best_wgmma_config(m, k, n, sms, _clusters_ok())[1] < other
+    return best_wgmma_config(m, k, n, sms, _clusters_ok(device_index))[1] < other
 
 
 @functools.lru_cache(maxsize=None)
@@ -313,7 +332,7 @@ def wgmma_cuda_ok(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
     return (torch.cuda.get_device_capability(x.device) == (9, 0)
             and (group_size % 64 == 0 or group_size == 32)  # (before wgmma_rows_ok, which pins a traced row count)
             and wgmma_rows_ok(x.numel() // x.shape[-1], x.shape[-1], qweight_mma.shape[0] * 64,
-                              _sm_count(x.device.index))
+                              _sm_count(x.device.index), x.device.index)
             and (x.shape[-1] // 64) * (group_size // 64) < 2 ** 32  # ops.cpp: the kernel's group by high multiply
             and _dense_ok(x, qweight_mma, scales, qzeros, group_size, bias)
             and _aligned16(scales, qzeros)  # bulk copies
@@ -338,7 +357,7 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     x2 = x.reshape(-1, k)
     x2 = _packed_rows(x2)
     if config is None:
-        config = wgmma_cuda_config(x2.shape[0], k, n, _sm_count(x2.device.index))
+        config = wgmma_cuda_config(x2.shape[0], k, n, _sm_count(x2.device.index), x2.device.index)
     block_m, tile_set, splits, group_m, ws, *rest = config
     dp, cluster = (rest + [0, False])[:2]
     args = (x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, ws, dp,

@@ -19,6 +19,7 @@ win.
 from __future__ import annotations
 
 import functools
+from typing import Optional, Union
 
 __all__ = ["H100_SMS", "WGMMA_US_PER_CHUNK", "WGMMA_MIN_M", "TAIL_SPLITS", "wgmma_blocks", "wgmma_time_us",
            "wgmma_tail_time_us", "wgmma_split_time_us", "wgmma_stream_k_time_us", "wgmma_cluster_time_us",
@@ -202,12 +203,14 @@ def cluster_slots(splits: int, sms: int = H100_SMS) -> int:
     return slots if sms == H100_SMS else slots * sms // H100_SMS
 
 
-def wgmma_cluster_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: int, sms: int = H100_SMS) -> float:
-    """Estimated microseconds with every tile's `splits` K slices run as one cluster (inf for shapes without the
-    cluster path, past CLUSTER_MAX_ROUNDS rounds of clusters, past SPLIT_MAX_M rows, or SPLIT_ONE_ROUND_MAX_M in one
-    round, or where K has fewer than `splits` chunks of 64)."""
+def wgmma_cluster_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits: int, sms: int = H100_SMS,
+                          slots: Optional[int] = None) -> float:
+    """Estimated microseconds with every tile's `splits` K slices run as one cluster, `slots` of them at once (None:
+    cluster_slots). inf for shapes without the cluster path, without slots, past CLUSTER_MAX_ROUNDS rounds of
+    clusters, past SPLIT_MAX_M rows, or SPLIT_ONE_ROUND_MAX_M in one round, or where K has fewer than `splits` chunks
+    of 64."""
     chunks = k // 64
-    slots = cluster_slots(splits, sms)
+    slots = cluster_slots(splits, sms) if slots is None else slots
     tiles = wgmma_blocks(m, n, shape)
     if shape not in CLUSTER_SHAPES or slots == 0 or splits > chunks or tiles == 0:
         return float("inf")
@@ -221,12 +224,13 @@ def wgmma_cluster_time_us(m: int, k: int, n: int, shape: tuple[int, int], splits
 
 @functools.lru_cache(maxsize=4096)  # asked twice per call (wgmma_rows_ok, then wgmma_cuda_config), same few shapes
 def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS,
-                      clusters: bool = True) -> tuple[tuple[int, int, int, int, bool], float]:
+                      clusters: Union[bool, tuple] = True) -> tuple[tuple[int, int, int, int, bool], float]:
     """((block_m, tile_set, splits, dp_tiles, cluster), estimated us) with the least estimated time: every block shape
     whole (splits 1, dp_tiles 0), with its last round's tiles in TAIL_SPLITS slices (dp_tiles > 0), with every tile in
     SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows, SPLIT_ONE_ROUND_MAX_M in one round), every tile's
-    CLUSTER_SPLITS slices as one cluster (cluster True; with `clusters`), or stream-K (splits 0, dp_tiles 0: one block
-    per SM). Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times),
+    CLUSTER_SPLITS slices as one cluster (cluster True; `clusters`: True for cluster_slots, a device's own
+    ((splits, slots), ...) from op awq_wgmma_cluster_slots, False for none), or stream-K (splits 0, dp_tiles 0: one
+    block per SM). Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times),
     then to fewer slices, then to the partials."""
     options = []
     for shape in _shapes_for(m):
@@ -238,8 +242,10 @@ def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS,
                             wgmma_tail_time_us(m, k, n, shape, splits, sms)))
         for splits in SPLIT_SPLITS:
             options.append(((*shape, splits, 0, False), wgmma_split_time_us(m, k, n, shape, splits, sms)))
+        own = dict(clusters) if isinstance(clusters, tuple) else {}
         for splits in CLUSTER_SPLITS if clusters else ():
-            options.append(((*shape, splits, 0, True), wgmma_cluster_time_us(m, k, n, shape, splits, sms)))
+            options.append(((*shape, splits, 0, True),
+                            wgmma_cluster_time_us(m, k, n, shape, splits, sms, own.get(splits) if own else None)))
     return min(options, key=lambda o: o[1])
 
 
