@@ -385,19 +385,20 @@ def cluster_check(shapes: str, ms: str, split_counts: str = "2,3,4,6,8", scale_d
 
 
 def cluster_dispatch_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
-    """awq_mma_linear as dispatched with clusters in the time model (new) and without (old: awq_wgmma_cost's cluster
-    slots emptied), bf16 in the same run: what the thirty-third session's dispatch change buys or costs, including
-    the rows it moves from the decode kernel to the Hopper kernel (path: the wgmma config (block_m, tile_set, splits,
-    c for a cluster), or "decode" / "cuBLAS")."""
-    from torchforge.ops import awq_wgmma_cost as cost
+    """awq_mma_linear as dispatched with clusters in the time model (new) and without (old: the dispatch's
+    awq_mma_cuda._clusters_ok answering False), bf16 in the same run: what the thirty-third session's dispatch change
+    buys or costs, including the rows it moves from the decode kernel to the Hopper kernel (path: the wgmma config
+    (block_m, tile_set, splits, c for a cluster), or "decode" / "cuBLAS")."""
+    from torchforge.ops import awq_mma_cuda
     from torchforge.ops.awq_mma import awq_mma_linear
     from torchforge.ops.awq_mma_cuda import MMA_CUDA_MAX_M, wgmma_cuda_config, wgmma_rows_ok
 
-    slots = dict(cost.H100_CLUSTER_SLOTS)
+    clusters_ok = awq_mma_cuda._clusters_ok
 
     def use_clusters(on: bool) -> None:
-        cost.H100_CLUSTER_SLOTS = slots if on else {}
-        cost.best_wgmma_config.cache_clear()
+        # (the device's own slots since the review fixes: emptying the H100 table, as the first run of this check
+        # did, no longer turns them off)
+        awq_mma_cuda._clusters_ok = clusters_ok if on else (lambda *a, **kw: False)
 
     def path(m, k, n, sms):
         if not wgmma_rows_ok(m, k, n, sms):
