@@ -209,7 +209,7 @@ def test_wgmma_config_follows_the_sweep():
     # 64 rows: every tile's 4 K slices as one cluster (stream-K would cut each tile in 4.7 parts)
     assert wgmma_cuda_config(64, 7168, 18432) == (64, 2, 0, 8, True, 0, False)
     assert wgmma_cuda_config(64, 7168, 7168) == (64, 2, 4, 8, True, 0, True)
-    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 3, 8, True, 0, True)
+    assert wgmma_cuda_config(128, 7168, 18432) == (128, 2, 0, 8, True, 0, False)
     # 7168x7168 at 256 rows: (256, 1) in 2 K slices, 0.056 ms against 0.080 whole (twenty-sixth session), as clusters
     # 0.051 (thirty-third)
     assert wgmma_cuda_config(256, 7168, 7168) == (256, 1, 2, 8, True, 0, True)

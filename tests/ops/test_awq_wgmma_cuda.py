@@ -263,14 +263,12 @@ def test_awq_mma_linear_dispatch(monkeypatch):
 @pytest.mark.parametrize("m,n,dispatched", [(512, 18432, (256, 1, 4, 8, True, 264, False)),
                                             (64, 7168, (64, 2, 4, 8, True, 0, True)),
                                             (256, 7168, (256, 1, 2, 8, True, 0, True)),
-                                            (64, 18432, (64, 2, 0, 8, True, 0, False)),
-                                            (128, 18432, (128, 2, 3, 8, True, 0, True))])
+                                            (128, 18432, (128, 2, 0, 8, True, 0, False))])
 def test_dispatched_k_slices_compile_and_graph(m, n, dispatched):
     """The dispatch's K slices and stream-K through the op, torch.compile and a CUDA graph, on 132 SMs: a last
     round's tiles in K slices (18432x7168 at 512 rows: the 24 tiles of (256, 1) past two rounds in 4 slices, run first
     in the launch), every tile's K slices as one cluster (7168x7168 at 64 rows: 28 tiles of (64, 2) in 4 slices; at
-    256 rows 56 of (256, 1) in 2; 18432x7168 at 128 rows: 72 tiles of (128, 2) in 3, two rounds of clusters), and
-    stream-K (18432x7168 at 64 rows: 72 tiles' chunks shared by 132 blocks)."""
+    256 rows 56 of (256, 1) in 2), and stream-K (18432x7168 at 128 rows: 72 tiles' chunks shared by 132 blocks)."""
     from torchforge.ops.awq_mma import awq_mma_linear
     from torchforge.ops.awq_mma_cuda import launch_awq_wgmma_cuda, mma_tickets, wgmma_cuda_config
 

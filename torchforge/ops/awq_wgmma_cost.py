@@ -86,15 +86,16 @@ SPLIT_ONE_ROUND_MAX_M = 512
 # at once for s = 2 / 3 / 4 / 6 / 8 (cudaOccupancyMaxActiveClusters, one block per SM), so 4 slices use 120 SMs and 6
 # only 102. Fitted on 7168x7168, 4096x14336 and 14336x4096 at 64-256 rows (41 configurations in one round, bench
 # `--cluster-check`): FIXED + CLUSTER_FIXED_US + 0.91 x the chunks' time + 1.3 us per slice for a block of 128 x 256
-# outputs, within 0.88-1.09 of the measured (256 rows 9-12% under). Up to two rounds of clusters (18432x7168 at 64-128
-# rows measured within 10% of the estimate); 7168x7168 at 64 rows, (64, 2) in 4 slices: 0.026 ms against 0.032 through
-# the partials, at 128 rows (128, 2) in 4: 0.034 against 0.045.
+# outputs, within 0.88-1.09 of the measured (256 rows 9-12% under). 7168x7168 at 64 rows, (64, 2) in 4 slices: 0.026
+# ms against 0.032 through the partials, at 128 rows (128, 2) in 4: 0.034 against 0.045. One round of clusters only:
+# two rounds (18432x7168 at 72-128 rows, 72 tiles of (128, 2) in clusters of 3, within 10% of the estimate) ran as
+# fast as stream-K at group 128 (0.076-0.081 ms both) and 3-4% slower at group 32 (0.080-0.086 against 0.077-0.084).
 CLUSTER_SPLITS = (2, 3, 4, 6, 8)
 H100_CLUSTER_SLOTS = {2: 66, 3: 39, 4: 30, 6: 17, 8: 15}
 CLUSTER_FIXED_US = 2.0
 CLUSTER_CHUNK_FACTOR = 0.91
 CLUSTER_US_PER_SLICE = 1.3
-CLUSTER_MAX_ROUNDS = 2
+CLUSTER_MAX_ROUNDS = 1
 CLUSTER_SHAPES = ((64, 2), (128, 2), (192, 1), (256, 1))  # csrc/awq_wgmma.cu kClusterPath: not (64, 4)
 # Stream-K (splits 0, twenty-first session): one block per SM, each running an equal share of the (tile, pair of
 # chunks) units, so no SM idles through a partial last round; a tile cut between blocks costs fp32 partials and a
