@@ -129,7 +129,7 @@ def cuda_gemv_sweep(shapes: str) -> list:
     return out
 
 
-def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8", clusters: bool = False) -> list:
+def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8") -> list:
     """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices (item chunks as
     configured), warps and the prefetching loop, with fp16 scales and with bf16 ones (as after
     `model.to(torch.bfloat16)`), kept tickets, against bf16, tinygemm and the AWQ-layout op as dispatched
@@ -151,32 +151,23 @@ def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8", clus
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             default_splits, chunks, default_warps, default_pf = mma_cuda_launch_config(M, IC, OC, G, sms)
             default = (default_splits, chunks)
-            from torchforge.ops.awq_mma_cuda import MMA_CLUSTER_SLICES
-            default_cluster = MMA_CLUSTER_SLICES and 2 <= default_splits <= 8
             pfs = (False, True) if chunks == 2 else (False,)  # the prefetching loop: items of 128 k only
             counts = sorted({*map(int, split_counts.split(",")), default[0]})
-            configs = [(s, w_, sc, pf, False) for s in counts for w_ in (4, 8) for pf in pfs]
-            configs.append((default[0], default_warps, sc.bfloat16(), default_pf, False))
-            if clusters:  # the same K slices as clusters (csrc/awq_mma.cu's cluster path)
-                configs += [(s, w_, sc_, pf, True) for s, w_, sc_, pf, _ in configs if 2 <= s <= 8]
-            for splits, warps, scales, pf, cl in configs:
+            configs = [(s, w_, sc, pf) for s in counts for w_ in (4, 8) for pf in pfs]
+            configs.append((default[0], default_warps, sc.bfloat16(), default_pf))
+            for splits, warps, scales, pf in configs:
                 if splits > IC // (64 * chunks):
                     continue
                 f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=chunks,  # noqa: E731
-                                                warps=warps, prefetch=pf, tickets=tickets, cluster=cl)
+                                                warps=warps, prefetch=pf, tickets=tickets)
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                same = "" if not cl else ("same" if torch.equal(f(), launch_awq_mma_cuda(
-                    x, mma, scales, qz, G, splits=splits, item_chunks=chunks, warps=warps, prefetch=pf,
-                    tickets=tickets, cluster=False)) else "DIFFERENT")
                 out.append([shape, M, str(scales.dtype).removeprefix("torch."), splits, warps, "yes" if pf else "",
-                            ("cluster " + same) if cl else "",
-                            "*" if (splits, warps, pf, cl) == (default[0], default_warps, default_pf,
-                                                               default_cluster) else "", t,
+                            "*" if (splits, warps, pf) == (default[0], default_warps, default_pf) else "", t,
                             f"{t * 1e3:.1f}", wbytes / t / 1e6, t_op,
                             t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
-    out.sort(key=lambda r: (r[0], r[1], r[8]))
+    out.sort(key=lambda r: (r[0], r[1], r[7]))
     L2Rotation.stop()
     return out
 
@@ -624,8 +615,6 @@ def main() -> int:
     ap.add_argument("--cublas-fit", default="", help="M list: time dequantize + cuBLAS in parts against the "
                                                      "dispatch's estimate of it, then stop")
     ap.add_argument("--mma-splits", default="1,2,3,4,6,8", help="with --mma-cuda-sweep: the K slice counts tried")
-    ap.add_argument("--mma-clusters", action="store_true",
-                    help="with --mma-cuda-sweep: each K-sliced configuration also as clusters")
     ap.add_argument("--mma-sweep", default="", help="M list: time the tensor-core kernel's configurations, then stop")
     ap.add_argument("--wgmma-sweep", default="",
                     help="M list: time the extension's Hopper kernel (csrc/awq_wgmma.cu) over its configurations, "
@@ -667,11 +656,10 @@ def main() -> int:
                        ["W", "rows", "splits", "default", "ms", "int4 GB/s", "Triton GEMV ms", "tinygemm ms",
                         "bf16 ms", "bf16/ms", "rel err"])
     if args.mma_cuda_sweep:
-        return _report(mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits, args.mma_clusters),
+        return _report(mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits),
                        "CUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
                        "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:",
-                       ["W", "M", "scales", "splits", "warps", "prefetch", "cluster", "default", "ms", "us",
-                        "int4 GB/s",
+                       ["W", "M", "scales", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s",
                         "op ms",
                         "tinygemm ms", "bf16 ms",
                         "bf16/ms", "tinygemm/ms", "rel err"])

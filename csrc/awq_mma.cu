@@ -53,7 +53,6 @@
 #include <type_traits>
 
 #include "awq_mma.cuh"
-#include "cluster.cuh"
 #include "pdl.cuh"
 
 namespace torchforge {
@@ -72,14 +71,13 @@ namespace awq_mma_detail {
 
 template <int W, bool PF>
 constexpr int kMinBlocks = PF ? 8 / W : 16 / W;
-constexpr int kMaxClusterSlices = 8;  // K slices as a cluster: at most the portable cluster size
 
 template <typename T, typename S, int NT, int CPG, int W, bool PF, bool G32>
 __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
                    float* __restrict__ partial, unsigned int* __restrict__ tickets, int M, int N, int K,
-                   int chunks_per_group, int splits, int prefetch_rounds, bool cluster) {
+                   int chunks_per_group, int splits, int prefetch_rounds) {
   using Tr = Traits<T>;
   constexpr int kBlockThreads = 32 * W;
   __shared__ float red[W * kRows * kPad];
@@ -138,32 +136,6 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
 #pragma unroll
     for (int wi = 0; wi < W; ++wi) v += red[(wi * kRows + row) * kPad + col];
     sum[r] = v;
-  }
-  // K slices as one cluster (cluster, dims 1 x 1 x splits: blockIdx.z is the rank): every slice leaves its sums in
-  // `red`, and slice r adds its share of the tile's outputs over the slices, read through distributed shared memory,
-  // in slice order from 0 as below (the same bits), instead of the partials in global memory that one last block
-  // reads after a fence and a ticket.
-  if (cluster && splits > 1) {
-    __syncthreads();  // every warp has read `red` above
-#pragma unroll
-    for (int r = 0; r < kPer; ++r) red[threadIdx.x + r * kBlockThreads] = sum[r];
-    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(red)) + cluster::sync();
-    for (int idx = slice * kOut / splits + threadIdx.x; idx < (slice + 1) * kOut / splits; idx += kBlockThreads) {
-      const int m = mc * kRows + idx / kCols, n = cb * kCols + idx % kCols;
-      if (m >= M) continue;
-      float part[kMaxClusterSlices];
-#pragma unroll
-      for (int sl = 0; sl < kMaxClusterSlices; ++sl)
-        if (sl < splits) part[sl] = cluster::ld_f32(cluster::map(base + idx * 4, sl));
-      float v = 0.0f;
-#pragma unroll
-      for (int sl = 0; sl < kMaxClusterSlices; ++sl)
-        if (sl < splits) v += part[sl];
-      out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
-    }
-    cluster::arrive();  // this block has read the others' sums
-    cluster::wait();    // and keeps its own until they have too
-    return;
   }
   const int tile = cb * gridDim.x + mc;
   if (splits == 1) {
@@ -236,7 +208,7 @@ __global__ void gather_cols_kernel(const T* __restrict__ x, const int* __restric
 template <typename T, typename S, int NT, int CPG, int W, bool PF, bool G32 = false>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
-                   cudaStream_t stream, const int32_t* perm, void* x_perm, bool cluster) {
+                   cudaStream_t stream, const int32_t* perm, void* x_perm) {
   if (perm != nullptr) {  // gather x[:, perm] first; the kernel below then reads that copy
     const int64_t pieces = static_cast<int64_t>(M) * (K / 8);
     const cudaError_t err = pdl::launch(gather_cols_kernel<T>, true, dim3(static_cast<unsigned>((pieces + 255) / 256)),
@@ -250,13 +222,11 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
   // rounds of items (2 or 1) as stay within a third of the block's items.
   const int items = K / 64 / CPG;
   const int rounds = splits == 1 && M <= 16 ? (6 * W <= items ? 2 : 3 * W <= items ? 1 : 0) : 0;
-  cluster = cluster && splits > 1 && splits <= kMaxClusterSlices;
-  return pdl::launch_clusters(awq_mma_kernel<T, S, NT, CPG, W, PF, G32>, perm == nullptr,
-                              dim3(1, 1, cluster ? static_cast<unsigned>(splits) : 1u), grid, dim3(32 * W), 0, stream,
-                              static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
-                              reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out),
-                              partial, tickets, M, N, K, group_size / 64, splits,
-                              pdl::start_prefetch() >= 0 ? pdl::start_prefetch() : rounds, cluster);
+  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF, G32>, perm == nullptr, grid, dim3(32 * W), 0, stream,
+                     static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
+                     reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
+                     tickets, M, N, K, group_size / 64, splits,
+                     pdl::start_prefetch() >= 0 ? pdl::start_prefetch() : rounds);
 }
 
 }  // namespace awq_mma_detail
@@ -267,13 +237,12 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
 // K % 64 == 0 and K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block, prefetch only with
 // item_chunks 2 (else cudaErrorInvalidValue);
 // `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1); perm: nullptr, or
-// int32 [K] (16-byte aligned, values in [0, K)) that x is read through (x[:, perm], gathered into x_perm [M, K]);
-// cluster: 2..8 K slices as one cluster each (the kernel's cluster path; other counts take the partials).
+// int32 [K] (16-byte aligned, values in [0, K)) that x is read through (x[:, perm], gathered into x_perm [M, K]).
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                            int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream,
-                           const int32_t* perm, void* x_perm, bool cluster) {
+                           const int32_t* perm, void* x_perm) {
   using namespace awq_mma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int g = static_cast<int>(group_size), s = static_cast<int>(splits);
@@ -288,24 +257,24 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
         if constexpr (CPG == 1) {
           if (!prefetch)
             return warps == 4 ? launch<T, S, NT, CPG, 4, false, true>(x, qweight, scales, qzeros, bias, out, partial,
-                                                                      tickets, m, n, k, g, s, stream, perm, x_perm, cluster)
+                                                                      tickets, m, n, k, g, s, stream, perm, x_perm)
                               : launch<T, S, NT, CPG, 8, false, true>(x, qweight, scales, qzeros, bias, out, partial,
-                                                                      tickets, m, n, k, g, s, stream, perm, x_perm, cluster);
+                                                                      tickets, m, n, k, g, s, stream, perm, x_perm);
         }
         return cudaErrorInvalidValue;
       }
       if constexpr (CPG == 2) {  // the prefetching loop is built for items of 128 k only (groups of 128, 256, ...)
         if (prefetch)
           return warps == 4 ? launch<T, S, NT, CPG, 4, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,
-                                                             m, n, k, g, s, stream, perm, x_perm, cluster)
+                                                             m, n, k, g, s, stream, perm, x_perm)
                             : launch<T, S, NT, CPG, 8, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,
-                                                             m, n, k, g, s, stream, perm, x_perm, cluster);
+                                                             m, n, k, g, s, stream, perm, x_perm);
       }
       if (prefetch) return cudaErrorInvalidValue;
       return warps == 4 ? launch<T, S, NT, CPG, 4, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
-                                                          n, k, g, s, stream, perm, x_perm, cluster)
+                                                          n, k, g, s, stream, perm, x_perm)
                         : launch<T, S, NT, CPG, 8, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
-                                                          n, k, g, s, stream, perm, x_perm, cluster);
+                                                          n, k, g, s, stream, perm, x_perm);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;

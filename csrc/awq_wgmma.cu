@@ -838,8 +838,8 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   const int whole = tiles - sliced;
   const int blocks = SK ? std::min(dp_tiles, tiles * (K / 128)) : sliced * splits + whole;
   const dim3 block(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0));
-  return pdl::launch_clusters(kernel, false, dim3(cluster ? static_cast<unsigned>(splits) : 1u), dim3(blocks), block,
-                              smem, stream, static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
+  return pdl::launch_clusters(kernel, false, cluster ? static_cast<unsigned>(splits) : 1u, dim3(blocks), block, smem,
+                              stream, static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
                               static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
                               static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N, K,
                               group_size / 64, splits, group_m, sliced, whole, gp, cluster);

@@ -38,11 +38,5 @@ __device__ __forceinline__ float4 ld_v4(uint32_t addr) {
   return v;
 }
 
-__device__ __forceinline__ float ld_f32(uint32_t addr) {
-  float v;
-  asm("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-  return v;
-}
-
 }  // namespace cluster
 }  // namespace torchforge

@@ -40,7 +40,7 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                            int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream,
-                           const int32_t* perm, void* x_perm, bool cluster);
+                           const int32_t* perm, void* x_perm);
 
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
@@ -337,16 +337,11 @@ const int32_t* check_perm(const std::string& op, const at::Tensor& x, const c10:
 // dtype. Optional `tickets`: int32 zeros, at least ceil(M / 16) * N / 64 of them, used with K slices and left zero.
 // group_size: 32 (awq_mma.cuh, item_dq; item_chunks 1) or a multiple of 64 * item_chunks.
 // prefetch: the software-pipelined loop (awq_mma.cuh: accumulate with PF; items of 128 k only), same bits.
-// cluster (splits 2..8): each tile's K slices run as one thread block cluster and add their sums in distributed shared
-// memory (same bits; no ticket is taken).
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                         int64_t splits, int64_t item_chunks, const c10::optional<at::Tensor>& tickets_in,
-                        int64_t warps, bool prefetch, const c10::optional<at::Tensor>& perm, bool cluster) {
+                        int64_t warps, bool prefetch, const c10::optional<at::Tensor>& perm) {
   at::Tensor b;
-  TORCH_CHECK(!cluster || (splits >= 2 && splits <= 8),
-              "awq_mma_cuda: cluster=True runs the K slices as one cluster per tile: splits must be in [2, 8], got " +
-                  i2s(splits));
   const void* bias_ptr =
       check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b, true);
   TORCH_CHECK(warps == 4 || warps == 8, "awq_mma_cuda: warps must be 4 or 8, got " + i2s(warps));
@@ -379,8 +374,7 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
       dtype_code(x), dtype_code(scales), x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks, warps,
-      prefetch, c10::cuda::getCurrentCUDAStream(), perm_ptr, perm_ptr != nullptr ? x_perm.data_ptr() : nullptr,
-      cluster);
+      prefetch, c10::cuda::getCurrentCUDAStream(), perm_ptr, perm_ptr != nullptr ? x_perm.data_ptr() : nullptr);
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -672,8 +666,8 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int rows) -> Tensor");
   m.def(
       "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int item_chunks, Tensor? tickets=None, int warps=8, bool prefetch=False, Tensor? perm=None, "
-      "bool cluster=False) -> Tensor");
+      "int splits, int item_chunks, Tensor? tickets=None, int warps=8, bool prefetch=False, Tensor? perm=None) -> "
+      "Tensor");
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, SymInt num_rows, int x_row_div, int group_size, int splits, int item_chunks, "

@@ -47,10 +47,10 @@ int level();
 // 0, 1 or 2 on every launch (the op torchforge::set_start_prefetch, for benchmarks that time them).
 int start_prefetch();
 
-// kernel<<<grid, block, smem, stream>>>(args...) in clusters of cluster_dims blocks (1 x 1 x 1: no clusters), with
-// the PDL attribute where the level asks for it; first_of_op: the op's first kernel (its predecessor is another op's).
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of cluster_x blocks along x (1: no clusters), with the
+// PDL attribute where the level asks for it; first_of_op: the op's first kernel (its predecessor is another op's).
 template <typename... Params, typename... Args>
-cudaError_t launch_clusters(void (*kernel)(Params...), bool first_of_op, dim3 cluster_dims, dim3 grid, dim3 block,
+cudaError_t launch_clusters(void (*kernel)(Params...), bool first_of_op, unsigned cluster_x, dim3 grid, dim3 block,
                             size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -63,11 +63,11 @@ cudaError_t launch_clusters(void (*kernel)(Params...), bool first_of_op, dim3 cl
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster_dims.x * cluster_dims.y * cluster_dims.z > 1) {
+  if (cluster_x > 1) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster_dims.x;
-    attr[n].val.clusterDim.y = cluster_dims.y;
-    attr[n++].val.clusterDim.z = cluster_dims.z;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
@@ -76,7 +76,7 @@ cudaError_t launch_clusters(void (*kernel)(Params...), bool first_of_op, dim3 cl
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), bool first_of_op, dim3 grid, dim3 block, size_t smem,
                    cudaStream_t stream, Args&&... args) {
-  return launch_clusters(kernel, first_of_op, dim3(1, 1, 1), grid, block, smem, stream, std::forward<Args>(args)...);
+  return launch_clusters(kernel, first_of_op, 1u, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace pdl

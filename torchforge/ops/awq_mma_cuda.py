@@ -188,22 +188,17 @@ def mma_tickets(n: int, device=None) -> Tensor:
     return torch.zeros(-(-MMA_CUDA_MAX_M // 16) * (n // 64), dtype=torch.int32, device=device)
 
 
-# K slices of the decode kernel as clusters (csrc/awq_mma.cu, thirty-third session): see BENCHMARKS.md.
-MMA_CLUSTER_SLICES = False
-
-
 def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                         bias: Optional[Tensor] = None, *, splits: Optional[int] = None,
                         item_chunks: Optional[int] = None, tickets: Optional[Tensor] = None,
                         warps: Optional[int] = None, prefetch: Optional[bool] = None,
-                        perm: Optional[Tensor] = None, cluster: Optional[bool] = None) -> Tensor:
+                        perm: Optional[Tensor] = None) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype, W in the mma layout `[N / 64, K * 8]`. `tickets`: see
     `mma_tickets` (None: the op allocates zeroed ones). `warps` per block: 4 or 8; `prefetch`: the kernel's
     software-pipelined loop (items of 128 k only; same bits). None: from mma_cuda_launch_config where the caller gives
     none of splits, item_chunks and warps, else from mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch.
     `perm` (int32 [K]): the op computes with x[..., perm] (an act-order layer's rows sorted by group), gathered by a
-    kernel of its own right before the decode kernel. `cluster`: 2..8 K slices as one thread block cluster per tile,
-    adding their sums in distributed shared memory (same bits); None: MMA_CLUSTER_SLICES."""
+    kernel of its own right before the decode kernel."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -218,11 +213,8 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
         warps = warps or mma_cuda_warps(blocks, sms)
         pf = mma_cuda_prefetch(blocks, sms, warps, item_chunks, splits)
     prefetch = pf if prefetch is None else prefetch
-    if cluster is None:
-        cluster = MMA_CLUSTER_SLICES and 2 <= splits <= 8 and _clusters_ok(x2.device.index) != ()
-    args = (x2, qweight_mma, scales, qzeros, group_size, bias, splits, item_chunks, tickets, warps, prefetch, perm)
-    # (cluster only when asked: an extension from before it has no such argument)
-    out = torch.ops.torchforge.awq_mma_cuda(*args, cluster=True) if cluster else torch.ops.torchforge.awq_mma_cuda(*args)
+    out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits,
+                                            item_chunks, tickets, warps, prefetch, perm)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -543,10 +535,7 @@ def register_fake() -> None:
 
     @torch.library.register_fake("torchforge::awq_mma_cuda")
     def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None, warps=8, prefetch=False,
-          perm=None, cluster=False):
-        check(not cluster or 2 <= splits <= 8,
-              lambda: f"awq_mma_cuda: cluster=True runs the K slices as one cluster per tile: splits must be in "
-                      f"[2, 8], got {splits}")
+          perm=None):
         check(warps in (4, 8), lambda: f"awq_mma_cuda: warps must be 4 or 8, got {warps}")
         check(not prefetch or item_chunks == 2,
               lambda: f"awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got {item_chunks}")
