@@ -307,6 +307,21 @@ def dispatch_audit(rows: list, takes_wgmma, decode_max_m: int) -> list:
     return out
 
 
+def _rotated_rows(shapes: str, ms: str, scale_dtype: str = "fp16"):
+    """For each shape (rotated_mma_case, weights rotated through L2) and M: (shape, OC, IC, sc, qz, mma, tickets, M, x,
+    bf16 ms of x @ w.T in the same run)."""
+    try:
+        for shape in shapes.split(","):
+            OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape, scale_dtype)
+            for M in map(int, ms.split(",")):
+                x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
+                t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
+                yield shape, OC, IC, sc, qz, mma, tickets, M, x, t_bf16
+                print("done", shape, M, flush=True)
+    finally:
+        L2Rotation.stop()
+
+
 def stream_k_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
     """The wgmma dispatch with stream-K (awq_wgmma_cost.STREAM_K_US) against the same dispatch without it (every
     stream-K estimate made infinite), bf16 in the same run: what the twenty-first session's dispatch change buys or
@@ -327,20 +342,14 @@ def stream_k_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> list:
 
     out = []
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    for shape in shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape, scale_dtype)
-        for M in map(int, ms.split(",")):
-            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
-            new, old = config(M, IC, OC, sms, True), config(M, IC, OC, sms, False)
-            t = {}
-            for cfg in {new, old}:
-                t[cfg] = bench_graph_ms(lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets),
-                                        rep_ms=50)
-            out.append([shape, M, str(new[:3]), str(old[:3]), t[new], t[old], t[old] / t[new], t_bf16,
-                        t_bf16 / t[new], t_bf16 / t[old]])
-            print("done", shape, M, flush=True)
-    L2Rotation.stop()
+    for shape, OC, IC, sc, qz, mma, tickets, M, x, t_bf16 in _rotated_rows(shapes, ms, scale_dtype):
+        new, old = config(M, IC, OC, sms, True), config(M, IC, OC, sms, False)
+        t = {}
+        for cfg in {new, old}:
+            t[cfg] = bench_graph_ms(lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets),
+                                    rep_ms=50)
+        out.append([shape, M, str(new[:3]), str(old[:3]), t[new], t[old], t[old] / t[new], t_bf16,
+                    t_bf16 / t[new], t_bf16 / t[old]])
     return out
 
 
@@ -354,33 +363,27 @@ def cluster_check(shapes: str, ms: str, split_counts: str = "2,3,4,6,8", scale_d
 
     out = []
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    for shape in shapes.split(","):
-        OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape, scale_dtype)
-        for M in map(int, ms.split(",")):
-            x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
-            default = wgmma_cuda_config(M, IC, OC, sms)
-            t_default = bench_graph_ms(lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=default,
-                                                                     tickets=tickets), rep_ms=50)
-            for bm, tw in ((64, 2), (128, 2), (192, 1), (256, 1)):
-                if bm > 2 * M and bm > 64:
+    for shape, OC, IC, sc, qz, mma, tickets, M, x, t_bf16 in _rotated_rows(shapes, ms, scale_dtype):
+        default = wgmma_cuda_config(M, IC, OC, sms)
+        t_default = bench_graph_ms(lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=default,
+                                                                 tickets=tickets), rep_ms=50)
+        for bm, tw in ((64, 2), (128, 2), (192, 1), (256, 1)):
+            if bm > 2 * M and bm > 64:
+                continue
+            blocks = wgmma_blocks(M, OC, (bm, tw))
+            for splits in map(int, split_counts.split(",")):
+                slots = torch.ops.torchforge.awq_wgmma_cluster_slots(bm, tw, splits)
+                if slots == 0 or blocks * splits > 2 * sms or splits > IC // 64:
                     continue
-                blocks = wgmma_blocks(M, OC, (bm, tw))
-                for splits in map(int, split_counts.split(",")):
-                    slots = torch.ops.torchforge.awq_wgmma_cluster_slots(bm, tw, splits)
-                    if slots == 0 or blocks * splits > 2 * sms or splits > IC // 64:
-                        continue
-                    t, res = {}, {}
-                    for cluster in (False, True):
-                        cfg = (bm, tw, splits, 8, True, 0, cluster)
-                        f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets)  # noqa: E731
-                        res[cluster] = f()
-                        t[cluster] = bench_graph_ms(f, rep_ms=30)
-                    out.append([shape, M, f"({bm}, {tw})", splits, blocks * splits, slots, t[False], t[True],
-                                t[False] / t[True], "yes" if torch.equal(res[False], res[True]) else "NO", t_bf16,
-                                str(default[:3]), t_default, t_bf16 / min(t[True], t_default)])
-            print("done", shape, M, flush=True)
-    L2Rotation.stop()
+                t, res = {}, {}
+                for cluster in (False, True):
+                    cfg = (bm, tw, splits, 8, True, 0, cluster)
+                    f = lambda: launch_awq_wgmma_cuda(x, mma, sc, qz, G, config=cfg, tickets=tickets)  # noqa: E731
+                    res[cluster] = f()
+                    t[cluster] = bench_graph_ms(f, rep_ms=30)
+                out.append([shape, M, f"({bm}, {tw})", splits, blocks * splits, slots, t[False], t[True],
+                            t[False] / t[True], "yes" if torch.equal(res[False], res[True]) else "NO", t_bf16,
+                            str(default[:3]), t_default, t_bf16 / min(t[True], t_default)])
     return out
 
 
@@ -409,22 +412,16 @@ def cluster_dispatch_check(shapes: str, ms: str, scale_dtype: str = "fp16") -> l
     out = []
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     try:
-        for shape in shapes.split(","):
-            OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape, scale_dtype)
-            for M in map(int, ms.split(",")):
-                x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
-                t_bf16 = bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
-                t, p = {}, {}
-                for on in (True, False):
-                    use_clusters(on)
-                    p[on] = path(M, IC, OC, sms)
-                    t[on] = bench_graph_ms(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets), rep_ms=50)
-                out.append([shape, M, p[True], p[False], t[True], t[False], t[False] / t[True], t_bf16,
-                            t_bf16 / t[True], t_bf16 / t[False]])
-                print("done", shape, M, flush=True)
+        for shape, OC, IC, sc, qz, mma, tickets, M, x, t_bf16 in _rotated_rows(shapes, ms, scale_dtype):
+            t, p = {}, {}
+            for on in (True, False):
+                use_clusters(on)
+                p[on] = path(M, IC, OC, sms)
+                t[on] = bench_graph_ms(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets), rep_ms=50)
+            out.append([shape, M, p[True], p[False], t[True], t[False], t[False] / t[True], t_bf16,
+                        t_bf16 / t[True], t_bf16 / t[False]])
     finally:
         use_clusters(True)
-    L2Rotation.stop()
     return out
 
 
