@@ -362,8 +362,8 @@ def launch_awq_wgmma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros
     dp, cluster = (rest + [0, False])[:2]
     args = (x2, qweight_mma, scales, qzeros, group_size, bias, splits, block_m, tile_set, group_m, ws, dp,
             tickets if splits != 1 else None, perm)
-    # (cluster only when asked: an extension from before it has no such argument)
-    out = torch.ops.torchforge.awq_wgmma_cuda(*args, cluster=True) if cluster else torch.ops.torchforge.awq_wgmma_cuda(*args)
+    op = torch.ops.torchforge.awq_wgmma_cuda
+    out = op(*args, cluster=True) if cluster else op(*args)  # (an extension from before clusters has no such argument)
     return out.reshape(*x.shape[:-1], n)
 
 
