@@ -231,8 +231,8 @@ def best_wgmma_config(m: int, k: int, n: int, sms: int = H100_SMS,
     SPLIT_SPLITS slices (dp_tiles 0, up to SPLIT_MAX_M rows, SPLIT_ONE_ROUND_MAX_M in one round), every tile's
     CLUSTER_SPLITS slices as one cluster (cluster True; `clusters`: True for cluster_slots, a device's own
     ((splits, slots), ...) from op awq_wgmma_cluster_slots, False for none), or stream-K (splits 0, dp_tiles 0: one
-    block per SM). Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest times),
-    then to fewer slices, then to the partials."""
+    block per SM). Ties go to the earlier shape in WGMMA_US_PER_CHUNK ((128, 2) first: it reads x from L2 the fewest
+    times), then to fewer slices, then to the partials."""
     options = []
     for shape in _shapes_for(m):
         options.append(((*shape, 0, 0, False), wgmma_stream_k_time_us(m, k, n, shape, sms)))
