@@ -866,6 +866,19 @@ bool producer_pool_ok() {
          kProducerThreads<BM, TW> * kProducerRegs + kThreads<BM, TW> * kConsumerRegs;
 }
 
+// f(integral_constant<int, BM>{}, integral_constant<int, TW>{}) for a dense block shape (block_m, tile_set), or `none`
+// for another pair: the runtime arguments of the ops to the kernel instances' template arguments.
+template <typename R, typename F>
+R with_dense_shape(int64_t block_m, int64_t tile_set, R none, F&& f) {
+  using std::integral_constant;
+  if (block_m == 64 && tile_set == 4) return f(integral_constant<int, 64>{}, integral_constant<int, 4>{});
+  if (block_m == 64 && tile_set == 2) return f(integral_constant<int, 64>{}, integral_constant<int, 2>{});
+  if (block_m == 128 && tile_set == 2) return f(integral_constant<int, 128>{}, integral_constant<int, 2>{});
+  if (block_m == 192 && tile_set == 1) return f(integral_constant<int, 192>{}, integral_constant<int, 1>{});
+  if (block_m == 256 && tile_set == 1) return f(integral_constant<int, 256>{}, integral_constant<int, 1>{});
+  return none;
+}
+
 }  // namespace awq_wgmma_detail
 
 // Whether the group-32 kernels can run for these dtypes (0 = bf16, 1 = fp16, as in awq_wgmma_launch): every dense
@@ -931,13 +944,7 @@ int awq_wgmma_cluster_slots(int64_t block_m, int64_t tile_set, int64_t splits) {
     }
     return n;
   };
-  using std::integral_constant;
-  if (block_m == 64 && tile_set == 4) return slots(integral_constant<int, 64>{}, integral_constant<int, 4>{});
-  if (block_m == 64 && tile_set == 2) return slots(integral_constant<int, 64>{}, integral_constant<int, 2>{});
-  if (block_m == 128 && tile_set == 2) return slots(integral_constant<int, 128>{}, integral_constant<int, 2>{});
-  if (block_m == 192 && tile_set == 1) return slots(integral_constant<int, 192>{}, integral_constant<int, 1>{});
-  if (block_m == 256 && tile_set == 1) return slots(integral_constant<int, 256>{}, integral_constant<int, 1>{});
-  return 0;
+  return with_dense_shape(block_m, tile_set, 0, slots);
 }
 
 // Rows of the x image (M rounded up to whole blocks of block_m).
@@ -1004,13 +1011,7 @@ cudaError_t awq_wgmma_launch(int dtype, int scale_dtype, const void* x, void* x_
       return launch<T, S, BM, TW, false>(x, x_image, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k,
                                          gs, whole_s, gm, whole_dp, stream, {}, 1, perm);
     };
-    using std::integral_constant;
-    if (block_m == 64 && tile_set == 4) return run(integral_constant<int, 64>{}, integral_constant<int, 4>{});
-    if (block_m == 64 && tile_set == 2) return run(integral_constant<int, 64>{}, integral_constant<int, 2>{});
-    if (block_m == 256 && tile_set == 1) return run(integral_constant<int, 256>{}, integral_constant<int, 1>{});
-    if (block_m == 192 && tile_set == 1) return run(integral_constant<int, 192>{}, integral_constant<int, 1>{});
-    if (block_m == 128 && tile_set == 2) return run(integral_constant<int, 128>{}, integral_constant<int, 2>{});
-    return cudaErrorInvalidValue;
+    return with_dense_shape(block_m, tile_set, cudaErrorInvalidValue, run);
   });
 }
 
