@@ -4,13 +4,19 @@
 // group, as awq_wgmma_kernel does. A from registers (RS, the kernel's form) or from shared memory (SS), optionally
 // with the kernel's per-register dequantization (shift, LOP3, subtract, multiply, fma) of each chunk's A before its
 // issue, while the previous chunk's group runs. B (and SS's A) read zeros from shared memory: the values do not change the timing.
+// Modes 4-7 (thirty-fourth session) ask why the dequantization holds N = 64 at 0.68 of the dense rate: the same
+// arithmetic with no wgmma (4: dequantize and store each register pair to shared memory, the wgmmas' time taken out),
+// beside SS wgmmas (5: A from shared memory, the dequantized registers stored to another part of it, as warps that
+// dequantize into shared memory for the tensor cores would), and both without the fp16 scale's hi / lo split (6: RS,
+// 7: SS; bf16 scales, subtract and multiply only), and the exact product through fp32 FMAs (8: RS, 9: alone).
 // Prints cycles per wgmma per SM next to the tensor cores' dense bf16 rate (N x 64 x 16 / 2048 FMAs per cycle), and the
 // SM clock over the run (the slowest block's cycles / the elapsed time), with zeros and with random operands.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o /tmp/wgmma_rate bench/wgmma_rate.cu
-//   /tmp/wgmma_rate
+//   /tmp/wgmma_rate [dequant]
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <string>
 
 #include "wgmma.cuh"
 
@@ -42,6 +48,27 @@ __device__ __forceinline__ uint32_t deq(uint32_t w, int r, uint32_t zc, uint32_t
   return out;
 }
 
+// bf16 scales (what a bf16 model holds): no hi / lo split, (q - z) s is one rounded multiply.
+__device__ __forceinline__ uint32_t deq_bf16(uint32_t w, int r, uint32_t zc, uint32_t s) {
+  uint32_t q, d, out;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(q) : "r"(w >> (4 * r)));
+  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(q), "r"(zc));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(d), "r"(s));
+  return out;
+}
+
+// The exact product through fp32 FMAs (mode 8): 128 + q and 128 + z have 8 significant bits, an fp16 scale 11, so
+// (128 + q) s and (128 + z) s are exact in fp32, and fma(128 + q, s, -(128 + z) s) = (q - z) s exactly; one
+// cvt.rn.bf16x2.f32 then rounds both halves once. nzs = -(128 + z) s.
+__device__ __forceinline__ uint32_t deq_ffma(uint32_t w, int r, float sf, float nzs) {
+  uint32_t q, out;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(q) : "r"(w >> (4 * r)));
+  const float lo = fmaf(__uint_as_float(q << 16), sf, nzs);
+  const float hi = fmaf(__uint_as_float(q & 0xFFFF0000u), sf, nzs);
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
 // The same result through fp32 (bf16 x, fp16 scale s, zero z): the LOP3's bf16 pair (128 + q) is, half by half, the
 // fp32 value 128 + q once moved to the upper 16 bits; (128 + q) - (128 + z) and the product by s are exact in fp32,
 // and one cvt.rn.bf16x2.f32 rounds both once, as the bf16x2 path's fma does. zf = 128 + z, sf = s as fp32.
@@ -55,12 +82,15 @@ __device__ __forceinline__ uint32_t deq_f32(uint32_t w, int r, float zf, float s
 }
 
 // MODE 0: RS, A fixed; 1: RS with the dequantization of the next chunk's A (bf16x2 arithmetic); 2: SS; 3: as 1, the
-// arithmetic in fp32 (deq_f32).
+// arithmetic in fp32 (deq_f32); 4: the dequantization of 1 alone, stored to shared memory (no wgmma); 5: SS with the
+// dequantization of 4; 6: as 1, bf16 scales (deq_bf16); 7: as 5, bf16 scales; 8: as 1 through fp32 FMAs (deq_ffma);
+// 9: the dequantization of 8 alone, stored (as 4).
 template <int N, int WG, int CHAINS, int MODE>
 __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint32_t* words, long long* cycles,
                                                             float* sink, int random_fill) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  constexpr int kB = N * 128;  // B: N rows x 64 k (the 4 k-steps), then SS's A: 64 rows x 64 k
+  constexpr int kB = N * 128;  // B: N rows x 64 k (the 4 k-steps), then SS's A: 64 rows x 64 k, then (modes 4, 5, 7)
+                               // where the dequantized registers go: 16 bytes a thread per k-step and chain
   // zeros, or random bf16 pairs of magnitude below 2 (more bits toggling: the power draw, and so the clock, differ)
   for (int i = threadIdx.x; i < (kB + 8192) / 4; i += blockDim.x)
     reinterpret_cast<uint32_t*>(smem)[i] = random_fill ? (static_cast<uint32_t>(i) * 2654435761u) & 0xBFFFBFFFu : 0u;
@@ -90,7 +120,9 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
   // As awq_wgmma_kernel's `chunk`: dequantize this chunk's A (MODE 1) into the buffer whose wgmmas retired at the
   // previous wait, issue the chunk's group, wait for the previous group.
   auto chunk = [&](uint32_t(&cur)[4][CHAINS][4]) {
-    if constexpr (MODE == 1 || MODE == 3) {
+    constexpr bool kDeq = MODE == 1 || MODE >= 3;
+    constexpr bool kStore = MODE == 4 || MODE == 5 || MODE == 7 || MODE == 9;  // the dequantized registers go to shared memory
+    if constexpr (kDeq) {
 #pragma unroll
       for (int k = 0; k < 4; ++k)
 #pragma unroll
@@ -98,15 +130,28 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
           w[k][c] = w[k][c] * 1664525u + 1013904223u;  // new words each chunk (one IMAD, as a load would be one LDS)
 #pragma unroll
           for (int r = 0; r < 4; ++r)
-            cur[k][c][r] = MODE == 1 ? deq(w[k][c], r, zc, hi, lo) : deq_f32(w[k][c], r, 136.0f, 0.0123f);
+            cur[k][c][r] = MODE == 3              ? deq_f32(w[k][c], r, 136.0f, 0.0123f)
+                           : MODE == 8 || MODE == 9 ? deq_ffma(w[k][c], r, 0.0123f, -136.0f * 0.0123f)
+                           : MODE == 6 || MODE == 7 ? deq_bf16(w[k][c], r, zc, hi)
+                                                    : deq(w[k][c], r, zc, hi, lo);
+          if constexpr (kStore) {
+            const uint32_t dst = base + kB + 8192 + ((k * CHAINS + c) * 128 * WG + threadIdx.x) * 16;
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(cur[k][c][0]), "r"(cur[k][c][1]),
+                         "r"(cur[k][c][2]), "r"(cur[k][c][3])
+                         : "memory");
+          }
         }
+      // the tensor cores read shared memory through the async proxy: generic stores must be fenced before a wgmma
+      // could read them
+      if constexpr (kStore) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
+    if constexpr (MODE == 4 || MODE == 9) return;
     wgmma::fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k)
 #pragma unroll
       for (int c = 0; c < CHAINS; ++c) {
-        if constexpr (MODE == 2)
+        if constexpr (MODE == 2 || MODE == 5 || MODE == 7)
           mma_ss<N>(acc[c], da + 2 * k, db + 2 * k);
         else
           wgmma::mma_rs<N, __nv_bfloat16>(acc[c], cur[k][c][0], cur[k][c][1], cur[k][c][2], cur[k][c][3],
@@ -137,7 +182,7 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
 template <int N, int WG, int CHAINS, int MODE>
 void run(int sms, const uint32_t* words, long long* cycles, float* sink, int random_fill = 0) {
   auto k = rate_kernel<N, WG, CHAINS, MODE>;
-  constexpr int smem = N * 128 + 8192;
+  constexpr int smem = N * 128 + 8192 + (MODE == 4 || MODE == 5 || MODE == 7 || MODE == 9 ? 4 * CHAINS * 128 * WG * 16 : 0);
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int iters = 2000;
   k<<<sms, 128 * WG, smem>>>(iters, words, cycles, sink, random_fill);  // warm-up
@@ -156,7 +201,16 @@ void run(int sms, const uint32_t* words, long long* cycles, float* sink, int ran
   for (int i = 0; i < sms; ++i) mx = c[i] > mx ? c[i] : mx;
   const double per_sm = static_cast<double>(iters) * 4 * CHAINS * WG;  // wgmmas per SM
   const double ideal = N * 64.0 * 16.0 / 2048.0;
-  static const char* modes[] = {"RS", "RS + dequant", "SS", "RS + dequant in fp32"};
+  static const char* modes[] = {"RS",
+                                "RS + dequant",
+                                "SS",
+                                "RS + dequant in fp32",
+                                "dequant + store, no wgmma",
+                                "SS + dequant + store",
+                                "RS + dequant, bf16 scales",
+                                "SS + dequant + store, bf16 scales",
+                                "RS + dequant by fp32 fma",
+                                "dequant by fp32 fma + store, no wgmma"};
   std::printf("| %d | %d | %d | %s | %s | %.1f | %.0f | %.2f | %.1f | %.2f |\n", N, WG, CHAINS, modes[MODE],
               random_fill ? "random" : "zeros", mx / per_sm, ideal, ideal / (mx / per_sm), ms * 1e3,
               mx / (ms * 1e6));
@@ -164,7 +218,8 @@ void run(int sms, const uint32_t* words, long long* cycles, float* sink, int ran
   if (err != cudaSuccess) std::printf("error: %s\n", cudaGetErrorString(err));
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool dequant_set = argc > 1 && std::string(argv[1]) == "dequant";  // modes 4-7 against 1 and 2 only
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   uint32_t* words;
@@ -179,6 +234,23 @@ int main() {
   std::printf("| N | warpgroups | chains | A | data | cycles per wgmma per SM | dense-rate cycles | of the dense rate | us "
               "| GHz |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  if (dequant_set) {
+    run<64, 2, 2, 2>(sms, words, cycles, sink);
+    run<64, 2, 2, 1>(sms, words, cycles, sink);
+    run<64, 2, 2, 6>(sms, words, cycles, sink);
+    run<64, 2, 2, 4>(sms, words, cycles, sink);
+    run<64, 4, 1, 4>(sms, words, cycles, sink);
+    run<64, 2, 2, 5>(sms, words, cycles, sink);
+    run<64, 4, 1, 5>(sms, words, cycles, sink);
+    run<64, 2, 2, 7>(sms, words, cycles, sink);
+    run<64, 2, 2, 8>(sms, words, cycles, sink);
+    run<64, 4, 1, 8>(sms, words, cycles, sink);
+    run<64, 2, 2, 9>(sms, words, cycles, sink);
+    run<128, 2, 2, 1>(sms, words, cycles, sink);
+    run<128, 2, 2, 8>(sms, words, cycles, sink);
+    run<128, 2, 2, 4>(sms, words, cycles, sink);
+    return 0;
+  }
   for (int fill = 0; fill < 2; ++fill) {
     run<64, 1, 1, 0>(sms, words, cycles, sink, fill);
     run<64, 2, 2, 0>(sms, words, cycles, sink, fill);
