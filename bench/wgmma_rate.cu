@@ -9,15 +9,22 @@
 // beside SS wgmmas (5: A from shared memory, the dequantized registers stored to another part of it, as warps that
 // dequantize into shared memory for the tensor cores would), and both without the fp16 scale's hi / lo split (6: RS,
 // 7: SS; bf16 scales, subtract and multiply only), and the exact product through fp32 FMAs (8: RS, 9: alone).
+// Modes 10-12 add, one at a time, what awq_wgmma_kernel's consumers do per chunk besides: 10 reads each chunk's words
+// from a ring of shared-memory stages (lds_words, after the previous group's wait, as `fetch` does); 11 also converts
+// the group's scales and zero words every second chunk (groups of 128: the hi / lo splats, magic + z); 12 also
+// releases each stage with one mbarrier arrive per thread. So 1 -> 12 is the micro-benchmark's floor -> the kernel's
+// consumer loop without its copies.
 // Prints cycles per wgmma per SM next to the tensor cores' dense bf16 rate (N x 64 x 16 / 2048 FMAs per cycle), and the
 // SM clock over the run (the slowest block's cycles / the elapsed time), with zeros and with random operands.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o /tmp/wgmma_rate bench/wgmma_rate.cu
-//   /tmp/wgmma_rate [dequant]
+//   /tmp/wgmma_rate [dequant | overheads]
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <string>
 
+#include "awq_mma.cuh"
+#include "ptx_loads.cuh"
 #include "wgmma.cuh"
 
 using namespace torchforge;
@@ -84,7 +91,8 @@ __device__ __forceinline__ uint32_t deq_f32(uint32_t w, int r, float zf, float s
 // MODE 0: RS, A fixed; 1: RS with the dequantization of the next chunk's A (bf16x2 arithmetic); 2: SS; 3: as 1, the
 // arithmetic in fp32 (deq_f32); 4: the dequantization of 1 alone, stored to shared memory (no wgmma); 5: SS with the
 // dequantization of 4; 6: as 1, bf16 scales (deq_bf16); 7: as 5, bf16 scales; 8: as 1 through fp32 FMAs (deq_ffma);
-// 9: the dequantization of 8 alone, stored (as 4).
+// 9: the dequantization of 8 alone, stored (as 4); 10-12: as 1 with the kernel's words from shared memory, + group
+// values, + stage releases (see the top).
 template <int N, int WG, int CHAINS, int MODE>
 __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint32_t* words, long long* cycles,
                                                             float* sink, int random_fill) {
@@ -104,8 +112,64 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
   for (int c = 0; c < CHAINS; ++c)
 #pragma unroll
     for (int e = 0; e < N / 2; ++e) acc[c][e] = 0.0f;
+  // modes >= 10: kStages stages of the kernel's words (4 column blocks x 4 k-steps x 32 lanes x 16 bytes), then each
+  // stage's group row of 256 fp16 scales and 32 zero words, then the empty barriers
+  constexpr int kStages = 8, kWords = 8192, kGroupRow = 512 + 128;
+  const uint32_t ring = base + kB + 8192;
+  const uint32_t group_rows = ring + kStages * kWords;
+  const uint32_t empty = group_rows + kStages * kGroupRow;
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, tq = threadIdx.x / 128, g = lane / 4;
+  if constexpr (MODE >= 10) {
+    for (int i = threadIdx.x; i < kStages * (kWords + kGroupRow) / 4; i += blockDim.x) {
+      const uint32_t v = static_cast<uint32_t>(i) * 2246822519u + 374761393u;
+      // scales: small positive fp16 values; words and zero words: any bits
+      const bool scale = i % ((kWords + kGroupRow) / 4) >= kWords / 4 && i % ((kWords + kGroupRow) / 4) < (kWords + 512) / 4;
+      reinterpret_cast<uint32_t*>(smem + kB + 8192)[i] = scale ? 0x20002000u | (v & 0x03FF03FFu) : v;
+    }
+    if (threadIdx.x == 0)
+      for (int i = 0; i < kStages; ++i) ptx::mbar_init(empty + i * 8, 128 * WG);
+    ptx::mbar_fence_init();
+  }
   uint32_t a[2][4][CHAINS][4];
   uint32_t w[4][CHAINS];
+  uint32_t zc[CHAINS][2], shi[CHAINS][2], slo[CHAINS][2];  // modes >= 11: the group's values, as the kernel's
+#pragma unroll
+  for (int c = 0; c < CHAINS; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) zc[c][h] = 0x43084308u, shi[c][h] = 0x3c003c00u, slo[c][h] = 0x00010001u;
+  const int zshift = torchforge::awq_mma_detail::awq_shift(g);
+  unsigned it = 0;  // chunks done (modes >= 10: the stage of the next chunk's words)
+  // modes >= 10: the next chunk's words from its stage (and every second chunk its group's values), as `fetch`
+  auto fetch = [&](unsigned next) {
+    const uint32_t stage = ring + next % kStages * kWords + (warp * 128 + lane) * 16 + 8 * tq;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t lo_w, hi_w;
+      asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(lo_w), "=r"(hi_w) : "r"(stage + k * 512));
+      w[k][0] = lo_w;
+      if constexpr (CHAINS > 1) w[k][1] = hi_w;
+    }
+    if (MODE >= 11 && next % 2 == 0) {
+      using P = torchforge::awq_mma_detail::Pair<__nv_bfloat16>;
+      const uint32_t row = group_rows + next % kStages * kGroupRow;
+#pragma unroll
+      for (int i = 0; i < CHAINS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = 64 * warp + 16 * (tq * CHAINS + i) + g + 8 * h;
+          uint32_t zw;
+          unsigned short sbits;
+          asm volatile("ld.shared.b32 %0, [%1];" : "=r"(zw) : "r"(row + 512 + n / 8 * 4));
+          asm volatile("ld.shared.u16 %0, [%1];" : "=h"(sbits) : "r"(row + n * 2));
+          const uint32_t z = torchforge::awq_mma_detail::and_or(zw >> zshift, 0xFu, 0x4300u);
+          zc[i][h] = z | (z << 16);
+          const float sv = __half2float(__ushort_as_half(sbits));
+          shi[i][h] = P::splat(sv);
+          slo[i][h] = P::splat(sv - P::low(shi[i][h]));
+        }
+    }
+  };
+  if constexpr (MODE >= 10) fetch(0);
 #pragma unroll
   for (int k = 0; k < 4; ++k)
 #pragma unroll
@@ -114,7 +178,7 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[0][k][c][r] = a[1][k][c][r] = random_fill ? (w[k][c] >> r) & 0xBFFFBFFFu : 0u;
     }
-  const uint32_t zc = 0x43084308u, hi = 0x3c003c00u, lo = 0x00010001u;
+  const uint32_t zc0 = 0x43084308u, hi = 0x3c003c00u, lo = 0x00010001u;
   __syncthreads();
   const long long t0 = clock64();
   // As awq_wgmma_kernel's `chunk`: dequantize this chunk's A (MODE 1) into the buffer whose wgmmas retired at the
@@ -127,13 +191,14 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
       for (int k = 0; k < 4; ++k)
 #pragma unroll
         for (int c = 0; c < CHAINS; ++c) {
-          w[k][c] = w[k][c] * 1664525u + 1013904223u;  // new words each chunk (one IMAD, as a load would be one LDS)
+          if constexpr (MODE < 10) w[k][c] = w[k][c] * 1664525u + 1013904223u;  // new words (one IMAD, as an LDS)
 #pragma unroll
           for (int r = 0; r < 4; ++r)
             cur[k][c][r] = MODE == 3              ? deq_f32(w[k][c], r, 136.0f, 0.0123f)
                            : MODE == 8 || MODE == 9 ? deq_ffma(w[k][c], r, 0.0123f, -136.0f * 0.0123f)
-                           : MODE == 6 || MODE == 7 ? deq_bf16(w[k][c], r, zc, hi)
-                                                    : deq(w[k][c], r, zc, hi, lo);
+                           : MODE == 6 || MODE == 7 ? deq_bf16(w[k][c], r, zc0, hi)
+                           : MODE >= 10             ? deq(w[k][c], r, zc[c][r & 1], shi[c][r & 1], slo[c][r & 1])
+                                                    : deq(w[k][c], r, zc0, hi, lo);
           if constexpr (kStore) {
             const uint32_t dst = base + kB + 8192 + ((k * CHAINS + c) * 128 * WG + threadIdx.x) * 16;
             asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(cur[k][c][0]), "r"(cur[k][c][1]),
@@ -159,6 +224,10 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
       }
     wgmma::commit();
     wgmma::wait<1>();
+    if constexpr (MODE >= 12)
+      if (it > 0) ptx::mbar_arrive(empty + (it - 1) % kStages * 8);  // the previous chunk's stage, as the kernel
+    ++it;
+    if constexpr (MODE >= 10) fetch(it);
   };
   for (int it = 0; it < iters; it += 2) {
     chunk(a[0]);
@@ -182,7 +251,9 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
 template <int N, int WG, int CHAINS, int MODE>
 void run(int sms, const uint32_t* words, long long* cycles, float* sink, int random_fill = 0) {
   auto k = rate_kernel<N, WG, CHAINS, MODE>;
-  constexpr int smem = N * 128 + 8192 + (MODE == 4 || MODE == 5 || MODE == 7 || MODE == 9 ? 4 * CHAINS * 128 * WG * 16 : 0);
+  constexpr int smem = N * 128 + 8192 + (MODE == 4 || MODE == 5 || MODE == 7 || MODE == 9 ? 4 * CHAINS * 128 * WG * 16
+                                         : MODE >= 10                                       ? 8 * (8192 + 640) + 64
+                                                                                            : 0);
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int iters = 2000;
   k<<<sms, 128 * WG, smem>>>(iters, words, cycles, sink, random_fill);  // warm-up
@@ -210,7 +281,10 @@ void run(int sms, const uint32_t* words, long long* cycles, float* sink, int ran
                                 "RS + dequant, bf16 scales",
                                 "SS + dequant + store, bf16 scales",
                                 "RS + dequant by fp32 fma",
-                                "dequant by fp32 fma + store, no wgmma"};
+                                "dequant by fp32 fma + store, no wgmma",
+                                "RS + dequant, words from shared memory",
+                                "RS + dequant, words + group values from shared memory",
+                                "RS + dequant, words + group values + stage releases"};
   std::printf("| %d | %d | %d | %s | %s | %.1f | %.0f | %.2f | %.1f | %.2f |\n", N, WG, CHAINS, modes[MODE],
               random_fill ? "random" : "zeros", mx / per_sm, ideal, ideal / (mx / per_sm), ms * 1e3,
               mx / (ms * 1e6));
@@ -234,6 +308,15 @@ int main(int argc, char** argv) {
   std::printf("| N | warpgroups | chains | A | data | cycles per wgmma per SM | dense-rate cycles | of the dense rate | us "
               "| GHz |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  if (argc > 1 && std::string(argv[1]) == "overheads") {  // modes 10-12 against 1 (thirty-fourth session)
+    run<64, 2, 2, 1>(sms, words, cycles, sink);
+    run<64, 2, 2, 10>(sms, words, cycles, sink);
+    run<64, 2, 2, 11>(sms, words, cycles, sink);
+    run<64, 2, 2, 12>(sms, words, cycles, sink);
+    run<128, 2, 2, 1>(sms, words, cycles, sink);
+    run<128, 2, 2, 12>(sms, words, cycles, sink);
+    return 0;
+  }
   if (dequant_set) {
     run<64, 2, 2, 2>(sms, words, cycles, sink);
     run<64, 2, 2, 1>(sms, words, cycles, sink);
