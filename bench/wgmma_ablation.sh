@@ -11,6 +11,7 @@
 #   BENCH: another script than bench/w4a16_linear.py (e.g. bench/wgmma_sk_grid.py).
 #   TESTS: pytest arguments run in each build's tree before its bench (e.g. "tests/ops/test_awq_wgmma_cuda.py").
 #   STEP_TIMEOUT: seconds for each test run and bench (a hung kernel ends the step, not the call).
+#   ABLATION_JOBS: parallel compile jobs per build (default 6; 16 for a single build).
 #   device run: ABLATIONS="1 2 3" SWEEP_ARGS="--shapes 18432x7168 --wgmma-sweep 16,64,256 --wgmma-ws
 #               --wgmma-only 64x2,128x2 --wgmma-splits 1" bash bench/wgmma_ablation.sh
 set -uo pipefail
@@ -34,7 +35,7 @@ for a in ${ABLATIONS:-1 2 3}; do
   rm -rf "$d" && mkdir -p "$d"
   cp -r setup.py pyproject.toml csrc torchforge bench tests "$d/"
   rm -f $d/torchforge/_C*.so
-  (cd "$d" && MAX_JOBS=6 TORCHFORGE_CUDA_ARCH="$ARCH$(flags "$a")" \
+  (cd "$d" && MAX_JOBS=${ABLATION_JOBS:-6} TORCHFORGE_CUDA_ARCH="$ARCH$(flags "$a")" \
      python3 setup.py build_ext --inplace > "$OUT/build_ablate$(tag "$a").log" 2>&1) &
 done
 wait

@@ -84,6 +84,7 @@
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <algorithm>
+#include <cstdio>
 #include <type_traits>
 
 #include "awq_mma.cuh"
@@ -120,6 +121,9 @@ constexpr int kProducerThreads = kGroups<BM, TW> == 2 ? 128 : 32;
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 constexpr int kBlockCols = 256;     // 4 warps x one 64-column layout block
+// Elements per row of a tile's outputs staged in shared memory (the last segment's store, see the kernel): 256 + 8, so
+// that the fragment writes' rows (2 t apart, t = lane % 4) fall in different banks.
+constexpr int kOutPitch = kBlockCols + 8;
 constexpr int kMaxSmem = 232448;    // shared memory a block may opt into on sm_90 (227 KB), static included
 constexpr int kStaticSmem = 256;    // the kernel's own __shared__ (mbarriers, is_last): 144 bytes, rounded up
 
@@ -143,6 +147,27 @@ constexpr int kMaxStages = TORCHFORGE_WGMMA_MAX_STAGES;
 #define TORCHFORGE_WGMMA_ABLATE 0
 #endif
 constexpr int kAblate = TORCHFORGE_WGMMA_ABLATE;
+// Timeline for profiling only (a build flag, bench/wgmma_timeline.py; thirty-fourth session): thread 0 of every block
+// records its start, the end of its PDL wait, its main loops' and epilogues' cycles and its end in `timeline`, which a
+// second kernel prints ("TL ..." lines; device printf, kept out of the main kernel, whose wgmmas ptxas serializes
+// around any call).
+#ifndef TORCHFORGE_WGMMA_TIMELINE
+#define TORCHFORGE_WGMMA_TIMELINE 0
+#endif
+constexpr int kTimelineBlocks = TORCHFORGE_WGMMA_TIMELINE ? 8192 : 1;
+__device__ long long timeline[kTimelineBlocks][8];
+__device__ __forceinline__ long long global_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#if TORCHFORGE_WGMMA_TIMELINE
+__global__ void timeline_print_kernel(int blocks) {
+  for (int b = 0; b < blocks && b < kTimelineBlocks; ++b)
+    printf("TL %d %lld %lld %lld %lld %lld %lld %lld %lld\n", b, timeline[b][0], timeline[b][1], timeline[b][2],
+           timeline[b][3], timeline[b][4], timeline[b][5], timeline[b][6], timeline[b][7]);
+}
+#endif
 // K slices in clusters: at most the portable cluster size. Built into the dense warp-specialized K-slice kernels
 // but (64, 4), which spills (the launchers run the others without clusters): ptxas gave the kernels without a
 // producer more registers and (64, 4) more spills with it.
@@ -163,6 +188,7 @@ struct Stage {
   static constexpr int kStages = BM == 256 ? 4 : kFit < kMaxStages ? kFit : kMaxStages;
   static constexpr int kSmem = kStages * kBytes + 1024;  // + room to align the dynamic base
   static_assert(kStages >= 3 && kStages <= kFit, "the ring needs the consumers' two stages and one ahead, and fits");
+  static_assert(BM * kOutPitch * 2 <= kStages * kBytes, "a tile's outputs (2-byte x) can be staged in the ring");
 };
 
 // The TW words of this lane's layout uint4 that this warpgroup's tile set tq uses (tq < 4 / TW).
@@ -236,6 +262,13 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
   const uint32_t empty_base = bar_base + kStages * 8;
 
+  // (TORCHFORGE_WGMMA_TIMELINE: thread 0's records in shared memory, so that no register lives across the loops)
+  __shared__ long long tl_sh[TORCHFORGE_WGMMA_TIMELINE ? 8 : 1];
+  if (TORCHFORGE_WGMMA_TIMELINE && threadIdx.x == 0) {
+    tl_sh[0] = global_ns();
+    tl_sh[1] = clock64();
+    tl_sh[3] = tl_sh[4] = tl_sh[6] = 0;  // loops, epilogues, segments
+  }
   const int tid = threadIdx.x, warp = tid / 32 % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int nblocks = N / 64;
@@ -368,6 +401,7 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     }
   }
   pdl::wait();
+  if (TORCHFORGE_WGMMA_TIMELINE && tid == 0) tl_sh[2] = clock64() - tl_sh[1];
   if constexpr (GROUPED) {  // (one segment) out-of-range ids (moe_align's last bucket) or empty blocks past the end
     const Tile tl = tile_at(first.pid);
     if (!(tl.expert == gp.E && gp.shared_qw != nullptr) && (tl.expert < 0 || tl.expert >= gp.E)) {
@@ -451,6 +485,10 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
   int u = u_begin;
   Segment s;
   while (next_segment(u, s)) {
+    if (TORCHFORGE_WGMMA_TIMELINE && tid == 0) {  // [5]: this segment's start; [7]: the last loop's end
+      tl_sh[5] = clock64();
+      if (tl_sh[6] > 0) tl_sh[4] += tl_sh[5] - tl_sh[7];
+    }
     const Tile tl = tile_at(s.pid);
 #pragma unroll
     for (int i = 0; i < TW; ++i)
@@ -552,6 +590,11 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
     for (int i = 0; i < TW; ++i)
 #pragma unroll
       for (int e = 0; e < BM / 2; ++e) wgmma::fence_operand(acc[i][e]);
+    if (TORCHFORGE_WGMMA_TIMELINE && tid == 0) {
+      tl_sh[7] = clock64();
+      tl_sh[3] += tl_sh[7] - tl_sh[5];
+      ++tl_sh[6];
+    }
     // The segment's last stage: released here, for the producer's next segments (stream-K).
     if constexpr (WS)
       if (s.c_end > s.c_begin) ptx::mbar_arrive(empty_base + (base + s.c_end - s.c_begin - 1) % kStages * 8);
@@ -685,11 +728,39 @@ __global__ void __launch_bounds__(kThreads<BM, TW> + (WS ? kProducerThreads<BM, 
         const int r = __ldg(gp.sorted_rows + m);
         if (r >= 0 && r < gp.num_rows) partial[static_cast<size_t>(r) * N + n] = v;
       });
+    } else if (!stream_k || u >= u_end) {
+      // The block's last segment: its ring is free (every stage it was sent has been consumed), so the tile's outputs
+      // go through it: each thread's fragments into shared memory, then rows of 16-byte stores. Stored straight from
+      // the fragments, a warp's store covered 4 rows x 16 bytes, and a (192, 1) tile took about 14k cycles to leave
+      // (bench/wgmma_timeline.py, thirty-fourth session).
+      consumer_sync();  // both warpgroups' wgmmas are done with the ring
+      T* staged = reinterpret_cast<T*>(smem);
+      for_each([&](float v, int m, int n) {
+        staged[(m - tl.m0) * kOutPitch + n - tl.n0] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
+      });
+      consumer_sync();
+      // the block's columns in each column block: kOwned tiles of 16 from tile t0, 2 x 16 bytes each
+      constexpr int kOwned = TW * kGroups<BM, TW>;
+      const int t0 = (tl.tq - tid / 128) * TW;
+      const int rows = min(BM, M - tl.m0), per_row = tl.valid_cbs * kOwned * 2;
+      for (int p = tid; p < rows * per_row; p += kThreads<BM, TW>) {
+        const int r = p / per_row, q = p % per_row, cbl = q / (kOwned * 2);
+        const int col = 64 * cbl + 16 * t0 + 8 * (q % (kOwned * 2));  // within the block's 256
+        *reinterpret_cast<uint4*>(out + static_cast<size_t>(tl.m0 + r) * N + tl.n0 + col) =
+            *reinterpret_cast<const uint4*>(staged + r * kOutPitch + col);
+      }
     } else {
       for_each([&](float v, int m, int n) {
         out[static_cast<size_t>(m) * N + n] = Tr::from_f(bias != nullptr ? v + Tr::to_f(bias[n]) : v);
       });
     }
+  }
+  if (TORCHFORGE_WGMMA_TIMELINE && tid == 0 && bid < kTimelineBlocks) {
+    const long long end = clock64();
+    if (tl_sh[6] > 0) tl_sh[4] += end - tl_sh[7];
+    const long long v[8] = {tl_sh[0], global_ns(), tl_sh[2], tl_sh[3], tl_sh[4], end - tl_sh[1], tl_sh[6],
+                            static_cast<long long>(base)};
+    for (int i = 0; i < 8; ++i) timeline[bid][i] = v[i];
   }
 #else
   __trap();  // built without sm_90a (TORCHFORGE_CUDA_ARCH): fail loudly rather than return an unwritten output
@@ -838,11 +909,15 @@ cudaError_t launch(const void* x, void* x_image, const int32_t* qw, const void* 
   const int whole = tiles - sliced;
   const int blocks = SK ? std::min(dp_tiles, tiles * (K / 128)) : sliced * splits + whole;
   const dim3 block(kThreads<BM, TW> + (WS ? kProducerThreads<BM, TW> : 0));
-  return pdl::launch_clusters(kernel, false, cluster ? static_cast<unsigned>(splits) : 1u, dim3(blocks), block, smem,
+  err = pdl::launch_clusters(kernel, false, cluster ? static_cast<unsigned>(splits) : 1u, dim3(blocks), block, smem,
                               stream, static_cast<const T*>(x_image), reinterpret_cast<const uint4*>(qw),
                               static_cast<const S*>(sc), reinterpret_cast<const uint32_t*>(qz),
                               static_cast<const T*>(bias), static_cast<T*>(out), partial, tickets, M, N, K,
                               group_size / 64, splits, group_m, sliced, whole, gp, cluster);
+#if TORCHFORGE_WGMMA_TIMELINE
+  if (err == cudaSuccess) timeline_print_kernel<<<1, 1, 0, stream>>>(blocks);
+#endif
+  return err;
 }
 
 // Whether the WS kernel may run. setmaxnreg only moves registers within the block's allocation: the consumers' 240 exist only if the WS kernel
