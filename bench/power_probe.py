@@ -56,8 +56,9 @@ def _sampled(g: torch.cuda.CUDAGraph, seconds: float) -> tuple[float, float, flo
         if time.perf_counter() - t0 > 0.1:
             break
         reps *= 2
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits",
-                            "-i", str(torch.cuda.current_device()), "-lms", "20"], stdout=subprocess.PIPE, text=True)
+    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits",
+             "-i", str(torch.cuda.current_device()), "-lms", "20"]
+    smi = subprocess.Popen(query, stdout=subprocess.PIPE, text=True)
     time.sleep(0.2)  # let the sampler start before the load
     start, ev0, ev1 = time.perf_counter(), torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ev0.record()

@@ -26,6 +26,7 @@
 #include "awq_mma.cuh"
 #include "ptx_loads.cuh"
 #include "wgmma.cuh"
+#include "bench_timing.cuh"
 
 using namespace torchforge;
 
@@ -123,7 +124,8 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
     for (int i = threadIdx.x; i < kStages * (kWords + kGroupRow) / 4; i += blockDim.x) {
       const uint32_t v = static_cast<uint32_t>(i) * 2246822519u + 374761393u;
       // scales: small positive fp16 values; words and zero words: any bits
-      const bool scale = i % ((kWords + kGroupRow) / 4) >= kWords / 4 && i % ((kWords + kGroupRow) / 4) < (kWords + 512) / 4;
+      const int o = i % ((kWords + kGroupRow) / 4);
+      const bool scale = o >= kWords / 4 && o < (kWords + 512) / 4;
       reinterpret_cast<uint32_t*>(smem + kB + 8192)[i] = scale ? 0x20002000u | (v & 0x03FF03FFu) : v;
     }
     if (threadIdx.x == 0)
@@ -185,7 +187,8 @@ __global__ void __launch_bounds__(128 * WG, 1) rate_kernel(int iters, const uint
   // previous wait, issue the chunk's group, wait for the previous group.
   auto chunk = [&](uint32_t(&cur)[4][CHAINS][4]) {
     constexpr bool kDeq = MODE == 1 || MODE >= 3;
-    constexpr bool kStore = MODE == 4 || MODE == 5 || MODE == 7 || MODE == 9;  // the dequantized registers go to shared memory
+    // the dequantized registers go to shared memory
+    constexpr bool kStore = MODE == 4 || MODE == 5 || MODE == 7 || MODE == 9;
     if constexpr (kDeq) {
 #pragma unroll
       for (int k = 0; k < 4; ++k)
@@ -256,20 +259,9 @@ void run(int sms, const uint32_t* words, long long* cycles, float* sink, int ran
                                                                                             : 0);
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int iters = 2000;
-  k<<<sms, 128 * WG, smem>>>(iters, words, cycles, sink, random_fill);  // warm-up
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaEventRecord(e0);
-  k<<<sms, 128 * WG, smem>>>(iters, words, cycles, sink, random_fill);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
   float ms = 0.0f;
-  cudaEventElapsedTime(&ms, e0, e1);
-  long long c[1024];
-  cudaMemcpy(c, cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost);
-  long long mx = 0;
-  for (int i = 0; i < sms; ++i) mx = c[i] > mx ? c[i] : mx;
+  const long long mx =
+      time_launch([&] { k<<<sms, 128 * WG, smem>>>(iters, words, cycles, sink, random_fill); }, sms, cycles, ms);
   const double per_sm = static_cast<double>(iters) * 4 * CHAINS * WG;  // wgmmas per SM
   const double ideal = N * 64.0 * 16.0 / 2048.0;
   static const char* modes[] = {"RS",
