@@ -172,7 +172,8 @@ def test_mma_cuda_warps_rule():
 
 def test_mma_cuda_launch_config_rules():
     """(splits, item_chunks, warps, prefetch) on 132 SMs: the prefetching loop where the grid is at most one 8-warp
-    block per SM walking the whole K; 3 K slices at 9-16 rows on a 4-warp grid with at least 48 items."""
+    block per SM walking the whole K, but 2 plain K slices at 9-16 rows there; 3 K slices up to 16 rows on a 4-warp grid;
+    both with at least 48 items."""
     from torchforge.ops.awq_mma_cuda import mma_cuda_launch_config, mma_cuda_prefetch
 
     assert mma_cuda_prefetch(112, 132, 8, 2, 1)       # 7168x7168 up to 16 rows
@@ -181,13 +182,15 @@ def test_mma_cuda_launch_config_rules():
     assert not mma_cuda_prefetch(224, 132, 8, 2, 1)   # 7168x7168 at 32 rows
     assert not mma_cuda_prefetch(288, 132, 4, 2, 1)   # 18432x7168
     cfg = lambda m, k, n, g=128: mma_cuda_launch_config(m, k, n, g, 132)  # noqa: E731
-    assert [cfg(m, 7168, 7168) for m in (1, 16, 17)] == [(1, 2, 8, True), (1, 2, 8, True), (1, 2, 8, False)]
+    # 7168x7168: the prefetching loop up to 8 rows, 2 plain K slices at 9-16 (56 items)
+    assert [cfg(m, 7168, 7168) for m in (1, 8, 9, 16, 17)] == [(1, 2, 8, True), (1, 2, 8, True), (2, 2, 8, False),
+                                                               (2, 2, 8, False), (1, 2, 8, False)]
     assert cfg(16, 1536, 6144) == (1, 2, 8, True)
     assert cfg(1, 4096, 1536) == (4, 2, 8, False)
     assert cfg(1, 7168, 7168, 64) == (1, 1, 8, False)
-    # 18432x7168: 288 tiles of 4-warp blocks; 3 K slices at 9-16 rows only
-    assert [cfg(m, 7168, 18432) for m in (8, 9, 16, 17)] == [(1, 2, 4, False), (3, 2, 4, False), (3, 2, 4, False),
-                                                            (1, 2, 8, False)]
+    # 18432x7168: 288 tiles of 4-warp blocks up to 16 rows, in 3 K slices
+    assert [cfg(m, 7168, 18432) for m in (1, 8, 9, 16, 17)] == [(3, 2, 4, False), (3, 2, 4, False), (3, 2, 4, False),
+                                                               (3, 2, 4, False), (1, 2, 8, False)]
     assert cfg(16, 4096, 18432) == (1, 2, 4, False)    # 32 items: too few for slices
     assert cfg(16, 7168, 16384) == (1, 2, 8, False)    # 256 tiles: a grid of 8-warp blocks
     # groups of 32: 8-warp blocks, the fewest K slices that fill 0.8 of the last wave of them (2 per SM)

@@ -110,21 +110,30 @@ def mma_cuda_g32_splits(tiles: int, items: int, sms: int) -> int:
 def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) -> tuple[int, int, int, bool]:
     """(splits, item_chunks, warps, prefetch) of the dense CUDA kernel for x [m, k] and n output columns on `sms` SMs:
     groups of 32 take mma_cuda_g32_splits and 8-warp blocks; others mma_cuda_config, mma_cuda_warps and
-    mma_cuda_prefetch, except at 9-16 rows where mma_cuda_warps takes 4-warp blocks (more than 2 and at most 3 tiles
-    per SM) and there are at least 48 items: 3 K slices, still 4-warp blocks.
+    mma_cuda_prefetch, except where there are at least 48 items and
+    - mma_cuda_warps takes 4-warp blocks (more than 2 and at most 3 tiles per SM): 3 K slices, still 4-warp blocks;
+    - at 9-16 rows mma_cuda_prefetch would take the prefetching loop (one block per SM): 2 plain K slices.
     The items of 16 rows (two 8-row MMA tiles) cost twice the tensor work of 8 rows, and 2-3 4-warp blocks leave
     about 9 warps per SM to hide it; with 3 K slices each SM holds 16 (the rest run in a second wave). H100, kept
     tickets (thirteenth session): 18432x7168 at 12 and 16 rows 32.8-33.0 us against 35.6-35.7; at 1 row 28.1 against
-    27.8 (not taken). With 8-warp grids slices lost: 16384x7168 27.0 against 24.9, 12288x7168 22.8 against 22.2,
-    14336x4096 16.7 against 14.3 (2 slices, the best with slices)."""
+    27.8, within noise. The H200 (thirty-fifth session, same kernels: its HBM3e reads 1.4x faster at the same latency,
+    so a grid needs more loads in flight) took 3 slices at 1 row too: 23.1 against 25.3 us; and 2 plain slices on
+    7168x7168 at 16 rows: 13.8 against the prefetching loop's 14.7 (H100: 14.9 against 15.0-15.2). With 8-warp grids
+    slices lost on the H100: 16384x7168 27.0 against 24.9, 12288x7168 22.8 against 22.2, 14336x4096 16.7 against 14.3
+    (2 slices, the best with slices); with few items the prefetching loop won at 16 rows (6144x1536: 4.7-4.8 against
+    5.3-5.7)."""
     tiles = -(-m // 16) * (n // 64)
     if group_size == 32:
         return mma_cuda_g32_splits(tiles, k // 64, sms), 1, 8, False
     splits, item_chunks = mma_cuda_config(m, k, n, group_size)
     warps = mma_cuda_warps(tiles * splits, sms)
-    if 8 < m <= 16 and splits == 1 and warps == 4 and k // (64 * item_chunks) >= 48:
-        return 3, item_chunks, 4, False
-    return splits, item_chunks, warps, mma_cuda_prefetch(tiles * splits, sms, warps, item_chunks, splits)
+    prefetch = mma_cuda_prefetch(tiles * splits, sms, warps, item_chunks, splits)
+    if splits == 1 and m <= 16 and k // (64 * item_chunks) >= 48:
+        if warps == 4:
+            return 3, item_chunks, 4, False
+        if prefetch and m > 8:
+            return 2, item_chunks, 8, False
+    return splits, item_chunks, warps, prefetch
 
 
 _MAX_X_NUMEL = 1 << 34  # ops.cpp: the kernels address x in 32-bit uint4 offsets
