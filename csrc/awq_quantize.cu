@@ -44,6 +44,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include "ptx_loads.cuh"
 
 #ifndef AWQ_MIN_BLOCKS
@@ -64,6 +65,10 @@ constexpr int kRowBlocks = 32;  // 8-row blocks per tile -> 256 output rows, one
 // so clamping the bits clamps the rounded value even where x leaves that range.
 constexpr float kMagic = 12582912.0f;
 constexpr int kMagicBits = 0x4B400000;
+// Path flags of a row, above its (s16 | z << 16) word: quantize_exact for the whole item, or the
+// clamped fast path (asymmetric rows whose codes could leave [0, 15]).
+constexpr uint32_t kExactFlag = 1u << 31;
+constexpr uint32_t kClampFlag = 1u << 30;
 
 // Nibble position of logical output column j (0..7) inside a packed word: AutoAWQ / vLLM
 // packing order [0, 2, 4, 6, 1, 3, 5, 7] (nibble k holds column order[k]), inverted.
@@ -128,6 +133,18 @@ __device__ __forceinline__ uint32_t pmax(uint32_t a, uint32_t b) {
   memcpy(&u, &r, 4);
   return u;
 }
+// max(|a|, |b|) per half, with the sign bit the XOR of the inputs' (PTX max.xorsign.abs, sm_86+): one instruction
+// where masking both inputs first took three; the sign bits are cleared once, after the reduction.
+template <typename P2>
+__device__ __forceinline__ uint32_t pmax_abs(uint32_t a, uint32_t b) {
+  uint32_t r;
+  if constexpr (std::is_same<P2, __nv_bfloat162>::value) {
+    asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  } else {
+    asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  }
+  return r;
+}
 template <typename P2>
 __device__ __forceinline__ uint32_t pmin(uint32_t a, uint32_t b) {
   P2 x, y;
@@ -179,23 +196,36 @@ __device__ __forceinline__ float rcp_approx(float x) {  // max error 1 ulp (PTX 
   return r;
 }
 
+// A tile's position, and the element offsets of its first weight, scale and zero word (the thread's own part of
+// each is added by the kernel): the 64-bit address arithmetic once per tile, not per item (it was about a tenth of
+// the item loop's instructions).
 struct TileInfo {
-  int64_t e;
-  int b0;   // first 8-row block
-  int ic0;  // first input column
+  int b0;    // first 8-row block
+  int ic0;   // first input column
   bool ok;
+  int64_t w;  // weight + w: row 8 b0, column ic0 of the tile's expert
+  int64_t s;  // scales + s: group ic0 / G, column 8 b0
+  int64_t z;  // qzeros + z: group ic0 / G, word b0
+  int64_t q;  // qweight + q: row ic0, word b0
 };
 
-__device__ __forceinline__ TileInfo decode_tile(int64_t tile, int64_t num_tiles, int n_oc_tiles,
-                                                int n_ic_tiles, int kCols) {
+template <int kCols, int G>
+__device__ __forceinline__ TileInfo decode_tile(int64_t tile, int64_t num_tiles, int n_oc_tiles, int n_ic_tiles,
+                                                int OC, int IC) {
   TileInfo t;
   t.ok = tile < num_tiles;
   const uint32_t tt = t.ok ? (uint32_t)tile : 0u;  // host guarantees num_tiles < 2^31
   const uint32_t rest = tt / (uint32_t)n_ic_tiles;
-  t.ic0 = (int)(tt - rest * (uint32_t)n_ic_tiles) * kCols;
+  const int ict = (int)(tt - rest * (uint32_t)n_ic_tiles);
+  t.ic0 = ict * kCols;
   const uint32_t e = rest / (uint32_t)n_oc_tiles;
   t.b0 = (int)(rest - e * (uint32_t)n_oc_tiles) * kRowBlocks;
-  t.e = e;
+  const int OC8 = OC >> 3;
+  const int64_t g0 = (int64_t)e * (IC / G) + ict * (kCols / G);  // kCols is a multiple of G
+  t.w = ((int64_t)e * OC + 8 * t.b0) * IC + t.ic0;
+  t.s = g0 * OC + 8 * t.b0;
+  t.z = g0 * OC8 + t.b0;
+  t.q = ((int64_t)e * IC + t.ic0) * OC8 + t.b0;
   return t;
 }
 
@@ -223,12 +253,13 @@ __host__ __device__ constexpr uint32_t magic_word() {
 // stays in [-7, 7] and needs no clamp; adding 8 to the magic constant gives the code directly.
 // Asymmetric: clamp(rint(x) + z, 0, 15) = clamp(rint(x), -z, 15 - z) + z; the clamp runs on the
 // bits (monotonic in x for t > 0, negative ints for t < 0), and the z's come back as the packed
-// zero word.
-template <typename T, bool kSym>
+// zero word. Rows whose codes already lie in [0, 15] (all but groups of one sign and rare
+// round-ups at the maximum: see kClampFlag's caller) take kClamp = false, two instructions
+// fewer per element.
+template <typename T, bool kSym, bool kClamp>
 __device__ __forceinline__ void quantize_fast(const uint4 (&raw)[8][Elem<T>::kW], const float (&sf)[8],
-                                              const float (&r1)[8], const int (&lob)[8],
-                                              const int (&hib)[8], uint32_t zword,
-                                              uint32_t (&words)[8]) {
+                                              const float (&r1)[8], const uint32_t (&vrow)[8],
+                                              uint32_t zword, uint32_t (&words)[8]) {
   constexpr float C = kSym ? kMagic + 8.0f : kMagic;
   uint32_t acc[8];
 #pragma unroll
@@ -236,6 +267,8 @@ __device__ __forceinline__ void quantize_fast(const uint4 (&raw)[8][Elem<T>::kW]
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
     const int sh = awq_shift(r);
+    const int zr = (int)((vrow[r] >> 16) & 15u);
+    const int lob = kMagicBits - zr, hib = kMagicBits + 15 - zr;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float f = elem<T>(raw[r], i);
@@ -243,7 +276,7 @@ __device__ __forceinline__ void quantize_fast(const uint4 (&raw)[8][Elem<T>::kW]
       const float rem = fmaf(-sf[r], q0, f);
       const float q1 = fmaf(r1[r], rem, q0);
       int b = __float_as_int(__fadd_rn(q1, C));
-      if (!kSym) b = min(max(b, lob[r]), hib[r]);
+      if (kClamp) b = min(max(b, lob), hib);
       acc[i] += (uint32_t)b << sh;
     }
   }
@@ -253,7 +286,7 @@ __device__ __forceinline__ void quantize_fast(const uint4 (&raw)[8][Elem<T>::kW]
 
 // Reference path: IEEE division, exactly the definition. Rarely taken, so kept out of line (the
 // hot loop stays small in the instruction cache): it reloads the item from its stage in shared
-// memory, gets the 8 (s16 | z << 16) row words as scalars and writes word i to out[32 * i]
+// memory, gets the 8 (s16 | z << 16 | flags) row words as scalars and writes word i to out[32 * i]
 // (the item's column of the shared word tile).
 template <typename T, bool kSym>
 __device__ __noinline__ void quantize_exact(const uint4* __restrict__ st, uint32_t* out, uint32_t v0, uint32_t v1, uint32_t v2,
@@ -270,7 +303,7 @@ __device__ __noinline__ void quantize_exact(const uint4* __restrict__ st, uint32
 #pragma unroll
     for (int k = 0; k < kW; ++k) raw[k] = st[(r * kW + k) * kThreads];
     const float sf = __half2float(__ushort_as_half((unsigned short)(v[r] & 0xffffu)));
-    const float z = (float)(v[r] >> 16);
+    const float z = (float)((v[r] >> 16) & 15u);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float x = rintf(__fdiv_rn(elem<T>(raw, i), sf));
@@ -305,28 +338,35 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int OC8 = OC >> 3;
-  const int n_groups = IC / G;
   const int64_t stride = gridDim.x;
   const int64_t first = blockIdx.x;
   if (first >= num_tiles) return;
   const int64_t my_tiles = (num_tiles - 1 - first) / stride + 1;
 
-  // item j of this thread: chunk c (8 input columns), row block b (8 output rows)
-  auto item_c = [&](int j) { return (j * kThreads + tid) % Cfg::kChunks; };
-  auto item_b = [&](int j) { return (j * kThreads + tid) / Cfg::kChunks; };
+  // item j of this thread: chunk c (8 input columns: the same for every j, as kThreads % kChunks == 0), row block
+  // b = j * kBPer + b_t (8 output rows)
+  constexpr int kBPer = kThreads / Cfg::kChunks;
+  const int c = tid % Cfg::kChunks;
+  const int b_t = tid / Cfg::kChunks;
+  const int64_t row_bytes = (int64_t)IC * sizeof(T);
+  const int64_t w_t = (int64_t)(8 * b_t) * IC + 8 * c;           // this thread's part of a tile's weight offset
+  const int64_t w_j = (int64_t)(8 * kBPer) * IC;                 // ... and an item's
+  const int g_t = (8 * c) / G;                                   // group of the thread's chunk within the tile
+  const int64_t s_t = (int64_t)g_t * OC + 8 * b_t, z_t = (int64_t)g_t * OC8 + b_t;
 
   auto issue = [&](const TileInfo& t, int j, int n) {
     const int s = (int)(n % kS);
-    const int c = item_c(j), b = item_b(j);
+    const int b = j * kBPer + b_t;
     const bool valid = t.ok && (t.b0 + b < OC8) && (t.ic0 + 8 * c < IC);
-    const T* p = weight + (valid ? t.e * OC * (int64_t)IC + (int64_t)(8 * (t.b0 + b)) * IC + t.ic0 + 8 * c : 0);
+    // an item that does not exist reads nothing (src size 0) from the tensor's start
+    const char* p = reinterpret_cast<const char*>(weight + (valid ? t.w + w_t + j * w_j : 0));
+    const int64_t step = valid ? row_bytes : 0;
+    const uint32_t dst = stage_addr + (uint32_t)((s * 8 * kW * kThreads + tid) * 16);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
 #pragma unroll
-      for (int k = 0; k < kW; ++k) {
-        const uint32_t dst = stage_addr + (uint32_t)(((s * 8 * kW + r * kW + k) * kThreads + tid) * 16);
-        cp_async16(dst, p + (valid ? (int64_t)r * IC + k * (16 / sizeof(T)) : 0), valid);
-      }
+      for (int k = 0; k < kW; ++k) cp_async16(dst + (uint32_t)((r * kW + k) * kThreads * 16), p + 16 * k, valid);
+      p += step;
     }
   };
   auto load_item = [&](int n, uint4 (&raw)[8][kW]) {
@@ -337,8 +377,8 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
       for (int k = 0; k < kW; ++k) raw[r][k] = stage[(s * 8 * kW + r * kW + k) * kThreads + tid];
   };
 
-  TileInfo cur = decode_tile(first, num_tiles, n_oc_tiles, n_ic_tiles, Cfg::kCols);
-  TileInfo nxt = decode_tile(first + stride, num_tiles, n_oc_tiles, n_ic_tiles, Cfg::kCols);
+  TileInfo cur = decode_tile<Cfg::kCols, G>(first, num_tiles, n_oc_tiles, n_ic_tiles, OC, IC);
+  TileInfo nxt = decode_tile<Cfg::kCols, G>(first + stride, num_tiles, n_oc_tiles, n_ic_tiles, OC, IC);
 #pragma unroll
   for (int q = 0; q < kS - 1; ++q) {
     issue(q < Cfg::kItems ? cur : nxt, q % Cfg::kItems, q);
@@ -358,29 +398,30 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
 
       uint4 raw[8][kW];
       load_item(n, raw);
-      const int c = item_c(j), b = item_b(j);
+      const int b = j * kBPer + b_t;
 
       // ---- per-(row, group) statistics, reduced over the kL lanes of the group ----
       float hi[8], lo[8];  // sym: hi = amax; asym: hi = max, lo = min
       if constexpr (E::kPacked) {
         using P2 = typename E::P2;
         if constexpr (kSym) {
-          uint32_t m[8];
+          uint32_t m[8];  // magnitudes of the row's maxima, sign bits meaningless until the mask below
 #pragma unroll
           for (int r = 0; r < 8; ++r) {
-            const uint32_t a0 = raw[r][0].x & 0x7fff7fffu, a1 = raw[r][0].y & 0x7fff7fffu;
-            const uint32_t a2 = raw[r][0].z & 0x7fff7fffu, a3 = raw[r][0].w & 0x7fff7fffu;
-            m[r] = pmax<P2>(pmax<P2>(a0, a1), pmax<P2>(a2, a3));
+            const uint4 v = raw[r][0];
+            m[r] = pmax_abs<P2>(pmax_abs<P2>(v.x, v.y), pmax_abs<P2>(v.z, v.w));
           }
           uint32_t pr[4];  // (amax[2p], amax[2p+1])
 #pragma unroll
           for (int p = 0; p < 4; ++p)
-            pr[p] = pmax<P2>(__byte_perm(m[2 * p], m[2 * p + 1], 0x5410),
-                             __byte_perm(m[2 * p], m[2 * p + 1], 0x7632));
+            pr[p] = pmax_abs<P2>(__byte_perm(m[2 * p], m[2 * p + 1], 0x5410),
+                                 __byte_perm(m[2 * p], m[2 * p + 1], 0x7632));
 #pragma unroll
           for (int off = kL / 2; off > 0; off >>= 1)
 #pragma unroll
-            for (int p = 0; p < 4; ++p) pr[p] = pmax<P2>(pr[p], __shfl_xor_sync(0xffffffffu, pr[p], off));
+            for (int p = 0; p < 4; ++p) pr[p] = pmax_abs<P2>(pr[p], __shfl_xor_sync(0xffffffffu, pr[p], off));
+#pragma unroll
+          for (int p = 0; p < 4; ++p) pr[p] &= 0x7fff7fffu;
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
             hi[2 * p] = E::lo(pr[p]);
@@ -435,7 +476,8 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
       }
 
       // ---- scales and zero points: each lane of a group computes 8 / min(kL, 8) rows (IEEE
-      // division, as defined), then all lanes gather the 8 (s16 | z << 16) words ----
+      // division, as defined) and that row's path flags, then all lanes gather the 8
+      // (s16 | z << 16 | flags) words ----
       constexpr int kOwn = kL >= 8 ? 1 : 2;
       const int gl = lane & (kL - 1);
       const int gbase = lane & ~(kL - 1);
@@ -460,50 +502,61 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
           s = __fdiv_rn(fmaxf(h - l, 1e-5f), 15.0f);
         }
         const __half s16 = __float2half_rn(s);
-        uint32_t zz = 8u;
-        if (!kSym) {
+        const uint32_t h16 = __half_as_ushort(s16);
+        uint32_t zz = 8u, flags;
+        if (kSym) {
+          // fp16-subnormal scale (amax < 7 * 2^-14: the unclamped symmetric path could leave
+          // [-8, 7]) or infinite scale (amax / 7 > 65504)
+          flags = ((h16 < 0x0400u) | (h16 >= 0x7c00u)) ? kExactFlag : 0u;
+        } else {
           const float sfo = __half2float(s16);
-          zz = (uint32_t)fminf(fmaxf(rintf(__fdiv_rn(-l, sfo)), 0.0f), 15.0f);
+          const float zq = rintf(__fdiv_rn(-l, sfo));
+          const float zc = fminf(fmaxf(zq, 0.0f), 15.0f);
+          zz = (uint32_t)zc;
+          // The row's codes lie in [code(min), code(max)] (rint of a correctly rounded quotient
+          // is monotonic). Unless z itself was clamped from above, code(min) = rint(min / sf) + z
+          // >= 0: exactly 0 where z was not clamped (fl(-a / b) = -fl(a / b), rint is odd), above
+          // 0 where it was clamped to 0 (min > 0). So only code(max) can then leave [0, 15]:
+          // where it does not, the row needs no clamp.
+          const bool clamp = (zq > 15.0f) | (rintf(__fdiv_rn(h, sfo)) + zc > 15.0f);
+          // infinite scale, or quotients that could overflow fp32 in q0 = w * r1
+          const float r0 = rcp_approx(sfo);
+          const float r1o = fmaf(r0, fmaf(-sfo, r0, 1.0f), r0);
+          const bool exact = (h16 >= 0x7c00u) | (fmaxf(fabsf(h), fabsf(l)) * r1o > 0x1p100f);
+          flags = (exact ? kExactFlag : 0u) | (clamp ? kClampFlag : 0u);
         }
-        own[o] = (uint32_t)__half_as_ushort(s16) | (zz << 16);
+        own[o] = h16 | (zz << 16) | flags;
       }
       float sf[8], r1[8];
-      int lob[8], hib[8];
       uint32_t vrow[8];
       uint32_t s16w[4];
       uint32_t zword = 0u;
-      bool special = false;  // rows that need quantize_exact
+      uint32_t flags = 0u;  // OR of the 8 rows' path flags
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         const uint32_t v = __shfl_sync(0xffffffffu, own[kL >= 8 ? 0 : (r >> 2)],
                                        gbase | (kL >= 8 ? r : (r & 3)));
         vrow[r] = v;
+        flags |= v;
         const uint32_t h16 = v & 0xffffu;
-        const int zr = (int)(v >> 16);
         sf[r] = __half2float(__ushort_as_half((unsigned short)h16));
         // one Newton step on rcp.approx, as in div.rn.f32
         const float r0 = rcp_approx(sf[r]);
         r1[r] = fmaf(r0, fmaf(-sf[r], r0, 1.0f), r0);
-        lob[r] = kMagicBits - zr;
-        hib[r] = kMagicBits + 15 - zr;
-        zword |= (uint32_t)zr << awq_shift(r);
-        if (kSym) {
-          // fp16-subnormal scale (amax < 7 * 2^-14: the unclamped symmetric path could leave
-          // [-8, 7]) or infinite scale (amax / 7 > 65504)
-          special |= (h16 < 0x0400u) | (h16 >= 0x7c00u);
-        } else {
-          // infinite scale, or quotients that could overflow fp32 in q0 = w * r1
-          special |= (h16 >= 0x7c00u) | (fmaxf(fabsf(hi[r]), fabsf(lo[r])) * r1[r] > 0x1p100f);
-        }
+        if (!kSym) zword |= ((v >> 16) & 15u) << awq_shift(r);
         if (r & 1) s16w[r >> 1] |= h16 << 16; else s16w[r >> 1] = h16;
       }
       if (kSym) zword = 0x88888888u;
 
       // ---- codes -> this item's column of the shared word tile: word i at sw[8c + i][col] ----
       uint32_t* out = &sw[8 * c][b ^ swz<Cfg::kRowBlocksPerWarp>(8 * c)];
-      if (!special) {
+      if (!(flags & kExactFlag)) {
         uint32_t words[8];
-        quantize_fast<T, kSym>(raw, sf, r1, lob, hib, zword, words);
+        if (kSym || !(flags & kClampFlag)) {
+          quantize_fast<T, kSym, false>(raw, sf, r1, vrow, zword, words);
+        } else {
+          quantize_fast<T, kSym, !kSym>(raw, sf, r1, vrow, zword, words);
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) out[32 * i] = words[i];
       } else {
@@ -513,34 +566,27 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
 
       const bool valid = (cur.b0 + b < OC8) && (cur.ic0 + 8 * c < IC);
       if (valid && gl == 0) {
-        const int g = (cur.ic0 + 8 * c) / G;
-        const int oc = 8 * (cur.b0 + b);
-        __stcs(reinterpret_cast<uint4*>(scales + cur.e * ((int64_t)n_groups * OC) + (int64_t)g * OC + oc),
+        __stcs(reinterpret_cast<uint4*>(scales + cur.s + s_t + 8 * j * kBPer),
                make_uint4(s16w[0], s16w[1], s16w[2], s16w[3]));
-        __stcs(reinterpret_cast<unsigned int*>(qzeros + cur.e * ((int64_t)n_groups * OC8) +
-                                               (int64_t)g * OC8 + cur.b0 + b),
-               zword);
+        __stcs(reinterpret_cast<unsigned int*>(qzeros + cur.z + z_t + j * kBPer), zword);
       }
     }
     __syncthreads();
 
     // ---- coalesced qweight stores: one 128-byte row segment per warp instruction ----
-    {
-      const int bg = cur.b0 + lane;
-      if (bg < OC8) {
-        int32_t* qwt = qweight + cur.e * ((int64_t)IC * OC8) + bg;
+    if (cur.b0 + lane < OC8) {
+      unsigned int* qwt = reinterpret_cast<unsigned int*>(qweight + cur.q + (int64_t)warp * OC8 + lane);
+      const int64_t step = (int64_t)(kThreads / 32) * OC8;
+      const int rows = min(Cfg::kCols, IC - cur.ic0);
 #pragma unroll 4
-        for (int ic = warp; ic < Cfg::kCols; ic += kThreads / 32) {
-          if (cur.ic0 + ic < IC) {
-            __stcs(reinterpret_cast<unsigned int*>(qwt + (int64_t)(cur.ic0 + ic) * OC8),
-                   sw[ic][lane ^ swz<Cfg::kRowBlocksPerWarp>(ic)]);
-          }
-        }
+      for (int ic = warp; ic < rows; ic += kThreads / 32) {
+        __stcs(qwt, sw[ic][lane ^ swz<Cfg::kRowBlocksPerWarp>(ic)]);
+        qwt += step;
       }
     }
     __syncthreads();
     cur = nxt;
-    nxt = decode_tile(first + (k + 2) * stride, num_tiles, n_oc_tiles, n_ic_tiles, Cfg::kCols);
+    nxt = decode_tile<Cfg::kCols, G>(first + (k + 2) * stride, num_tiles, n_oc_tiles, n_ic_tiles, OC, IC);
   }
   cp_async_wait<0>();
 }
