@@ -48,6 +48,11 @@
 //   hit L1 (twenty-eighth session, after TORCHFORGE_MMA_ABLATE=1 put 10% of the 16-row time on x): right, but the
 //   grid of half as many blocks lost more than the L2 reads saved: 7168x7168 at 16 rows 16.6 against 14.4 us, at
 //   one row 13.9 against 11.3; 18432x7168 at 16 rows 34.7 against 33.1 (best configuration of each build).
+//   A weight ring per warp in shared memory (thirty-sixth session, H200): each item's words (2 or 4 KB contiguous) by
+//   one bulk copy (cp.async.bulk + mbarrier) 6 / CPG items ahead, so 3x the bytes in flight per SM without
+//   registers; same bits. Slower at every swept M and K-slice count (best of each, us): 18432x7168 at one row 27.5
+//   against 23.3, at 16 rows 40.8 against 29.9; 7168x7168 at one row 13.0 against 10.8 (prefetching loop), 17.8
+//   against 13.7 at 16.
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
