@@ -195,6 +195,11 @@ __device__ __forceinline__ float rcp_approx(float x) {  // max error 1 ulp (PTX 
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
+// 1 / x after one Newton step on rcp.approx, as in div.rn.f32's main path (see quantize_fast)
+__device__ __forceinline__ float rcp_newton(float x) {
+  const float r0 = rcp_approx(x);
+  return fmaf(r0, fmaf(-x, r0, 1.0f), r0);
+}
 
 // A tile's position, and the element offsets of its first weight, scale and zero word (the thread's own part of
 // each is added by the kernel): the 64-bit address arithmetic once per tile, not per item (it was about a tenth of
@@ -520,9 +525,7 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
           // where it does not, the row needs no clamp.
           const bool clamp = (zq > 15.0f) | (rintf(__fdiv_rn(h, sfo)) + zc > 15.0f);
           // infinite scale, or quotients that could overflow fp32 in q0 = w * r1
-          const float r0 = rcp_approx(sfo);
-          const float r1o = fmaf(r0, fmaf(-sfo, r0, 1.0f), r0);
-          const bool exact = (h16 >= 0x7c00u) | (fmaxf(fabsf(h), fabsf(l)) * r1o > 0x1p100f);
+          const bool exact = (h16 >= 0x7c00u) | (fmaxf(fabsf(h), fabsf(l)) * rcp_newton(sfo) > 0x1p100f);
           flags = (exact ? kExactFlag : 0u) | (clamp ? kClampFlag : 0u);
         }
         own[o] = h16 | (zz << 16) | flags;
@@ -540,9 +543,7 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
         flags |= v;
         const uint32_t h16 = v & 0xffffu;
         sf[r] = __half2float(__ushort_as_half((unsigned short)h16));
-        // one Newton step on rcp.approx, as in div.rn.f32
-        const float r0 = rcp_approx(sf[r]);
-        r1[r] = fmaf(r0, fmaf(-sf[r], r0, 1.0f), r0);
+        r1[r] = rcp_newton(sf[r]);
         if (!kSym) zword |= ((v >> 16) & 15u) << awq_shift(r);
         if (r & 1) s16w[r >> 1] |= h16 << 16; else s16w[r >> 1] = h16;
       }
@@ -552,10 +553,11 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
       uint32_t* out = &sw[8 * c][b ^ swz<Cfg::kRowBlocksPerWarp>(8 * c)];
       if (!(flags & kExactFlag)) {
         uint32_t words[8];
-        if (kSym || !(flags & kClampFlag)) {
-          quantize_fast<T, kSym, false>(raw, sf, r1, vrow, zword, words);
+        if constexpr (!kSym) {
+          if (flags & kClampFlag) quantize_fast<T, false, true>(raw, sf, r1, vrow, zword, words);
+          else quantize_fast<T, false, false>(raw, sf, r1, vrow, zword, words);
         } else {
-          quantize_fast<T, kSym, !kSym>(raw, sf, r1, vrow, zword, words);
+          quantize_fast<T, true, false>(raw, sf, r1, vrow, zword, words);
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) out[32 * i] = words[i];

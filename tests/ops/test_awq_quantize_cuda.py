@@ -153,25 +153,23 @@ def test_ties_round_half_to_even(dtype, symmetric):
     assert bool((sc == 0.5).all())
 
 
-def _round_up_rows(n_rows: int, group_size: int, dtype, seed: int) -> torch.Tensor:
-    """[n_rows, group_size] asymmetric groups whose maximum's code rounds up to 16 before the
-    clamp: min = -a sf, max = b sf with a, b just above k + 0.5, so rint(max / sf) + z = 16 once
-    (max - min) / 15 rounds to the same fp16 sf. Rows are drawn until the reference says so."""
+def _round_up_row(group_size: int, dtype, seed: int) -> torch.Tensor:
+    """One asymmetric group [group_size] whose maximum's code rounds up to 16 before the clamp:
+    min = -a sf, max = b sf with a, b just above k + 0.5, so rint(max / sf) + z = 16 once
+    (max - min) / 15 rounds to the same fp16 sf. Drawn until the reference says so."""
     g = torch.Generator().manual_seed(seed)
-    rows = []
-    while len(rows) < n_rows:
+    while True:
         sf0 = float(torch.empty(()).uniform_(0.004, 0.03, generator=g).half())
         ab = torch.empty(2).uniform_(7.5, 7.56, generator=g)
         mn = torch.tensor(-float(ab[0]) * sf0).to(dtype).float()
         mx = torch.tensor(float(ab[1]) * sf0).to(dtype).float()
         sf = (torch.clamp(mx - mn, min=1e-5) / 15).half().float()
         z = torch.clamp(torch.round(-mn / sf), 0, 15)
-        if torch.round(mx / sf) + z <= 15:
-            continue
-        row = (mn + (mx - mn) * torch.rand(group_size, generator=g)).to(dtype).float()
-        row[torch.randperm(group_size, generator=g)[:2]] = torch.stack([mn, mx])
-        rows.append(row)
-    return torch.stack(rows)
+        if torch.round(mx / sf) + z > 15:
+            break
+    row = (mn + (mx - mn) * torch.rand(group_size, generator=g)).to(dtype).float()
+    row[torch.randperm(group_size, generator=g)[:2]] = torch.stack([mn, mx])
+    return row
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
@@ -185,9 +183,9 @@ def test_asym_round_up_at_max(dtype, group_size):
     w = _weights((oc, ic), torch.float32, seed=13).cpu()
     for r in range(0, oc, 3):  # every third row: two of its groups round up
         g0 = (r // 3) % (ic // group_size)
-        w[r, g0 * group_size : (g0 + 1) * group_size] = _round_up_rows(1, group_size, dtype, seed=r)[0]
+        w[r, g0 * group_size : (g0 + 1) * group_size] = _round_up_row(group_size, dtype, seed=r)
         g1 = (g0 + 1) % (ic // group_size)
-        w[r, g1 * group_size : (g1 + 1) * group_size] = _round_up_rows(1, group_size, dtype, seed=1000 + r)[0]
+        w[r, g1 * group_size : (g1 + 1) * group_size] = _round_up_row(group_size, dtype, seed=1000 + r)
     w = w.to(dtype)
     # the case under test is there: unclamped codes would reach 16 in some groups
     x = w.float().reshape(oc, ic // group_size, group_size)
