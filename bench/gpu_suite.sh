@@ -106,6 +106,7 @@ case " $SUITE " in *" bench "*)
       host) TAIL=${HOST_TAIL:-60} step bench_op_host_overhead python3 bench/op_host_overhead.py ${HOST_ARGS:-} ;;  # host us per eager op call
       moe_align) TAIL=22 step bench_moe_align python3 bench/moe_align.py ${MOE_ALIGN_ARGS:-} ;;  # the MoE row sort three ways
       decode) TAIL=30 step bench_decode_e2e python3 bench/decode_e2e.py ${DECODE_ARGS:-} ;;  # end-to-end generate, bf16 vs W4A16 (not in the default list: ~4 min)
+      read_ceiling) TAIL=8 step bench_read_ceiling python3 bench/decode_read_ceiling.py ${CEILING_ARGS:-} ;;  # the one-row decode against a plain read of its bytes
     esac
   done ;;
 esac
