@@ -53,6 +53,18 @@
 //   registers; same bits. Slower at every swept M and K-slice count (best of each, us): 18432x7168 at one row 27.5
 //   against 23.3, at 16 rows 40.8 against 29.9; 7168x7168 at one row 13.0 against 10.8 (prefetching loop), 17.8
 //   against 13.7 at 16.
+//   Thirty-seventh session (H200, BENCHMARKS.md), both dropped: a rolling L2 prefetch, lane 0 of each warp asking
+//   for its item 1-4 rounds ahead (cp.async.bulk.prefetch.L2, the distance a kernel parameter so that no register
+//   spilled): slower at every distance in every configuration near the best (18432x7168 at one row, as dispatched,
+//   23.7 us without, 27.2-31.5 with; 16 rows 30.5 against 32.1-38.3; faster by up to 1.5 us only in single-slice
+//   configurations that stayed 14-87% slower than the dispatched one); and one 8-row tile's plain loop built for 24
+//   or 32 warps per SM (78 registers without spills, 64 with 104 bytes spilled): the best configuration at 24 (2
+//   slices, 23.4 us) no faster than at 16 (3 slices, 23.3), 32 never the fastest. bench/decode_read_ceiling.py: a
+//   streaming read of that layer's 68.6 MB takes 16.7 us, its words read in this kernel's order (3 slices of 4-warp
+//   blocks, no arithmetic) 17.6, cuBLAS bf16 on a weight of the same bytes 21.2; the kernel's 23.2 is 72% of the
+//   read. Under ncu (SM clock held at 1.32 GHz, about 2/3 of its boost) it took 31.8 us (1.36x) while bf16 took
+//   73.3 (71.7 in graphs): the time mostly follows the SM clock, so what is left is the arithmetic between a warp's
+//   loads, not the DRAM.
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
