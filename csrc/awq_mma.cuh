@@ -147,10 +147,14 @@ __device__ __forceinline__ void b_frags(uint32_t (&b0)[NT], uint32_t (&b1)[NT], 
 // One work item (CPG chunks of 64 k, inside one quantization group) of this lane's C fragments: part = sum_k x (magic
 // + q) for 4 column tiles x NT tiles of 8 rows, xs = sum_k x in the same fragment positions (all-ones A).
 // w: the item's layout words of this lane (chunk c, k-step s at 4 c + s); xload(c, j, v): this lane's B-fragment x
-// of chunk c, row tile j into v[0..1] (x[row, 64 c + 16 t .. + 15]).
-template <typename T, int NT, int CPG, typename XLoad>
+// of chunk c, row tile j into v[0..1] (x[row, 64 c + 16 t .. + 15]). done(c, s), after the MMAs of k-step s of chunk
+// c: w[4 c + s] (and at s = 3 chunk c's x) are no longer read, so the caller may load its next item's into them.
+struct NoOp {
+  __device__ __forceinline__ void operator()(int, int) const {}
+};
+template <typename T, int NT, int CPG, typename XLoad, typename Done = NoOp>
 __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[NT][4], const uint4 (&w)[CPG * 4],
-                                          XLoad&& xload) {
+                                          XLoad&& xload, Done&& done = Done{}) {
   using Tr = Traits<T>;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -183,6 +187,7 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
 #pragma unroll
         for (int j = 0; j < NT; ++j) Tr::mma(part[i][j], a0, a1, a2, a3, b0[j], b1[j]);
       }
+      done(c, s);
     }
   }
 }
@@ -348,56 +353,90 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
                                            int items, int first, int workers, int chunks_per_group, int g) {
   zero_acc(acc);
   const int zshift = awq_shift(g);
+  // this lane's layout word i of an item, and its x of chunk c of an item for row tile j (two uint4)
+  auto word_at = [&](int item, int i) { return ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32); };
+  auto x_at = [&](int item, int c, int j, uint4(&v)[2]) {
+    const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
+    v[0] = __ldg(p);
+    v[1] = __ldg(p + 1);
+  };
   if constexpr (G32) {
     static_assert(!PF, "groups of 32 run the plain loop");
     const int half = (threadIdx.x >> 1) & 1;  // t / 2: which of a chunk's two groups this lane's k lie in
     for (int item = first; item < items; item += workers) {
       uint4 w[CPG * 4];
 #pragma unroll
-      for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
+      for (int i = 0; i < CPG * 4; ++i) w[i] = word_at(item, i);
       GroupVals<S> gv[CPG];
 #pragma unroll
       for (int c = 0; c < CPG; ++c) load_group_z16(gv[c], sc, qz, N, cb, 2 * (item * CPG + c) + half, g);
-      item_dq<T, S, NT, CPG>(acc, w, gv, zshift, [&](int c, int j, uint4(&v)[2]) {
-        const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
-        v[0] = __ldg(p);
-        v[1] = __ldg(p + 1);
-      });
+      item_dq<T, S, NT, CPG>(acc, w, gv, zshift, [&](int c, int j, uint4(&v)[2]) { x_at(item, c, j, v); });
     }
     return;
   }
   const int items_per_group = chunks_per_group / CPG;
   const bool pow2 = (items_per_group & (items_per_group - 1)) == 0;  // groups of 64, 128, 256, ...: a shift
   const int group_shift = __ffs(items_per_group) - 1;
+  auto fold_group = [&](const float(&part)[4][NT][4], const float(&xs)[NT][4], int item) {
+    GroupVals<S> gv;
+    load_group(gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
+    fold<T, NT>(acc, part, xs, gv, zshift);
+  };
 
-  if constexpr (!PF) {
+  if constexpr (!PF && NT == 1) {
+    // Rolling registers (one 8-row tile of x): each word (and each chunk's x) of the warp's next item is requested as
+    // soon as the MMAs of this item are done with the register that holds it, so the next item's loads are in flight
+    // during this one's arithmetic without a second buffer (127 registers; with two row tiles 364 bytes spilled, so
+    // those keep the loop below).
+    uint4 w[CPG * 4];
+    uint4 xr[CPG][NT][2];
+    auto load_w = [&](int item, int i) { w[i] = word_at(item, i); };
+    auto load_x = [&](int item, int c) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) x_at(item, c, j, xr[c][j]);
+    };
+    if (first < items) {
+#pragma unroll
+      for (int i = 0; i < CPG * 4; ++i) load_w(first, i);
+#pragma unroll
+      for (int c = 0; c < CPG; ++c) load_x(first, c);
+    }
+    for (int item = first; item < items; item += workers) {
+      const int next = item + workers;
+      const bool more = next < items;
+      float part[4][NT][4];
+      float xs[NT][4];
+      item_sums<T, NT, CPG>(
+          part, xs, w,
+          [&](int c, int j, uint4(&v)[2]) {
+            v[0] = xr[c][j][0];
+            v[1] = xr[c][j][1];
+          },
+          [&](int c, int s) {
+            if (!more) return;
+            load_w(next, 4 * c + s);
+            if (s == 3) load_x(next, c);
+          });
+      fold_group(part, xs, item);
+    }
+  } else if constexpr (!PF) {
     for (int item = first; item < items; item += workers) {
       uint4 w[CPG * 4];
 #pragma unroll
-      for (int i = 0; i < CPG * 4; ++i) w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
+      for (int i = 0; i < CPG * 4; ++i) w[i] = word_at(item, i);
       float part[4][NT][4];
       float xs[NT][4];
-      item_sums<T, NT, CPG>(part, xs, w, [&](int c, int j, uint4(&v)[2]) {
-        const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
-        v[0] = __ldg(p);
-        v[1] = __ldg(p + 1);
-      });
-      GroupVals<S> gv;
-      load_group(gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
-      fold<T, NT>(acc, part, xs, gv, zshift);
+      item_sums<T, NT, CPG>(part, xs, w, [&](int c, int j, uint4(&v)[2]) { x_at(item, c, j, v); });
+      fold_group(part, xs, item);
     }
   } else {
     auto load = [&](ItemRegs<S, NT, CPG>& r, int item) {
 #pragma unroll
-      for (int i = 0; i < CPG * 4; ++i) r.w[i] = ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
+      for (int i = 0; i < CPG * 4; ++i) r.w[i] = word_at(item, i);
 #pragma unroll
       for (int c = 0; c < CPG; ++c)
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
-          r.x[c][j][0] = __ldg(p);
-          r.x[c][j][1] = __ldg(p + 1);
-        }
+        for (int j = 0; j < NT; ++j) x_at(item, c, j, r.x[c][j]);
       load_group(r.gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
     };
     auto compute = [&](const ItemRegs<S, NT, CPG>& r) {
