@@ -30,6 +30,11 @@ from common import L2Rotation, bench_graph_ms, device_line, markdown_table  # no
 G = 128
 
 
+def _same_words(out: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether the per-program int32 sums `out` add up to the sum of `src` (mod 2^32: the kernels' sums wrap)."""
+    return int(out.sum()) % 2**32 == int(src.sum()) % 2**32
+
+
 @triton.jit
 def _read_kernel(src, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     pid = tl.program_id(0)
@@ -68,7 +73,7 @@ def read_decode_order_us(words: torch.Tensor, splits: int, warps: int, stages: i
                                                              num_stages=stages)
     f()
     torch.cuda.synchronize()
-    assert int(out.sum()) % 2**32 == int(words.sum()) % 2**32, "the decode-order read lost words"
+    assert _same_words(out, words), "the decode-order read lost words"
     return 1e3 * bench_graph_ms(f, rep_ms=50)
 
 
@@ -83,7 +88,7 @@ def read_us(src: torch.Tensor) -> tuple[float, str]:
         f = lambda: _read_kernel[(grid,)](src, out, n, BLOCK=block, ITERS=iters, num_warps=warps)  # noqa: E731
         f()
         torch.cuda.synchronize()
-        assert int(out.sum()) % 2**32 == int(src.sum()) % 2**32, "the read kernel lost words"  # int32 sums wrap
+        assert _same_words(out, src), "the read kernel lost words"
         t = 1e3 * bench_graph_ms(f, rep_ms=50)
         best = min(best, (t, f"{block}x{iters}/{warps}w"))
     return best

@@ -69,6 +69,8 @@ constexpr int kMagicBits = 0x4B400000;
 // clamped fast path (asymmetric rows whose codes could leave [0, 15]).
 constexpr uint32_t kExactFlag = 1u << 31;
 constexpr uint32_t kClampFlag = 1u << 30;
+// The zero point of a row word (bits 16..19, below the flags).
+__device__ __forceinline__ uint32_t row_zero(uint32_t v) { return (v >> 16) & 15u; }
 
 // Nibble position of logical output column j (0..7) inside a packed word: AutoAWQ / vLLM
 // packing order [0, 2, 4, 6, 1, 3, 5, 7] (nibble k holds column order[k]), inverted.
@@ -272,7 +274,7 @@ __device__ __forceinline__ void quantize_fast(const uint4 (&raw)[8][Elem<T>::kW]
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
     const int sh = awq_shift(r);
-    const int zr = (int)((vrow[r] >> 16) & 15u);
+    const int zr = (int)row_zero(vrow[r]);
     const int lob = kMagicBits - zr, hib = kMagicBits + 15 - zr;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -308,7 +310,7 @@ __device__ __noinline__ void quantize_exact(const uint4* __restrict__ st, uint32
 #pragma unroll
     for (int k = 0; k < kW; ++k) raw[k] = st[(r * kW + k) * kThreads];
     const float sf = __half2float(__ushort_as_half((unsigned short)(v[r] & 0xffffu)));
-    const float z = (float)((v[r] >> 16) & 15u);
+    const float z = (float)row_zero(v[r]);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float x = rintf(__fdiv_rn(elem<T>(raw, i), sf));
@@ -544,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, AWQ_MIN_BLOCKS)
         const uint32_t h16 = v & 0xffffu;
         sf[r] = __half2float(__ushort_as_half((unsigned short)h16));
         r1[r] = rcp_newton(sf[r]);
-        if (!kSym) zword |= ((v >> 16) & 15u) << awq_shift(r);
+        if (!kSym) zword |= row_zero(v) << awq_shift(r);
         if (r & 1) s16w[r >> 1] |= h16 << 16; else s16w[r >> 1] = h16;
       }
       if (kSym) zword = 0x88888888u;
