@@ -68,6 +68,13 @@
 //   accumulate), each word and chunk of x of the warp's next item requested as soon as this item's MMAs are done with
 //   the register, without a second buffer (127 registers, no spills): 18432x7168 at one row 23.2-23.7 -> 22.3-22.4
 //   us (3.03-3.11x bf16), at 8 rows 23.8 -> 22.8.
+//   Thirty-eighth session (H200), both dropped: the next item's scale row and zero words asked for ahead of load_group
+//   (one prefetch.global.L1 or .L2 from two lanes as the next item's words go out; a plain loop at 9-16 rows: as its
+//   own words go out): slower everywhere (18432x7168 at one row 23.4 us without, 24.2-24.3 with; 16 rows 30.6 against
+//   31.6; the MoE layer at one token 0.061 against 0.064 ms); and the 9-16-row plain loop rolled like the one-tile
+//   loop, built for 12 warps per SM (168 registers, no spills): 18432x7168 at 16 rows 34.8 against 29.9 us in the
+//   dispatched configuration (3 slices, 4 warps), 31.6 at best (1 slice) against 29.9; on 7168x7168 it helped the
+//   4-warp configurations (16.6 against 18.4 us in 2 slices) but none reached the dispatched 8-warp one (13.8).
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
