@@ -7,6 +7,9 @@ per work item predict their speed well enough to try changes locally before spen
 
 Needs nvcc (sm_90a) and cuobjdump: the CUDA toolkit, or `pip download nvidia-cuda-cuobjdump` and unzip the wheel.
 The hottest loop is the backward branch whose body holds the most HMMA instructions (else the longest body).
+--order also prints where that loop's global loads sit among its MMAs, run-length coded ("H20 L8" = 20 HMMA, then 8
+LDG): ptxas reorders loads freely, so the PTX order says little about when a load goes out (thirty-eighth session:
+the decode kernel's rolled loads, one per k-step in PTX, all came after the item's last MMA in SASS).
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ _INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _FUNC = re.compile(r"Function : (\S+)")
 
 
-def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """(instructions, opcode counts) of the hottest loop of one function's SASS."""
+def hottest_loop(sass: str) -> list[str]:
+    """The instructions (text, in address order) of the hottest loop of one function's SASS; [] if it has none."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_INS.match, sass.splitlines()) if m]
     best = None
     for addr, text in ins:
@@ -34,10 +37,29 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
             key = (sum("HMMA" in t for t in body), len(body))
             if best is None or key > best[0]:
                 best = (key, body)
-    if best is None:
-        return 0, collections.Counter()
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best[1])
-    return len(best[1]), ops
+    return [] if best is None else best[1]
+
+
+def _opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the hottest loop of one function's SASS."""
+    body = hottest_loop(sass)
+    return len(body), collections.Counter(map(_opcode, body))
+
+
+def loop_order(sass: str) -> str:
+    """The hottest loop's HMMA (H) and global loads (L: LDG, LDGSTS) in address order, run-length coded."""
+    marks = [{"HMMA": "H", "LDG": "L", "LDGSTS": "L"}.get(_opcode(t), "") for t in hottest_loop(sass)]
+    runs: list[list] = []
+    for m in filter(None, marks):
+        if runs and runs[-1][0] == m:
+            runs[-1][1] += 1
+        else:
+            runs.append([m, 1])
+    return " ".join(f"{m}{n}" for m, n in runs)
 
 
 def main() -> int:
@@ -47,6 +69,7 @@ def main() -> int:
     p.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     p.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     p.add_argument("--top", type=int, default=12, help="opcodes shown per function")
+    p.add_argument("--order", action="store_true", help="also print where the loop's loads sit among its MMAs")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         obj = os.path.join(tmp, "k.o")
@@ -58,6 +81,8 @@ def main() -> int:
         if args.filter in name:
             n, ops = loop_mix(body)
             print(f"{name}\n  loop: {n} instructions; " + ", ".join(f"{k} {v}" for k, v in ops.most_common(args.top)))
+            if args.order:
+                print(f"  order: {loop_order(body)}")
     return 0
 
 
