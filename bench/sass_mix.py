@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import shutil
@@ -52,14 +53,8 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 def loop_order(sass: str) -> str:
     """The hottest loop's HMMA (H) and global loads (L: LDG, LDGSTS) in address order, run-length coded."""
-    marks = [{"HMMA": "H", "LDG": "L", "LDGSTS": "L"}.get(_opcode(t), "") for t in hottest_loop(sass)]
-    runs: list[list] = []
-    for m in filter(None, marks):
-        if runs and runs[-1][0] == m:
-            runs[-1][1] += 1
-        else:
-            runs.append([m, 1])
-    return " ".join(f"{m}{n}" for m, n in runs)
+    marks = filter(None, ({"HMMA": "H", "LDG": "L", "LDGSTS": "L"}.get(_opcode(t), "") for t in hottest_loop(sass)))
+    return " ".join(f"{m}{sum(1 for _ in run)}" for m, run in itertools.groupby(marks))
 
 
 def main() -> int:
