@@ -388,9 +388,10 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
     // soon as the MMAs of this item are done with the register that holds it, without a second buffer (127 registers;
     // with two row tiles 364 bytes spilled, so those keep the loop below). That is the PTX order; ptxas (CUDA 13.0,
     // sm_90a) moves all of the next item's loads after this item's last MMAs, also with the loads unpredicated, at 168
-    // registers, or behind asm memory barriers (an untaken trap branch after each load keeps them in place: not timed
-    // yet, BENCHMARKS.md). So what this loop measurably gained (awq_mma.cu) is that they go out before the fold's
-    // scale and zero loads and its arithmetic, not during the MMAs.
+    // registers, or behind asm memory barriers. So what this loop measurably gained (awq_mma.cu) is that they go out
+    // before the fold's scale and zero loads and its arithmetic, not during the MMAs. Holding them between the MMAs
+    // with an untaken trap branch per chunk or per k-step cost 10-20% more instructions and was 11-15% slower (H200,
+    // thirty-ninth session, BENCHMARKS.md).
     uint4 w[CPG * 4];
     uint4 xr[CPG][NT][2];
     auto load_w = [&](int item, int i) { w[i] = word_at(item, i); };
