@@ -99,7 +99,7 @@ namespace awq_mma_detail {
 template <int W, bool PF>
 constexpr int kMinBlocks = PF ? 8 / W : 16 / W;
 
-template <typename T, typename S, int NT, int CPG, int W, bool PF, bool G32>
+template <typename T, typename S, int NT, int CPG, int W, bool PF, bool G32, bool R1, bool SYM>
 __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
     awq_mma_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                    const uint32_t* __restrict__ qz, const T* __restrict__ bias, T* __restrict__ out,
@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(32 * W, (kMinBlocks<W, PF>))
   pdl::wait();
 
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG, PF, G32>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
-                                chunks_per_group, g);
+  accumulate<T, S, NT, CPG, PF, G32, R1, SYM>(acc, wbase, sc, qz, xb, xoff, N, cb, items, slice * W + warp, workers,
+                                             chunks_per_group, g);
   // The next kernel may launch once every block is past its weights. Not earlier: blocks of a next decode GEMM
   // resident from the start prefetched weights that this one's stream evicted from L2 before they were used
   // (18432x7168 at M = 1: 0.031 against 0.027 ms, twenty-second session).
@@ -232,7 +232,8 @@ __global__ void gather_cols_kernel(const T* __restrict__ x, const int* __restric
                                                    pair(p1.z, p1.w));
 }
 
-template <typename T, typename S, int NT, int CPG, int W, bool PF, bool G32 = false>
+template <typename T, typename S, int NT, int CPG, int W, bool PF, bool G32 = false, bool R1 = false,
+          bool SYM = false>
 cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const void* bias, void* out,
                    float* partial, unsigned int* tickets, int M, int N, int K, int group_size, int splits,
                    cudaStream_t stream, const int32_t* perm, void* x_perm) {
@@ -249,7 +250,7 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
   // rounds of items (2 or 1) as stay within a third of the block's items.
   const int items = K / 64 / CPG;
   const int rounds = splits == 1 && M <= 16 ? (6 * W <= items ? 2 : 3 * W <= items ? 1 : 0) : 0;
-  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF, G32>, perm == nullptr, grid, dim3(32 * W), 0, stream,
+  return pdl::launch(awq_mma_kernel<T, S, NT, CPG, W, PF, G32, R1, SYM>, perm == nullptr, grid, dim3(32 * W), 0, stream,
                      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), static_cast<const T*>(bias), static_cast<T*>(out), partial,
                      tickets, M, N, K, group_size / 64, splits,
@@ -264,12 +265,13 @@ cudaError_t launch(const void* x, const int32_t* qw, const void* sc, const int32
 // K % 64 == 0 and K % group_size == 0, 1 <= splits <= K / (64 * item_chunks), warps 4 or 8 per block, prefetch only with
 // item_chunks 2 (else cudaErrorInvalidValue);
 // `tickets` holds ceil(M / 16) * N / 64 zeros and `partial` splits * M * N floats (splits > 1); perm: nullptr, or
-// int32 [K] (16-byte aligned, values in [0, K)) that x is read through (x[:, perm], gathered into x_perm [M, K]).
+// int32 [K] (16-byte aligned, values in [0, K)) that x is read through (x[:, perm], gathered into x_perm [M, K]);
+// symmetric: every zero point is 8, so qzeros is not read (except with groups of 32).
 cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int32_t* qweight, const void* scales,
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                            int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream,
-                           const int32_t* perm, void* x_perm) {
+                           const int32_t* perm, void* x_perm, bool symmetric) {
   using namespace awq_mma_detail;
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   const int g = static_cast<int>(group_size), s = static_cast<int>(splits);
@@ -278,35 +280,45 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
     using T = decltype(t);
     using S = decltype(sv);
     const bool one_tile = m <= 8;  // one 8-row MMA tile of x is enough
-    auto run = [&](auto nt, auto cpg) {
+    // one row (decode at batch 1): the fold leaves out the C elements of odd rows (awq_mma.cuh, fold R1). Not for the
+    // plain loop of 8 warps on items of 128 k: there ptxas (CUDA 13.0) reloads addresses and kernel parameters inside
+    // the loop at 128 registers, 486 SASS instructions per item against 449 without R1 (410 with 4 warps).
+    auto run = [&](auto nt, auto cpg, auto r1, auto sym) {
       constexpr int NT = decltype(nt)::value, CPG = decltype(cpg)::value;
+      constexpr bool R1 = decltype(r1)::value, SYM = decltype(sym)::value;
+      auto go = [&](auto kernel_launch) {
+        return kernel_launch(x, qweight, scales, qzeros, bias, out, partial, tickets, m, n, k, g, s, stream, perm,
+                             x_perm);
+      };
       if (g == 32) {  // groups of 32: the per-register dequantization (awq_mma.cuh, item_dq), items of 64 k only
-        if constexpr (CPG == 1) {
+        if constexpr (CPG == 1 && !R1 && !SYM) {
           if (!prefetch)
-            return warps == 4 ? launch<T, S, NT, CPG, 4, false, true>(x, qweight, scales, qzeros, bias, out, partial,
-                                                                      tickets, m, n, k, g, s, stream, perm, x_perm)
-                              : launch<T, S, NT, CPG, 8, false, true>(x, qweight, scales, qzeros, bias, out, partial,
-                                                                      tickets, m, n, k, g, s, stream, perm, x_perm);
+            return warps == 4 ? go(launch<T, S, NT, CPG, 4, false, true>) : go(launch<T, S, NT, CPG, 8, false, true>);
         }
         return cudaErrorInvalidValue;
       }
       if constexpr (CPG == 2) {  // the prefetching loop is built for items of 128 k only (groups of 128, 256, ...)
         if (prefetch)
-          return warps == 4 ? launch<T, S, NT, CPG, 4, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,
-                                                             m, n, k, g, s, stream, perm, x_perm)
-                            : launch<T, S, NT, CPG, 8, true>(x, qweight, scales, qzeros, bias, out, partial, tickets,
-                                                             m, n, k, g, s, stream, perm, x_perm);
+          return warps == 4 ? go(launch<T, S, NT, CPG, 4, true, false, R1, SYM>)
+                            : go(launch<T, S, NT, CPG, 8, true, false, R1, SYM>);
       }
       if (prefetch) return cudaErrorInvalidValue;
-      return warps == 4 ? launch<T, S, NT, CPG, 4, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
-                                                          n, k, g, s, stream, perm, x_perm)
-                        : launch<T, S, NT, CPG, 8, false>(x, qweight, scales, qzeros, bias, out, partial, tickets, m,
-                                                          n, k, g, s, stream, perm, x_perm);
+      return warps == 4 ? go(launch<T, S, NT, CPG, 4, false, false, R1, SYM>)
+                        : go(launch<T, S, NT, CPG, 8, false, false, R1 && CPG == 1, SYM>);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;
-    if (item_chunks == 1) return one_tile ? run(I1{}, I1{}) : run(I2{}, I1{});
-    return one_tile ? run(I1{}, I2{}) : run(I2{}, I2{});
+    using Yes = std::true_type;
+    using No = std::false_type;
+    const bool one_row = m == 1 && g != 32 && (warps == 4 || prefetch || item_chunks == 1);
+    // symmetric: the caller's word that every zero point is 8 (not read then; groups of 32 read them anyway)
+    auto pick = [&](auto nt, auto cpg, auto r1) {
+      return symmetric && g != 32 ? run(nt, cpg, r1, Yes{}) : run(nt, cpg, r1, No{});
+    };
+    if (item_chunks == 1) {
+      return one_row ? pick(I1{}, I1{}, Yes{}) : one_tile ? pick(I1{}, I1{}, No{}) : pick(I2{}, I1{}, No{});
+    }
+    return one_row ? pick(I1{}, I2{}, Yes{}) : one_tile ? pick(I1{}, I2{}, No{}) : pick(I2{}, I2{}, No{});
   });
 }
 

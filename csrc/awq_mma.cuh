@@ -200,7 +200,8 @@ struct GroupVals {
   uint32_t z[8];
 };
 
-template <typename S>
+// SYM: every zero point is 8 (symmetric codes), so the zero words are not read (fold uses 8).
+template <bool SYM, typename S>
 __device__ __forceinline__ void load_group(GroupVals<S>& v, const S* __restrict__ sc, const uint32_t* __restrict__ qz,
                                            int N, int cb, int group, int g) {
   const S* srow = sc + static_cast<size_t>(group) * N + cb * kCols + g;
@@ -209,8 +210,10 @@ __device__ __forceinline__ void load_group(GroupVals<S>& v, const S* __restrict_
   for (int i = 0; i < 4; ++i) {
     v.s[2 * i] = srow[16 * i];
     v.s[2 * i + 1] = srow[16 * i + 8];
-    v.z[2 * i] = zrow[2 * i];
-    v.z[2 * i + 1] = zrow[2 * i + 1];
+    if constexpr (!SYM) {
+      v.z[2 * i] = zrow[2 * i];
+      v.z[2 * i + 1] = zrow[2 * i + 1];
+    }
   }
 }
 
@@ -231,25 +234,38 @@ __device__ __forceinline__ void load_group_z16(GroupVals<S>& v, const S* __restr
   }
 }
 
+// magic + z for the zero at bit zshift of a zero word, as a float.
+template <typename T>
+__device__ __forceinline__ float magic_plus_zero(uint32_t zword, int zshift) {
+  return static_cast<float>(and_or(zword >> zshift, 0xFu, static_cast<uint32_t>(Traits<T>::kMagic)));
+}
+
 // acc += s * (part - (magic + z) * xs) with the group's scales and zeros; C rows g (e < 2) and g + 8 (e >= 2) of
 // each column tile. Columns 64 cb + 16 i + g (+ 8) share their nibble position in the zero words
 // (zshift = awq_shift(g)), and magic + z = z | magic since z < 16 <= magic.
-template <typename T, int NT, typename S>
+// R1 (one row of x, NT = 1): only C elements 0 and 2 (x row 2t) can hold a real row, row 0 of lanes t = 0; elements 1
+// and 3 (row 2t + 1) never do, so they are left out (zero; their rows are not stored). SYM: z = 8 (load_group).
+// SASS instructions per item of the one-row decode loop, 4 warps, items of 128 k (nvcc 13.0, sm_90a): 449; 410 with
+// R1; 370 with R1 and SYM.
+template <typename T, int NT, bool R1, bool SYM, typename S>
 __device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)[4][NT][4], const float (&xs)[NT][4],
                                      const GroupVals<S>& v, int zshift) {
   using Tr = Traits<T>;
+  static_assert(!R1 || NT == 1, "one row of x is one row tile");
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float s0 = scale_f(v.s[2 * i]);
     const float s1 = scale_f(v.s[2 * i + 1]);
-    const float zc0 = static_cast<float>(and_or(v.z[2 * i] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic)));
-    const float zc1 = static_cast<float>(and_or(v.z[2 * i + 1] >> zshift, 0xFu, static_cast<uint32_t>(Tr::kMagic)));
+    const float zc0 = SYM ? Tr::kMagic + 8.0f : magic_plus_zero<T>(v.z[2 * i], zshift);
+    const float zc1 = SYM ? Tr::kMagic + 8.0f : magic_plus_zero<T>(v.z[2 * i + 1], zshift);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       acc[i][j][0] = fmaf(s0, part[i][j][0] - zc0 * xs[j][0], acc[i][j][0]);
-      acc[i][j][1] = fmaf(s0, part[i][j][1] - zc0 * xs[j][1], acc[i][j][1]);
       acc[i][j][2] = fmaf(s1, part[i][j][2] - zc1 * xs[j][2], acc[i][j][2]);
-      acc[i][j][3] = fmaf(s1, part[i][j][3] - zc1 * xs[j][3], acc[i][j][3]);
+      if constexpr (!R1) {
+        acc[i][j][1] = fmaf(s0, part[i][j][1] - zc0 * xs[j][1], acc[i][j][1]);
+        acc[i][j][3] = fmaf(s1, part[i][j][3] - zc1 * xs[j][3], acc[i][j][3]);
+      }
     }
   }
 }
@@ -345,8 +361,9 @@ struct ItemRegs {
 // to 16 rows: 112 blocks of 8 warps; 18432x7168: 288 of 4), DRAM ran at 36-58% of peak and half of every warp's
 // stall cycles waited on its own loads, since each item's loads went out only after the previous item's arithmetic.
 // Same arithmetic in the same order, same bits.
-// G32: groups of 32 rows (item_dq, the plain loop only; chunks_per_group unused).
-template <typename T, typename S, int NT, int CPG, bool PF = false, bool G32 = false>
+// G32: groups of 32 rows (item_dq, the plain loop only; chunks_per_group unused). R1: one row of x; SYM: every zero
+// point 8 (fold, load_group).
+template <typename T, typename S, int NT, int CPG, bool PF = false, bool G32 = false, bool R1 = false, bool SYM = false>
 __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* __restrict__ wbase,
                                            const S* __restrict__ sc, const uint32_t* __restrict__ qz,
                                            const uint4* __restrict__ xb, const int (&xoff)[NT], int N, int cb,
@@ -361,7 +378,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
     v[1] = __ldg(p + 1);
   };
   if constexpr (G32) {
-    static_assert(!PF, "groups of 32 run the plain loop");
+    static_assert(!PF && !R1 && !SYM, "groups of 32 run the plain loop, whose item_dq has no fold");
     const int half = (threadIdx.x >> 1) & 1;  // t / 2: which of a chunk's two groups this lane's k lie in
     for (int item = first; item < items; item += workers) {
       uint4 w[CPG * 4];
@@ -379,8 +396,8 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
   const int group_shift = __ffs(items_per_group) - 1;
   auto fold_group = [&](const float(&part)[4][NT][4], const float(&xs)[NT][4], int item) {
     GroupVals<S> gv;
-    load_group(gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
-    fold<T, NT>(acc, part, xs, gv, zshift);
+    load_group<SYM>(gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
+    fold<T, NT, R1, SYM>(acc, part, xs, gv, zshift);
   };
 
   if constexpr (!PF && NT == 1) {
@@ -441,7 +458,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       for (int c = 0; c < CPG; ++c)
 #pragma unroll
         for (int j = 0; j < NT; ++j) x_at(item, c, j, r.x[c][j]);
-      load_group(r.gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
+      load_group<SYM>(r.gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
     };
     auto compute = [&](const ItemRegs<S, NT, CPG>& r) {
       float part[4][NT][4];
@@ -450,7 +467,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
         v[0] = r.x[c][j][0];
         v[1] = r.x[c][j][1];
       });
-      fold<T, NT>(acc, part, xs, r.gv, zshift);
+      fold<T, NT, R1, SYM>(acc, part, xs, r.gv, zshift);
     };
     ItemRegs<S, NT, CPG> a, b;
     int item = first;

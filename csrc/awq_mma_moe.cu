@@ -20,7 +20,7 @@ namespace awq_mma_detail {
 // W warps per block, 4 or 8 as in awq_mma.cu: 16 warps per SM either way. launch_awq_mma_moe_cuda passes 4 (the
 // op's schema default is 8, what it ran before warps became an argument). G32: groups of 32 rows (awq_mma.cuh, item_dq;
 // items of one chunk).
-template <typename T, typename S, int NT, int CPG, int W, bool G32>
+template <typename T, typename S, int NT, int CPG, int W, bool G32, bool R1, bool SYM>
 __global__ void __launch_bounds__(32 * W, 16 / W)
     awq_mma_moe_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const S* __restrict__ sc,
                        const uint32_t* __restrict__ qz, const uint4* __restrict__ shared_qw,
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
   // early; only the launch overlaps their end. The next kernel launches as this one's blocks exit.
   pdl::wait();
   const int e = block_expert[b];
-  const bool direct = sorted_rows == nullptr;  // decode: block b is routed row b alone, block_expert its expert ids
+  const bool direct = R1 || sorted_rows == nullptr;  // decode: block b is routed row b alone, block_expert its ids
   const bool shared = e == E && shared_qw != nullptr;  // expert id E: the shared expert, stored on its own
   if (!shared && (e < 0 || e >= E)) {  // expert ids out of range come out as NaN rows (no host sync to check the ids): in
     // direct mode this block's row; sorted, the real rows of moe_align's bucket for them (past the end: none)
@@ -66,8 +66,8 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
     xoff[j] = (r >= 0 && r < R ? r / x_row_div : 0) * (K / 8);
   }
   float acc[4][NT][4];
-  accumulate<T, S, NT, CPG, false, G32>(acc, wbase, sce, qze, xb, xoff, N, cb, items, slice * W + warp, splits * W,
-                                     chunks_per_group, g);
+  accumulate<T, S, NT, CPG, false, G32, R1, SYM>(acc, wbase, sce, qze, xb, xoff, N, cb, items, slice * W + warp,
+                                                  splits * W, chunks_per_group, g);
   stash<NT>(red, acc, warp, g, t);
   __syncthreads();
   constexpr int kPer = NT * 8 * kCols / kBlockThreads;
@@ -84,13 +84,13 @@ __global__ void __launch_bounds__(32 * W, 16 / W)
   }
 }
 
-template <typename T, typename S, int NT, int CPG, int W, bool G32>
+template <typename T, typename S, int NT, int CPG, int W, bool G32, bool R1 = false, bool SYM = false>
 cudaError_t launch_moe(const void* x, const int32_t* qw, const void* sc, const int32_t* qz, const int32_t* sqw,
                        const void* ssc, const int32_t* sqz, const int32_t* rows, const int32_t* block_expert,
                        float* partial, int R, int N, int K, int E, int B, int x_row_div, int group_size, int splits,
                        cudaStream_t stream) {
   const dim3 grid(B, N / kCols, splits);
-  return pdl::launch(awq_mma_moe_kernel<T, S, NT, CPG, W, G32>, true, grid, dim3(32 * W), 0, stream,
+  return pdl::launch(awq_mma_moe_kernel<T, S, NT, CPG, W, G32, R1, SYM>, true, grid, dim3(32 * W), 0, stream,
                      static_cast<const T*>(x), reinterpret_cast<const uint4*>(qw), static_cast<const S*>(sc),
                      reinterpret_cast<const uint32_t*>(qz), reinterpret_cast<const uint4*>(sqw),
                      static_cast<const S*>(ssc), reinterpret_cast<const uint32_t*>(sqz), rows, block_expert, partial, R,
@@ -107,7 +107,7 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
                                const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
                                const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
                                int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
-                               int64_t item_chunks, int64_t warps, cudaStream_t stream) {
+                               int64_t item_chunks, int64_t warps, cudaStream_t stream, bool symmetric) {
   using namespace awq_mma_detail;
   const int r = static_cast<int>(R), n = static_cast<int>(N), k = static_cast<int>(K), e = static_cast<int>(E);
   const int b = static_cast<int>(B), xd = static_cast<int>(x_row_div), g = static_cast<int>(group_size);
@@ -117,23 +117,35 @@ cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, c
   return dispatch_dtypes(dtype, scale_dtype, [&](auto t, auto sv) {
     using T = decltype(t);
     using S = decltype(sv);
-    auto run = [&](auto nt, auto cpg) {
+    auto run = [&](auto nt, auto cpg, auto sym) {
       constexpr int NT = decltype(nt)::value, CPG = decltype(cpg)::value;
+      constexpr bool SYM = decltype(sym)::value;
       auto go = [&](auto kernel_launch) {
         return kernel_launch(x, qweight, scales, qzeros, shared_qweight, shared_scales, shared_qzeros, sorted_rows,
                              block_expert, partial, r, n, k, e, b, xd, g, s, stream);
       };
       if (g == 32) {
-        if constexpr (CPG == 1)
+        if constexpr (CPG == 1 && !SYM)
           return warps == 4 ? go(launch_moe<T, S, NT, CPG, 4, true>) : go(launch_moe<T, S, NT, CPG, 8, true>);
         return cudaErrorInvalidValue;
       }
-      return warps == 4 ? go(launch_moe<T, S, NT, CPG, 4, false>) : go(launch_moe<T, S, NT, CPG, 8, false>);
+      // direct mode (one routed row per block): the fold of one row (awq_mma.cuh, fold R1)
+      if constexpr (NT == 1) {
+        if (sorted_rows == nullptr)
+          return warps == 4 ? go(launch_moe<T, S, NT, CPG, 4, false, true, SYM>)
+                            : go(launch_moe<T, S, NT, CPG, 8, false, true, SYM>);
+      }
+      return warps == 4 ? go(launch_moe<T, S, NT, CPG, 4, false, false, SYM>)
+                        : go(launch_moe<T, S, NT, CPG, 8, false, false, SYM>);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;
-    if (block_rows == 8) return item_chunks == 1 ? run(I1{}, I1{}) : run(I1{}, I2{});
-    return item_chunks == 1 ? run(I2{}, I1{}) : run(I2{}, I2{});
+    // symmetric: the caller's word that every zero point (routed and shared experts) is 8; not read then
+    auto pick = [&](auto nt, auto cpg) {
+      return symmetric && g != 32 ? run(nt, cpg, std::true_type{}) : run(nt, cpg, std::false_type{});
+    };
+    if (block_rows == 8) return item_chunks == 1 ? pick(I1{}, I1{}) : pick(I1{}, I2{});
+    return item_chunks == 1 ? pick(I2{}, I1{}) : pick(I2{}, I2{});
   });
 }
 

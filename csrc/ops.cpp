@@ -40,14 +40,14 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
                            const int32_t* qzeros, const void* bias, void* out, float* partial,
                            unsigned int* tickets, int64_t M, int64_t N, int64_t K, int64_t group_size,
                            int64_t splits, int64_t item_chunks, int64_t warps, bool prefetch, cudaStream_t stream,
-                           const int32_t* perm, void* x_perm);
+                           const int32_t* perm, void* x_perm, bool symmetric);
 
 cudaError_t awq_mma_moe_launch(int dtype, int scale_dtype, int64_t block_rows, const void* x, const int32_t* qweight,
                                const void* scales, const int32_t* qzeros, const int32_t* shared_qweight,
                                const void* shared_scales, const int32_t* shared_qzeros, const int32_t* sorted_rows,
                                const int32_t* block_expert, float* partial, int64_t R, int64_t N, int64_t K,
                                int64_t E, int64_t B, int64_t x_row_div, int64_t group_size, int64_t splits,
-                               int64_t item_chunks, int64_t warps, cudaStream_t stream);
+                               int64_t item_chunks, int64_t warps, cudaStream_t stream, bool symmetric);
 
 // csrc/awq_wgmma.cu (sm_90a)
 int64_t awq_wgmma_image_rows(int64_t M, int64_t block_m);
@@ -340,7 +340,7 @@ const int32_t* check_perm(const std::string& op, const at::Tensor& x, const c10:
 at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& qzeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                         int64_t splits, int64_t item_chunks, const c10::optional<at::Tensor>& tickets_in,
-                        int64_t warps, bool prefetch, const c10::optional<at::Tensor>& perm) {
+                        int64_t warps, bool prefetch, const c10::optional<at::Tensor>& perm, bool symmetric) {
   at::Tensor b;
   const void* bias_ptr =
       check_mma_dense("awq_mma_cuda: ", x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, b, true);
@@ -374,7 +374,8 @@ at::Tensor awq_mma_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
       dtype_code(x), dtype_code(scales), x.data_ptr(), qweight.data_ptr<int32_t>(), scales.data_ptr(),
       qzeros.data_ptr<int32_t>(), bias_ptr, out.data_ptr(), partial.data_ptr<float>(),
       reinterpret_cast<unsigned int*>(tickets.data_ptr<int32_t>()), M, N, K, group_size, splits, item_chunks, warps,
-      prefetch, c10::cuda::getCurrentCUDAStream(), perm_ptr, perm_ptr != nullptr ? x_perm.data_ptr() : nullptr);
+      prefetch, c10::cuda::getCurrentCUDAStream(), perm_ptr, perm_ptr != nullptr ? x_perm.data_ptr() : nullptr,
+      symmetric);
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -459,7 +460,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
                             c10::SymInt num_rows_sym, int64_t x_row_div, int64_t group_size, int64_t splits,
                             int64_t item_chunks, const c10::optional<at::Tensor>& shared_qweight,
                             const c10::optional<at::Tensor>& shared_scales,
-                            const c10::optional<at::Tensor>& shared_qzeros, int64_t warps) {
+                            const c10::optional<at::Tensor>& shared_qzeros, int64_t warps, bool symmetric) {
   const std::string op = "awq_mma_moe_cuda: ";
   // SymInt in the schema: an int there would pin the routed row count (the prefill length) under torch.compile
   // to one value per graph; here, running, it is always concrete
@@ -500,7 +501,7 @@ at::Tensor awq_mma_moe_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
       shared ? shared_scales->data_ptr() : nullptr, shared ? shared_qzeros->data_ptr<int32_t>() : nullptr,
       direct ? nullptr : sorted_rows.data_ptr<int32_t>(),
       block_expert.data_ptr<int32_t>(), partial.data_ptr<float>(), num_rows, N, K, E, B, x_row_div, group_size,
-      splits, item_chunks, warps, c10::cuda::getCurrentCUDAStream());
+      splits, item_chunks, warps, c10::cuda::getCurrentCUDAStream(), symmetric);
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return partial;
@@ -666,12 +667,13 @@ TORCH_LIBRARY_FRAGMENT(torchforge, m) {
       "int splits, int rows) -> Tensor");
   m.def(
       "awq_mma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
-      "int splits, int item_chunks, Tensor? tickets=None, int warps=8, bool prefetch=False, Tensor? perm=None) -> "
-      "Tensor");
+      "int splits, int item_chunks, Tensor? tickets=None, int warps=8, bool prefetch=False, Tensor? perm=None, "
+      "bool symmetric=False) -> Tensor");
   m.def(
       "awq_mma_moe_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, Tensor sorted_rows, "
       "Tensor block_expert, SymInt num_rows, int x_row_div, int group_size, int splits, int item_chunks, "
-      "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=4) -> Tensor");
+      "Tensor? shared_qweight=None, Tensor? shared_scales=None, Tensor? shared_qzeros=None, int warps=4, "
+      "bool symmetric=False) -> Tensor");
   m.def(
       "awq_wgmma_cuda(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias, "
       "int splits, int block_m, int tile_set, int group_m, bool producer_warp=False, int dp_tiles=0, "

@@ -36,6 +36,8 @@ def test_fused_decode_equals_the_block(arch, router):
     block, cfg = quantized_block(arch)
     fused, ok = fused_copy(block)
     assert ok and fused.fused_decode and fused.fused_router == router
+    # symmetric codes (from_linear / from_hf default): the kernels are told not to read the zero points
+    assert fused.fused_shared_zeros_are_8 and fused.experts.zeros_are_8
     assert fused.fused_shared_gate_up_qweight.shape == (2 * 64 // 64, cfg.hidden_size * 8)
     assert sorted(fused.state_dict()) == sorted(block.state_dict())  # the fused copy is not saved
     for T in (1, 7):

@@ -123,6 +123,40 @@ def test_rows_of_x_are_independent():
         torch.testing.assert_close(full[i:i + 1], one, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("k,n,G,m,splits,item_chunks,warps,prefetch", [
+    (1024, 256, 128, 1, 1, 2, 4, False),   # one row, 4 warps: the one-row fold (R1)
+    (7168, 512, 128, 1, 3, 2, 4, False),   # as 18432x7168 dispatches at one row
+    (1024, 256, 128, 1, 2, 2, 8, True),    # one row, prefetching loop
+    (2048, 192, 64, 1, 3, 1, 8, False),    # one row, items of 64 k
+    (1024, 256, 128, 1, 1, 2, 8, False),   # one row on 8 warps, items of 128 k: not R1 (awq_mma.cu)
+    (1024, 256, 128, 3, 2, 2, 4, False),
+    (2048, 512, 128, 16, 3, 2, 8, False),  # two row tiles
+    (1024, 256, 128, 16, 1, 2, 8, True),
+    (256, 128, 32, 3, 2, 1, 4, False),     # groups of 32 read their zero points anyway
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_symmetric_and_one_row_same_bits(k, n, G, m, splits, item_chunks, warps, prefetch, dtype):
+    """symmetric=True (every zero point 8: the kernel leaves qzeros unread) gives the bits of the kernel that reads
+    them, and reads none: with other zero words passed it still gives them. One row (the fold without odd rows)
+    gives row 0 of the same call on two rows."""
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda
+    from torchforge.ops.zero_points import zeros_are_8
+
+    qw, mma, s, z = _case(k, n, G, sym=True, seed=k + m)
+    assert zeros_are_8(z)
+    x = torch.randn(max(m, 2), k, device="cuda").to(dtype)
+    run = lambda x, z, sym: launch_awq_mma_cuda(x, mma, s, z, G, splits=splits, item_chunks=item_chunks,  # noqa: E731
+                                                warps=warps, prefetch=prefetch, symmetric=sym)
+    out = run(x[:m], z, True)
+    _check(out, x[:m], qw, s, z, G)
+    assert torch.equal(out, run(x[:m], z, False))
+    if G != 32:
+        assert torch.equal(out, run(x[:m], torch.zeros_like(z), True))
+    if m == 1:
+        assert torch.equal(out, run(x[:2], z, False)[:1])
+        assert torch.equal(out, run(x[:2], z, True)[:1])
+
+
 def test_opcheck_and_errors():
     qw, mma, s, z = _case(256, 128, 128)
     x = torch.randn(2, 256, device="cuda", dtype=torch.float16)
@@ -132,6 +166,7 @@ def test_opcheck_and_errors():
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 1, torch.zeros(8, dtype=torch.int32, device="cuda")))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 2, 2, None, 4))
     torch.library.opcheck(op, (x, mma, s, z, 128, None, 1, 2, None, 8, True))
+    torch.library.opcheck(op, (x, mma, s, z, 128, None, 1, 2, None, 4, False, None, True))
     with pytest.raises(RuntimeError, match="prefetch needs item_chunks = 2 \\(items of 128 k\\) and groups of 64 rows or "
                                            "more, got item_chunks 1, group_size 128"):
         op(x, mma, s, z, 128, None, 1, 1, None, 8, True)

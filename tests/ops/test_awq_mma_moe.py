@@ -277,6 +277,35 @@ def test_grouped_shared_expert_equals_stacked(device, T, k, G, monkeypatch):
                                  (gu_shared[0].contiguous(), gs[:2].contiguous(), gu_shared[2].contiguous()))
 
 
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("T,k,G", [(1, 8, 128), (2, 4, 64), (40, 8, 128), (40, 8, 64), (1, 8, 32)])
+@pytest.mark.parametrize("warps", [4, 8])
+def test_cuda_symmetric_same_bits_without_reading_zeros(T, k, G, warps, monkeypatch):
+    """symmetric=True on the grouped kernel, direct (one row per block: the one-row fold too) and sorted, with a shared
+    expert: the bits of the kernel that reads the zero points, and none read (zero words of 0 passed: same bits).
+    Groups of 32 read them anyway."""
+    import torchforge.ops.awq_mma_cuda as mma_cuda
+    from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
+
+    monkeypatch.setattr(mma_cuda, "MOE_WARPS", warps)
+    monkeypatch.setattr(mma_cuda, "MOE_WGMMA", False)  # the mma.sync kernel for sorted rows too
+    E = 16
+    torch.manual_seed(T + k)
+    gu = [t.cuda() for t in awq_quantize(torch.randn(E + 1, 2 * I, H) * 0.2, G, symmetric=True)]
+    mgu = awq_to_mma_layout(gu[0])
+    ids = torch.cat([torch.randint(0, E, (T, k - 1)), torch.full((T, 1), E)], 1).reshape(-1).cuda()
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    stacked = (mgu[:E].contiguous(), gu[1][:E].contiguous(), gu[2][:E].contiguous())
+    shared = (mgu[E], gu[1][E], gu[2][E])
+    run = lambda z, zs, sym: launch_awq_mma_moe_cuda(x, ids, stacked[0], stacked[1], z, G, k,  # noqa: E731
+                                                     (shared[0], shared[1], zs), symmetric=sym)
+    part = run(stacked[2], shared[2], True)
+    assert torch.equal(part, run(stacked[2], shared[2], False))
+    if G != 32:
+        assert torch.equal(part, run(torch.zeros_like(stacked[2]), torch.zeros_like(shared[2]), True))
+
+
 def test_sorted_block_rows_rule(monkeypatch):
     """Blocks of 8 rows up to 8 routed rows per expert, 16 beyond (H100 sweep in awq_mma_cuda.py); the module-level
     override wins."""

@@ -91,7 +91,7 @@ def test_one_sort_for_both_halves(T, k, sorts, monkeypatch):
     calls = _count_aligns(monkeypatch)
     seen = []
 
-    def launch(x, expert_ids, q, s, z, group_size, x_row_div, shared=None, alignment=None):
+    def launch(x, expert_ids, q, s, z, group_size, x_row_div, shared=None, alignment=None, symmetric=False):
         seen.append(alignment)
         return torch.zeros(1, expert_ids.numel(), q.shape[1] * 64)
 

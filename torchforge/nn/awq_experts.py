@@ -10,6 +10,7 @@ from torchforge.ops.awq_moe import awq_moe_gemm
 from torchforge.ops.awq_mma_layout import awq_to_mma_layout, mma_layout_fits, mma_layout_to_awq
 from torchforge.ops.awq_mma_moe_experts import awq_mma_moe_experts
 from torchforge.ops.awq_moe_fused import awq_moe_down_combine, awq_moe_gate_up_silu
+from torchforge.ops.zero_points import zeros_are_8
 
 
 def _act(name_or_fn):
@@ -67,6 +68,9 @@ class ForgeAWQExperts(nn.Module):
     """
 
     weight_layout = "awq"  # class default: modules pickled before the mma layout existed
+    # On the mma layout: every zero point of both projections is 8, looked at when the layout is taken or a checkpoint
+    # loaded; the decode kernels then skip qzeros (torchforge.ops.zero_points)
+    zeros_are_8 = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group_size: int = 128,
                  symmetric: bool = True, act_fn="silu", device=None):
@@ -138,20 +142,21 @@ class ForgeAWQExperts(nn.Module):
     def use_mma_layout(self) -> bool:
         """Switch both projections to the mma layout (exact); False, and nothing changed, where a shape or the group
         size does not fit it (hidden and intermediate sizes multiples of 64, the group size 32 or a multiple of 64)."""
-        if self.weight_layout == "mma":
-            return True
-        H, I, G = self.hidden_size, self.intermediate_size, self.group_size
-        if not (mma_layout_fits(H, 2 * I, G) and mma_layout_fits(I, H, G)):
-            return False
-        self.gate_up_qweight = awq_to_mma_layout(self.gate_up_qweight)
-        self.down_qweight = awq_to_mma_layout(self.down_qweight)
-        self.weight_layout = "mma"
+        if self.weight_layout != "mma":
+            H, I, G = self.hidden_size, self.intermediate_size, self.group_size
+            if not (mma_layout_fits(H, 2 * I, G) and mma_layout_fits(I, H, G)):
+                return False
+            self.gate_up_qweight = awq_to_mma_layout(self.gate_up_qweight)
+            self.down_qweight = awq_to_mma_layout(self.down_qweight)
+            self.weight_layout = "mma"
+        self.zeros_are_8 = zeros_are_8(self.gate_up_qzeros, self.down_qzeros)
         return True
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                shared: tuple | None = None) -> torch.Tensor:
+                shared: tuple | None = None, shared_zeros_are_8: bool = False) -> torch.Tensor:
         """HF's experts call. `shared` (mma path only, see ForgeMoE.use_fused_decode): ((qweight, scales, qzeros) of
-        a shared expert's gate_up, the same of its down), routed as expert id E by `top_k_index`."""
+        a shared expert's gate_up, the same of its down), routed as expert id E by `top_k_index`;
+        `shared_zeros_are_8`: every zero point of those is 8."""
         check_routing_args("ForgeAWQExperts", hidden_states, top_k_index, top_k_weights)
         T, k = top_k_index.shape
         G = self.group_size
@@ -165,9 +170,11 @@ class ForgeAWQExperts(nn.Module):
                              "add it separately")
         if fused and self.weight_layout == "mma":
             # one op for both halves: where the rows are sorted by expert, gate_up and down share one sort
+            symmetric = self.zeros_are_8 and (shared is None or shared_zeros_are_8)
             return awq_mma_moe_experts(hidden_states, flat_ids, top_k_weights,
                                        (self.gate_up_qweight, self.gate_up_scales, self.gate_up_qzeros),
-                                       (self.down_qweight, self.down_scales, self.down_qzeros), G, k, shared)
+                                       (self.down_qweight, self.down_scales, self.down_qzeros), G, k, shared,
+                                       symmetric)
         if fused:
             # the same computation as below as two ops, whose decode path fuses SiLU * up and the weighted sum
             # into the GEMVs' split-K reduce kernels (awq_moe_fused.py)
@@ -209,3 +216,7 @@ def _import_awq_layout(module: ForgeAWQExperts, state_dict: dict, prefix: str, *
         key = prefix + name
         if key in state_dict and tuple(state_dict[key].shape) == awq_shape:
             state_dict[key] = awq_to_mma_layout(state_dict[key])
+    gu, dn = state_dict.get(prefix + "gate_up_qzeros"), state_dict.get(prefix + "down_qzeros")
+    if gu is not None or dn is not None:
+        module.zeros_are_8 = zeros_are_8(module.gate_up_qzeros if gu is None else gu,
+                                         module.down_qzeros if dn is None else dn)

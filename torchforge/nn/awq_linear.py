@@ -14,11 +14,19 @@ from torchforge.ops.awq_mma_layout import (
     mma_layout_fits,
     mma_layout_to_awq,
 )
+from torchforge.ops.zero_points import zeros_are_8
 
 
 class W4LinearMixin:
     """What ForgeAWQLinear and ForgeGPTQLinear share (a plain class, listed before nn.Module in their bases): `mma_tickets`
-    rezeroed after every move or cast, and the repr."""
+    rezeroed after every move or cast, `zeros_are_8`, and the repr."""
+
+    # On the mma layout: every zero point is 8, looked at once when the layout is taken or a checkpoint loaded
+    # (not after in-place edits of qzeros); the decode kernel then skips qzeros (torchforge.ops.zero_points).
+    zeros_are_8 = False
+
+    def _look_at_zeros(self, qzeros=None) -> None:
+        self.zeros_are_8 = self.weight_layout == "mma" and zeros_are_8(self.qzeros if qzeros is None else qzeros)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -105,19 +113,19 @@ class ForgeAWQLinear(W4LinearMixin, nn.Module):
         `model.to(torch.bfloat16)`); otherwise, and past 128 rows, a call dequantizes the weight and runs cuBLAS,
         except on Hopper, where 32-512 rows run the warpgroup-MMA kernel wherever its time model has it faster
         (torchforge.ops.awq_mma)."""
-        if self.weight_layout == "mma":
-            return True
-        if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
-            return False
-        self.qweight = awq_to_mma_layout(self.qweight)
-        self.weight_layout = "mma"
-        add_mma_tickets(self)
+        if self.weight_layout != "mma":
+            if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
+                return False
+            self.qweight = awq_to_mma_layout(self.qweight)
+            self.weight_layout = "mma"
+            add_mma_tickets(self)
+        self._look_at_zeros()
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_layout == "mma":
             return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
-                                  getattr(self, "mma_tickets", None))
+                                  getattr(self, "mma_tickets", None), symmetric=self.zeros_are_8)
         return ops.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
 
 
@@ -135,6 +143,8 @@ def _import_awq_layout(module: ForgeAWQLinear, state_dict: dict, prefix: str, *a
         q = state_dict[key]
         if tuple(q.shape) == (module.in_features, module.out_features // 8):
             state_dict[key] = awq_to_mma_layout(q)
+    if module.weight_layout == "mma" and prefix + "qzeros" in state_dict:
+        module._look_at_zeros(state_dict[prefix + "qzeros"])
 
 
 def use_mma_layout(model: nn.Module, experts: bool = True, fused_moe: bool = True) -> int:

@@ -156,12 +156,14 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
         layout (use_awq_layout) moves on to it where it fits. Act-order layers store their rows sorted by group
         and permute x on each call (``act_perm``)."""
         if self.weight_layout == "mma":
+            self._look_at_zeros()
             return True
         if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
             return False
         if self.weight_layout == "awq":  # already AWQ words, rows sorted by group: only the fragment order changes
             self.qweight, self.weight_layout = awq_to_mma_layout(self.qweight), "mma"
             add_mma_tickets(self)
+            self._look_at_zeros()
             return True
         return self._switch_layout("mma")
 
@@ -190,13 +192,14 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
         self.weight_layout = layout
         if layout == "mma":
             add_mma_tickets(self)
+        self._look_at_zeros()
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         perm = getattr(self, "act_perm", None)  # the stored rows are sorted by group (use_mma_layout / use_awq_layout)
         if self.weight_layout == "mma":
             return awq_mma_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
-                                  getattr(self, "mma_tickets", None), perm)
+                                  getattr(self, "mma_tickets", None), perm, symmetric=self.zeros_are_8)
         if self.weight_layout == "awq":
             return ops.w4a16_linear(x if perm is None else x.index_select(-1, perm), self.qweight, self.scales,
                                     self.qzeros, self.group_size, self.bias)
@@ -299,6 +302,7 @@ def _import_gptq_layout(module: ForgeGPTQLinear, state_dict: dict, prefix: str, 
                                  "GPTQ layout (a fresh one) and call use_mma_layout() after loading: it keeps the GPTQ "
                                  "kernel for such layers") from err
             state_dict[kq], state_dict[kz] = awq_to_mma_layout(qweight) if layout == "mma" else qweight, qzeros
+            module._look_at_zeros(qzeros)
             # where qweight will be: the checkpoint's tensor with assign=True (which moves no buffer), else the module's
             device = (state_dict[kq] if args and args[0].get("assign_to_params_buffers") else module.qweight).device
             module.register_buffer("act_perm", None if perm is None else perm.to(device, torch.int32),

@@ -11,6 +11,7 @@ from torchforge.nn.moe_fused_decode import (
     router_is_hooked,
     shared_gate_up,
 )
+from torchforge.ops.zero_points import zeros_are_8
 
 # Attribute names HF transformers 5 uses for an always-on shared expert MLP.
 _SHARED_NAMES = ("shared_experts", "shared_expert")
@@ -83,6 +84,7 @@ class ForgeMoE(nn.Module):
         return ids, weights
 
     fused_decode = False  # class default: modules pickled before the fused decode path existed
+    fused_shared_zeros_are_8 = False  # the folded shared expert's zero points all 8 (torchforge.ops.zero_points)
     fused_router = False
 
     @torch.no_grad()
@@ -105,6 +107,7 @@ class ForgeMoE(nn.Module):
         self.register_buffer("fused_shared_gate_up_qweight", q, persistent=False)
         self.register_buffer("fused_shared_gate_up_scales", s, persistent=False)
         self.register_buffer("fused_shared_gate_up_qzeros", z, persistent=False)
+        self.fused_shared_zeros_are_8 = zeros_are_8(z, self.shared.down_proj.qzeros)
         if not self.fused_decode:
             self.register_load_state_dict_post_hook(_refresh_fused_shared)
         self.fused_decode = True
@@ -128,7 +131,7 @@ class ForgeMoE(nn.Module):
         down = self.shared.down_proj
         shared = ((self.fused_shared_gate_up_qweight, self.fused_shared_gate_up_scales,
                    self.fused_shared_gate_up_qzeros), (down.qweight, down.scales, down.qzeros))
-        return self.experts(x, ids, weights, shared=shared)
+        return self.experts(x, ids, weights, shared=shared, shared_zeros_are_8=self.fused_shared_zeros_are_8)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -151,3 +154,4 @@ def _refresh_fused_shared(module: ForgeMoE, incompatible_keys) -> None:
     q, s, z = shared_gate_up(module.shared)
     module.fused_shared_gate_up_qweight, module.fused_shared_gate_up_scales = q, s
     module.fused_shared_gate_up_qzeros = z
+    module.fused_shared_zeros_are_8 = zeros_are_8(z, module.shared.down_proj.qzeros)

@@ -24,6 +24,7 @@ from torchforge.ops.awq_mma_cuda import (_aligned16, launch_awq_mma_cuda, launch
 from torchforge.ops.awq_mma_dequant_triton import launch_awq_mma_dequantize_t
 from torchforge.ops.awq_mma_layout import awq_mma_linear_ref, mma_layout_to_awq
 from torchforge.ops.qmeta4_reference import _is_traced
+from torchforge.ops.zero_points import check_symmetric
 
 if HAS_TRITON:
     from torch.library import triton_op as _define_kernel_op
@@ -72,9 +73,10 @@ def _kernel_perm(act_perm: Tensor) -> Optional[Tensor]:
 @_define_kernel_op("torchforge::awq_mma_linear", mutates_args=())
 def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
                     bias: Optional[Tensor], tickets: Optional[Tensor] = None,
-                    act_perm: Optional[Tensor] = None) -> Tensor:
+                    act_perm: Optional[Tensor] = None, symmetric: bool = False) -> Tensor:
     _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
     _check_act_perm(x, act_perm)
+    check_symmetric("awq_mma_linear", symmetric, qzeros)
     ok = (tickets is not None and tickets.device == x.device and tickets.dtype == torch.int32
           and tickets.is_contiguous())
     perm = None if act_perm is None else _kernel_perm(act_perm)
@@ -84,7 +86,7 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
                                          tickets=tickets if ok else None, perm=perm)
         if mma_cuda_ok(x, qweight_mma, scales, qzeros, group_size, bias):
             return launch_awq_mma_cuda(x, qweight_mma, scales, qzeros, group_size, bias,
-                                       tickets=tickets if ok else None, perm=perm)
+                                       tickets=tickets if ok else None, perm=perm, symmetric=symmetric)
     if use_triton(x) and (group_size % 64 == 0 or group_size == 32):  # with act_perm, W^T in x's feature order
         w_t = launch_awq_mma_dequantize_t(qweight_mma.contiguous(), scales, qzeros, group_size, x.dtype, act_perm)
         return matmul_bias(x, w_t, bias)
@@ -95,7 +97,8 @@ def _awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tens
 
 @_awq_mma_linear.register_fake
 def _(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-      bias: Optional[Tensor], tickets: Optional[Tensor] = None, act_perm: Optional[Tensor] = None) -> Tensor:
+      bias: Optional[Tensor], tickets: Optional[Tensor] = None, act_perm: Optional[Tensor] = None,
+      symmetric: bool = False) -> Tensor:
     _check_mma_args(x, qweight_mma, scales, qzeros, group_size, bias)
     _check_act_perm(x, act_perm)
     return x.new_empty((*x.shape[:-1], qweight_mma.shape[0] * 64))
@@ -103,7 +106,7 @@ def _(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size
 
 def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int = 128,
                    bias: Optional[Tensor] = None, tickets: Optional[Tensor] = None,
-                   act_perm: Optional[Tensor] = None) -> Tensor:
+                   act_perm: Optional[Tensor] = None, symmetric: bool = False) -> Tensor:
     """``x [..., IC] @ dequant(W).T (+ bias) -> [..., OC]`` in ``x.dtype``, W's codes in the mma layout
     ``[OC / 64, IC * 8]`` and ``scales`` / ``qzeros`` in AWQ layout. Same numbers as `w4a16_linear` on the AWQ
     tensors within the kernels' tolerance (the CUDA kernel applies scale and zero point in fp32 per group).
@@ -120,10 +123,15 @@ def awq_mma_linear(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tenso
     op's own (it launches during the gather: PDL); dequantize + cuBLAS writes the weight in x's feature order; the
     reference gathers x with index_select first. It must be a permutation: values outside [0, IC) raise on the CPU;
     on CUDA (no host sync) the gathers read them as NaN and the dequantization skips them (rows of W^T left
-    unwritten), so the output is wrong but nothing is read or written out of bounds."""
+    unwritten), so the output is wrong but nothing is read or written out of bounds.
+
+    `symmetric`: every zero point is 8 (symmetric codes), so the decode kernel does not read qzeros (about 10% fewer
+    instructions; torchforge.ops.zero_points). A promise the modules make after checking once (use_mma_layout); CPU
+    calls check it, CUDA calls trust it, and every path but that kernel reads qzeros anyway."""
     if tickets is not None and tickets.device != x.device:
         tickets = None
-    return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias, tickets, act_perm)
+    return torch.ops.torchforge.awq_mma_linear(x, qweight_mma, scales, qzeros, group_size, bias, tickets, act_perm,
+                                               symmetric)
 
 
 # ------------------------------------------------------------------------------------------ MoE experts
@@ -170,24 +178,28 @@ def _awq_view(qweight_mma: Tensor) -> Tensor:
 
 
 def _gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor, group_size: int,
-                  top_k: int, shared: Optional[tuple], alignment: Optional[tuple] = None) -> Tensor:
+                  top_k: int, shared: Optional[tuple], alignment: Optional[tuple] = None,
+                  symmetric: bool = False) -> Tensor:
     from torchforge.ops.awq_moe_fused import awq_moe_gate_up_silu
     from torchforge.ops.moe_epilogue_triton import launch_silu_mul_reduce
 
     if mma_moe_cuda_ok(x, qweight_mma, scales, group_size, shared):
-        part = launch_awq_mma_moe_cuda(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared, alignment)
+        part = launch_awq_mma_moe_cuda(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared, alignment,
+                                       symmetric=symmetric)
         return launch_silu_mul_reduce(part, x.dtype)
     q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
     return awq_moe_gate_up_silu(x, expert_ids, mma_layout_to_awq(q), s, z, group_size, top_k)
 
 
 def _down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
-                  group_size: int, shared: Optional[tuple], alignment: Optional[tuple] = None) -> Tensor:
+                  group_size: int, shared: Optional[tuple], alignment: Optional[tuple] = None,
+                  symmetric: bool = False) -> Tensor:
     from torchforge.ops.awq_moe_fused import awq_moe_down_combine
     from torchforge.ops.moe_epilogue_triton import launch_combine_reduce
 
     if mma_moe_cuda_ok(h, qweight_mma, scales, group_size, shared):
-        part = launch_awq_mma_moe_cuda(h, expert_ids, qweight_mma, scales, qzeros, group_size, 1, shared, alignment)
+        part = launch_awq_mma_moe_cuda(h, expert_ids, qweight_mma, scales, qzeros, group_size, 1, shared, alignment,
+                                       symmetric=symmetric)
         return launch_combine_reduce(part, weights, h.dtype)
     q, s, z = _with_shared(qweight_mma, scales, qzeros, shared)
     return awq_moe_down_combine(h, expert_ids, weights, mma_layout_to_awq(q), s, z, group_size)
@@ -202,19 +214,21 @@ def _shared_or_none(op: str, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor
 @_define_kernel_op("torchforge::awq_mma_moe_gate_up_silu", mutates_args=())
 def _awq_mma_moe_gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
                               group_size: int, top_k: int, shared_qweight: Optional[Tensor] = None,
-                              shared_scales: Optional[Tensor] = None, shared_qzeros: Optional[Tensor] = None) -> Tensor:
+                              shared_scales: Optional[Tensor] = None, shared_qzeros: Optional[Tensor] = None,
+                              symmetric: bool = False) -> Tensor:
     from torchforge.ops.awq_moe_fused import _check_gate_up
 
     op = "awq_mma_moe_gate_up_silu"
     _moe_args(op, x, expert_ids, qweight_mma)
     _check_gate_up(x, expert_ids, _awq_view(qweight_mma), scales, qzeros, group_size, top_k)
     shared = _shared_or_none(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
-    return _gate_up_silu(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared)
+    check_symmetric(op, symmetric, qzeros, shared_qzeros)
+    return _gate_up_silu(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared, symmetric=symmetric)
 
 
 @_awq_mma_moe_gate_up_silu.register_fake
 def _(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared_qweight=None, shared_scales=None,
-      shared_qzeros=None):
+      shared_qzeros=None, symmetric=False):
     from torchforge.ops.awq_moe_fused import _check_gate_up
 
     _moe_args("awq_mma_moe_gate_up_silu", x, expert_ids, qweight_mma)
@@ -227,19 +241,21 @@ def _(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k, shared_qwei
 @_define_kernel_op("torchforge::awq_mma_moe_down_combine", mutates_args=())
 def _awq_mma_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor,
                               qzeros: Tensor, group_size: int, shared_qweight: Optional[Tensor] = None,
-                              shared_scales: Optional[Tensor] = None, shared_qzeros: Optional[Tensor] = None) -> Tensor:
+                              shared_scales: Optional[Tensor] = None, shared_qzeros: Optional[Tensor] = None,
+                              symmetric: bool = False) -> Tensor:
     from torchforge.ops.awq_moe_fused import _check_combine
 
     op = "awq_mma_moe_down_combine"
     _moe_args(op, h, expert_ids, qweight_mma)
     _check_combine(h, expert_ids, weights, _awq_view(qweight_mma), scales, qzeros, group_size)
     shared = _shared_or_none(op, qweight_mma, scales, qzeros, shared_qweight, shared_scales, shared_qzeros)
-    return _down_combine(h, expert_ids, weights, qweight_mma, scales, qzeros, group_size, shared)
+    check_symmetric(op, symmetric, qzeros, shared_qzeros)
+    return _down_combine(h, expert_ids, weights, qweight_mma, scales, qzeros, group_size, shared, symmetric=symmetric)
 
 
 @_awq_mma_moe_down_combine.register_fake
 def _(h, expert_ids, weights, qweight_mma, scales, qzeros, group_size, shared_qweight=None, shared_scales=None,
-      shared_qzeros=None):
+      shared_qzeros=None, symmetric=False):
     from torchforge.ops.awq_moe_fused import _check_combine
 
     _moe_args("awq_mma_moe_down_combine", h, expert_ids, qweight_mma)
@@ -251,19 +267,20 @@ def _(h, expert_ids, weights, qweight_mma, scales, qzeros, group_size, shared_qw
 
 def awq_mma_moe_gate_up_silu(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
                              group_size: int = 128, top_k: int = 1,
-                             shared: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
+                             shared: Optional[tuple[Tensor, Tensor, Tensor]] = None, symmetric: bool = False) -> Tensor:
     """`awq_moe_gate_up_silu` with the experts' codes in the mma layout: ``SiLU(gate) * up`` ``[len(expert_ids), I]``.
 
     `shared`: (qweight_mma [OC / 64, IC * 8], scales, qzeros) of a shared expert, which `expert_ids` address as
-    expert E (one past the stacked ones): a DeepSeek shared expert then costs no kernel launch of its own."""
+    expert E (one past the stacked ones): a DeepSeek shared expert then costs no kernel launch of its own.
+    `symmetric`: every zero point (the shared expert's too) is 8, as for `awq_mma_linear`."""
     return torch.ops.torchforge.awq_mma_moe_gate_up_silu(x, expert_ids, qweight_mma, scales, qzeros, group_size, top_k,
-                                                         *(shared or (None, None, None)))
+                                                         *(shared or (None, None, None)), symmetric)
 
 
 def awq_mma_moe_down_combine(h: Tensor, expert_ids: Tensor, weights: Tensor, qweight_mma: Tensor, scales: Tensor,
                              qzeros: Tensor, group_size: int = 128,
-                             shared: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
+                             shared: Optional[tuple[Tensor, Tensor, Tensor]] = None, symmetric: bool = False) -> Tensor:
     """`awq_moe_down_combine` with the experts' codes in the mma layout: ``[T, OC]``. `shared` as for
     `awq_mma_moe_gate_up_silu` (its pick's weight, usually 1, comes with `weights` like any other)."""
     return torch.ops.torchforge.awq_mma_moe_down_combine(h, expert_ids, weights, qweight_mma, scales, qzeros,
-                                                         group_size, *(shared or (None, None, None)))
+                                                         group_size, *(shared or (None, None, None)), symmetric)

@@ -201,13 +201,14 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
                         bias: Optional[Tensor] = None, *, splits: Optional[int] = None,
                         item_chunks: Optional[int] = None, tickets: Optional[Tensor] = None,
                         warps: Optional[int] = None, prefetch: Optional[bool] = None,
-                        perm: Optional[Tensor] = None) -> Tensor:
+                        perm: Optional[Tensor] = None, symmetric: bool = False) -> Tensor:
     """`x [..., K] @ dequant(W).T (+ bias)` in x.dtype, W in the mma layout `[N / 64, K * 8]`. `tickets`: see
     `mma_tickets` (None: the op allocates zeroed ones). `warps` per block: 4 or 8; `prefetch`: the kernel's
     software-pipelined loop (items of 128 k only; same bits). None: from mma_cuda_launch_config where the caller gives
     none of splits, item_chunks and warps, else from mma_cuda_config, mma_cuda_warps and mma_cuda_prefetch.
     `perm` (int32 [K]): the op computes with x[..., perm] (an act-order layer's rows sorted by group), gathered by a
-    kernel of its own right before the decode kernel."""
+    kernel of its own right before the decode kernel. `symmetric`: every zero point is 8, so the kernel does not read
+    qzeros (torchforge.ops.zero_points)."""
     k = x.shape[-1]
     n = qweight_mma.shape[0] * 64
     x2 = x.reshape(-1, k)
@@ -223,7 +224,7 @@ def launch_awq_mma_cuda(x: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: 
         pf = mma_cuda_prefetch(blocks, sms, warps, item_chunks, splits)
     prefetch = pf if prefetch is None else prefetch
     out = torch.ops.torchforge.awq_mma_cuda(x2, qweight_mma, scales, qzeros, group_size, bias, splits,
-                                            item_chunks, tickets, warps, prefetch, perm)
+                                            item_chunks, tickets, warps, prefetch, perm, symmetric)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -487,7 +488,7 @@ def mma_moe_sorts(rows: int, num_experts: int) -> bool:
 
 def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, scales: Tensor, qzeros: Tensor,
                             group_size: int, x_row_div: int, shared: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-                            alignment: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+                            alignment: Optional[tuple[Tensor, Tensor]] = None, symmetric: bool = False) -> Tensor:
     """fp32 sums `[splits, R, N]` of routed row r = `x[r // x_row_div] @ W[expert_ids[r]].T`, W in the mma layout
     `[E, N / 64, K * 8]`. While there are no more routed rows than experts (decode) each row is a block of its own;
     beyond, rows are sorted by expert on the device into blocks of moe_align_block_rows (moe_align): 8 or 16 for the
@@ -496,7 +497,8 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     `shared`: (qweight, scales, qzeros) of one more expert, id E, kept apart from the stacked ones.
     `alignment`: moe_align's (sorted_rows, block_expert) for these ids, `num_experts` (the shared one included) and
     moe_align_block_rows, computed once by the caller for both of a layer's grouped calls (awq_mma_moe_experts).
-    Used only where the rows are sorted. Not checked here: an alignment of other ids reads wrong rows."""
+    Used only where the rows are sorted. Not checked here: an alignment of other ids reads wrong rows.
+    `symmetric`: every zero point (the shared expert's too) is 8: the mma.sync kernel does not read qzeros."""
     from torchforge.ops.moe_align import moe_align
 
     num_experts, nb, k8 = qweight_mma.shape
@@ -530,7 +532,7 @@ def launch_awq_mma_moe_cuda(x: Tensor, expert_ids: Tensor, qweight_mma: Tensor, 
     warps = MOE_WARPS or 4
     return torch.ops.torchforge.awq_mma_moe_cuda(x2, qweight_mma.contiguous(), scales.contiguous(), qzeros.contiguous(),
                                                  sorted_rows, block_expert, rows, x_row_div, group_size, splits,
-                                                 item_chunks, *(shared or (None, None, None)), warps)
+                                                 item_chunks, *(shared or (None, None, None)), warps, symmetric)
 
 
 _registered = False
@@ -544,7 +546,7 @@ def register_fake() -> None:
 
     @torch.library.register_fake("torchforge::awq_mma_cuda")
     def _(x, qweight, scales, qzeros, group_size, bias, splits, item_chunks, tickets=None, warps=8, prefetch=False,
-          perm=None):
+          perm=None, symmetric=False):
         check(warps in (4, 8), lambda: f"awq_mma_cuda: warps must be 4 or 8, got {warps}")
         check(not prefetch or item_chunks == 2,
               lambda: f"awq_mma_cuda: prefetch needs item_chunks = 2 (items of 128 k), got {item_chunks}")
@@ -590,7 +592,7 @@ def register_fake() -> None:
     if hasattr(torch.ops.torchforge, "awq_mma_moe_cuda"):
         @torch.library.register_fake("torchforge::awq_mma_moe_cuda")
         def _(x, qweight, scales, qzeros, sorted_rows, block_expert, num_rows, x_row_div, group_size, splits,
-              item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None, warps=4):
+              item_chunks, shared_qweight=None, shared_scales=None, shared_qzeros=None, warps=4, symmetric=False):
             check(warps in (4, 8), lambda: f"awq_mma_moe_cuda: warps must be 4 or 8, got {warps}")
             check(qweight.dim() == 3 and qweight.shape[2] == x.shape[1] * 8,
                   lambda: f"awq_mma_moe_cuda: qweight must be [E, N / 64, K * 8] with K = {x.shape[1]}, got "

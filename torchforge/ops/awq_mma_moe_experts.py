@@ -19,6 +19,7 @@ from torchforge.ops._check import check_value
 from torchforge.ops.awq_mma import (_awq_view, _check_shared, _define_kernel_op, _down_combine, _gate_up_silu,
                                     _moe_args)
 from torchforge.ops.awq_mma_cuda import moe_align_block_rows, mma_moe_cuda_ok, mma_moe_sorts
+from torchforge.ops.zero_points import check_symmetric
 
 __all__ = ["awq_mma_moe_experts"]
 
@@ -59,12 +60,13 @@ def _awq_mma_moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
                          shared_gate_up_scales: Optional[Tensor] = None,
                          shared_gate_up_qzeros: Optional[Tensor] = None, shared_down_qweight: Optional[Tensor] = None,
                          shared_down_scales: Optional[Tensor] = None,
-                         shared_down_qzeros: Optional[Tensor] = None) -> Tensor:
+                         shared_down_qzeros: Optional[Tensor] = None, symmetric: bool = False) -> Tensor:
     shared_gu = (shared_gate_up_qweight, shared_gate_up_scales, shared_gate_up_qzeros)
     shared_dn = (shared_down_qweight, shared_down_scales, shared_down_qzeros)
     has, _, _ = _check_experts(x, expert_ids, weights, gate_up_qweight, gate_up_scales, gate_up_qzeros,
                                   down_qweight, down_scales, down_qzeros, group_size, top_k, shared_gu, shared_dn)
     shared_gu, shared_dn = (shared_gu, shared_dn) if has else (None, None)
+    check_symmetric(OP, symmetric, gate_up_qzeros, down_qzeros, shared_gate_up_qzeros, shared_down_qzeros)
     num_experts, rows = gate_up_qweight.shape[0] + int(has), expert_ids.numel()  # SymInt + bool: sympy error (2.11)
     gu_alignment = dn_alignment = None
     if mma_moe_sorts(rows, num_experts) and mma_moe_cuda_ok(x, gate_up_qweight, gate_up_scales, group_size, shared_gu):
@@ -78,15 +80,15 @@ def _awq_mma_moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
         if block == moe_align_block_rows(x, rows, num_experts, down_scales, down_qzeros, group_size, shared_dn):
             dn_alignment = gu_alignment
     h = _gate_up_silu(x, expert_ids, gate_up_qweight, gate_up_scales, gate_up_qzeros, group_size, top_k, shared_gu,
-                      gu_alignment)
+                      gu_alignment, symmetric)
     return _down_combine(h, expert_ids, weights, down_qweight, down_scales, down_qzeros, group_size, shared_dn,
-                         dn_alignment)
+                         dn_alignment, symmetric)
 
 
 @_awq_mma_moe_experts.register_fake
 def _(x, expert_ids, weights, gate_up_qweight, gate_up_scales, gate_up_qzeros, down_qweight, down_scales, down_qzeros,
       group_size, top_k, shared_gate_up_qweight=None, shared_gate_up_scales=None, shared_gate_up_qzeros=None,
-      shared_down_qweight=None, shared_down_scales=None, shared_down_qzeros=None):
+      shared_down_qweight=None, shared_down_scales=None, shared_down_qzeros=None, symmetric=False):
     _, tokens, oc = _check_experts(
         x, expert_ids, weights, gate_up_qweight, gate_up_scales, gate_up_qzeros, down_qweight, down_scales,
         down_qzeros, group_size, top_k, (shared_gate_up_qweight, shared_gate_up_scales, shared_gate_up_qzeros),
@@ -96,12 +98,13 @@ def _(x, expert_ids, weights, gate_up_qweight, gate_up_scales, gate_up_qzeros, d
 
 def awq_mma_moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: tuple[Tensor, Tensor, Tensor],
                         down: tuple[Tensor, Tensor, Tensor], group_size: int = 128, top_k: int = 1,
-                        shared: Optional[tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]] = None
-                        ) -> Tensor:
+                        shared: Optional[tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]] = None,
+                        symmetric: bool = False) -> Tensor:
     """A MoE experts forward ``[T, OC]`` from x ``[T, H]``, ``expert_ids [T * top_k]`` (row t * k + j is token t's
     j-th pick) and router ``weights [T, top_k]``. `gate_up` / `down`: (qweight_mma, scales, qzeros) of the stacked
     experts, gate rows before up rows. `shared`: (gate_up, down) of a shared expert, addressed as expert id E, as for
-    `awq_mma_moe_gate_up_silu`. Equal to that op followed by `awq_mma_moe_down_combine`, with one sort for both."""
+    `awq_mma_moe_gate_up_silu`. Equal to that op followed by `awq_mma_moe_down_combine`, with one sort for both.
+    `symmetric`: every zero point of both halves (and of the shared expert) is 8, as for `awq_mma_linear`."""
     shared_args = (*shared[0], *shared[1]) if shared is not None else (None,) * 6
     return torch.ops.torchforge.awq_mma_moe_experts(x, expert_ids, weights, *gate_up, *down, group_size, top_k,
-                                                    *shared_args)
+                                                    *shared_args, symmetric)
