@@ -12,7 +12,10 @@ The `mma` columns: the same experts after `ForgeAWQExperts.use_mma_layout()` (th
 csrc/awq_mma_moe.cu, or from WGMMA_MOE_MIN_ROWS_PER_EXPERT routed rows per expert on Hopper the grouped wgmma kernel
 of csrc/awq_wgmma.cu; the `mma kernel` column says which; + the same epilogue reduce kernels), timed after the AWQ
 rows in the same run, with HF bf16 timed again beside them. Where the wgmma kernel ran, the `mma.sync-only` columns
-time the mma.sync kernel on the same call (MOE_WGMMA = False).
+time the mma.sync kernel on the same call (MOE_WGMMA = False). The experts are quantized symmetrically (the module's
+default), so the mma.sync kernel is told their zero points are all 8 and skips qzeros (`zeros_are_8`); `zeros read`
+times the same call with the module told otherwise (what an asymmetric checkpoint costs). The mma floor counts the
+bytes the kernel reads: without the zero words where it skips them.
 
 `--gemv-sweep` runs alone (no HF model, random AWQ words, ~1-2 min): the grouped GEMV by itself (its split-K
 reduce included) on gate_up [E, 7168, 4096/8] and down [E, 2048, 7168/8] at M tokens x top-8 over BLOCK_W,
@@ -217,6 +220,7 @@ def main() -> int:
                 q.down_qweight[sl], q.down_scales[sl].float(), q.down_qzeros[sl], G).bfloat16()
     torch.cuda.empty_cache()
     per_expert_int4 = (H * 2 * I + I * H) // 2 + (H // G * 2 * I + I // G * H) * (2 + 0.5)
+    per_expert_no_zeros = (H * 2 * I + I * H) // 2 + (H // G * 2 * I + I // G * H) * 2  # zero words not read
     bw = copy_bandwidth_gbs(1 << 30)
     rows = []
 
@@ -267,15 +271,21 @@ def main() -> int:
             g_hf = bench_graph_ms(lambda: hf(x, ids, w))
             g_m = bench_graph_ms(lambda: q(x, ids, w))
             wgmma = mma_cuda.wgmma_moe_ok(x, ids.numel(), E, q.gate_up_scales, q.gate_up_qzeros, q.group_size)
-            g_s = float("nan")
+            g_s, g_z = float("nan"), float("nan")
+            if q.zeros_are_8:
+                q.zeros_are_8 = False
+                g_z = bench_graph_ms(lambda: q(x, ids, w))
+                q.zeros_are_8 = True
             if wgmma:
                 mma_cuda.MOE_WGMMA = False
                 g_s = bench_graph_ms(lambda: q(x, ids, w))
                 mma_cuda.MOE_WGMMA = None
         rel = ((out.float() - deq_ref.float()).norm() / deq_ref.float().norm()).item()
         floor_ms = ids.unique().numel() * per_expert_int4 / bw / 1e6
-        row += [g_hf, g_m, g_hf / g_m, floor_ms / g_m, f"{rel:.1e}", "wgmma" if wgmma else "mma.sync", g_s,
-                g_hf / g_s]
+        per_m = per_expert_no_zeros if q.zeros_are_8 and not wgmma else per_expert_int4
+        floor_m = ids.unique().numel() * per_m / bw / 1e6
+        row += [g_hf, g_m, g_hf / g_m, floor_m / g_m, f"{rel:.1e}", "wgmma" if wgmma else "mma.sync", g_s,
+                g_hf / g_s, g_z, floor_ms / g_z]
         torch.cuda.empty_cache()
     if args.mma_block_rows or args.mma_warps or args.mma_splits:
         import torchforge.ops.awq_mma_cuda as mma_cuda
@@ -305,7 +315,8 @@ def main() -> int:
     print(markdown_table(["M tokens", "experts hit", "path", "HF bf16 ms", "W4A16 ms", "speedup", "HF bf16 graph ms",
                           "W4A16 graph ms", "graph speedup", "int4 floor ms", "% of floor", "rel err vs dequant",
                           "HF bf16 graph ms (2)", "mma layout graph ms", "mma speedup", "mma % of floor",
-                          "mma rel err", "mma kernel", "mma.sync-only graph ms", "mma.sync-only speedup"], rows))
+                          "mma rel err", "mma kernel", "mma.sync-only graph ms", "mma.sync-only speedup",
+                          "mma zeros read graph ms", "zeros read % of int4 floor"], rows))
     return 0
 
 

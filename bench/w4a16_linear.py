@@ -10,7 +10,9 @@ bf16 / w4a16 (> 1: w4a16 faster); bandwidth on the int4 weight bytes (qweight + 
 `awq_mma_linear` on the same weight in the mma layout (what a ForgeAWQLinear runs after `use_mma_layout()`: the
 CUDA tensor-core kernel up to 128 rows, on Hopper the wgmma kernel for 129-256 (97-256 on wide matrices), Triton
 dequantize + cuBLAS beyond) with
-its ratios; and the GPTQ layout's own
+its ratios, told that every zero point is 8 as a module on these symmetric codes is (`symmetric`, zeros_are_8: the
+decode kernel skips qzeros); `mma, zeros read`: the same call without (an asymmetric checkpoint's cost); and the
+GPTQ layout's own
 Triton kernel (`w4a16_gptq_linear`, what a ForgeGPTQLinear runs before `use_mma_layout()`) on the same numbers.
 `--sweep` also times split-K configurations at M = 1 and 16 (to pick the defaults in awq_splitk_triton.py);
 `--gemv-sweep` the batch-1 GEMV kernel's (awq_gemv_triton.py); `--cuda-gemv-sweep` only the extension's batch-1
@@ -137,11 +139,13 @@ def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8") -> l
     import torchforge
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_launch_config
     from torchforge.ops.awq_reference import awq_dequantize_ref
+    from torchforge.ops.zero_points import zeros_are_8
 
     out = []
     for shape in shapes.split(","):
         OC, IC, w, qw, sc, qz, wbytes, mma, tickets = rotated_mma_case(shape)
         wdq = awq_dequantize_ref(qw, sc, qz, G).float()
+        zeros_8 = zeros_are_8(qz)
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ wdq.T
@@ -155,19 +159,22 @@ def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8") -> l
             counts = sorted({*map(int, split_counts.split(",")), default[0]})
             configs = [(s, w_, sc, pf) for s in counts for w_ in (4, 8) for pf in pfs]
             configs.append((default[0], default_warps, sc.bfloat16(), default_pf))
-            for splits, warps, scales, pf in configs:
+            # zeros "8": symmetric=True, qzeros not read (these codes are symmetric: awq_quantize's default)
+            configs = [c + (sym,) for c in configs for sym in ((False, True) if zeros_8 else (False,))]
+            for splits, warps, scales, pf, sym in configs:
                 if splits > IC // (64 * chunks):
                     continue
                 f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=chunks,  # noqa: E731
-                                                warps=warps, prefetch=pf, tickets=tickets)
+                                                warps=warps, prefetch=pf, tickets=tickets, symmetric=sym)
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
-                out.append([shape, M, str(scales.dtype).removeprefix("torch."), splits, warps, "yes" if pf else "",
+                out.append([shape, M, str(scales.dtype).removeprefix("torch."), "8" if sym else "read", splits, warps,
+                            "yes" if pf else "",
                             "*" if (splits, warps, pf) == (default[0], default_warps, default_pf) else "", t,
                             f"{t * 1e3:.1f}", wbytes / t / 1e6, t_op,
                             t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
-    out.sort(key=lambda r: (r[0], r[1], r[7]))
+    out.sort(key=lambda r: (r[0], r[1], r[8]))
     L2Rotation.stop()
     return out
 
@@ -656,7 +663,7 @@ def main() -> int:
         return _report(mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits),
                        "CUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
                        "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:",
-                       ["W", "M", "scales", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s",
+                       ["W", "M", "scales", "zeros", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s",
                         "op ms",
                         "tinygemm ms", "bf16 ms",
                         "bf16/ms", "tinygemm/ms", "rel err"])
@@ -737,6 +744,7 @@ def main() -> int:
     from torchforge.ops.awq_mma_cuda import mma_tickets
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.gptq import gptq_pack, gptq_pack_zeros, trivial_g_idx, w4a16_gptq_linear
+    from torchforge.ops.zero_points import zeros_are_8
 
     torch.manual_seed(0)
     rows, sweep_rows = [], []
@@ -749,6 +757,7 @@ def main() -> int:
         g_idx = trivial_g_idx(IC, G, device="cuda")
         zero_id = torch.zeros(1, dtype=torch.int64, device="cuda")
         mma_tickets_ = mma_tickets(OC, "cuda")
+        zeros_8 = zeros_are_8(qz)  # what a module on the mma layout looks at once (use_mma_layout)
         L2Rotation.start(wbytes, w, qw, sc, qz, mma, g_qw, g_qz)
         for M in map(int, args.m.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
@@ -768,13 +777,16 @@ def main() -> int:
             t_mma = bench_graph_ms(lambda: launch_w4a16_mma(x, qw, sc, qz, G)) if 1 < M <= 256 else float("nan")
             t_deq = bench_graph_ms(lambda: x @ launch_awq_dequantize_t(qw, sc, qz, G, x.dtype))
             t_tg = timed_tinygemm(w, x)
-            mma_op = lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=mma_tickets_)  # noqa: E731  (a module's)
+            mma_op = lambda sym=zeros_8: awq_mma_linear(x, mma, sc, qz, G, tickets=mma_tickets_,  # noqa: E731
+                                                        symmetric=sym)  # (a module's)
             rel_mma = ((mma_op().float() - ref).norm() / ref.norm()).item()
             t_lay = bench_graph_ms(mma_op)
+            t_lay_z = bench_graph_ms(lambda: mma_op(False)) if zeros_8 else t_lay
             t_gptq = bench_graph_ms(lambda: w4a16_gptq_linear(x, g_qw, sc, g_qz, g_idx))
             rows.append([f"{OC}x{IC}", M, t_bf16, t_op, t_eager, t_gemv, t_gemv8, t_mma, t_tiled, t_split, t_deq, t_tg,
                          t_bf16 / t_op, t_tg / t_op, wbytes / t_op / 1e6, f"{rel:.1e}", t_lay, t_bf16 / t_lay,
-                         t_tg / t_lay, wbytes / t_lay / 1e6, f"{rel_mma:.1e}", t_gptq, t_bf16 / t_gptq])
+                         t_tg / t_lay, wbytes / t_lay / 1e6, f"{rel_mma:.1e}", t_lay_z, t_bf16 / t_lay_z, t_gptq,
+                         t_bf16 / t_gptq])
             print("row:", " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
         if args.sweep:
             for M in (1, 16):
@@ -803,7 +815,8 @@ def main() -> int:
     print("\nw4a16_linear vs bf16 (ms, CUDA-graph medians unless eager):")
     print(markdown_table(["W [OC x IC]", "M", "bf16", "w4a16", "w4a16 eager", "GEMV", "MoE GEMV, E=1", "tensor-core", "tiled", "split-K", "dequant+cuBLAS",
                           "tinygemm", "bf16/w4a16", "tinygemm/w4a16", "int4 GB/s", "rel err", "mma layout",
-                          "bf16/mma", "tinygemm/mma", "mma int4 GB/s", "mma rel err", "GPTQ layout kernel",
+                          "bf16/mma", "tinygemm/mma", "mma int4 GB/s", "mma rel err", "mma, zeros read",
+                          "bf16/mma, zeros read", "GPTQ layout kernel",
                           "bf16/GPTQ kernel"], rows))
     return 0
 
