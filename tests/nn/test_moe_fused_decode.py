@@ -37,13 +37,29 @@ def test_fused_decode_equals_the_block(arch, router):
     fused, ok = fused_copy(block)
     assert ok and fused.fused_decode and fused.fused_router == router
     # symmetric codes (from_linear / from_hf default): the kernels are told not to read the zero points
-    assert fused.fused_shared_zeros_are_8 and fused.experts.zeros_are_8
+    assert fused.fused_shared_gate_up_zeros_are_8 and fused.experts.zeros_are_8
     assert fused.fused_shared_gate_up_qweight.shape == (2 * 64 // 64, cfg.hidden_size * 8)
     assert sorted(fused.state_dict()) == sorted(block.state_dict())  # the fused copy is not saved
     for T in (1, 7):
         x = torch.randn(2, T, cfg.hidden_size)
         torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-6)
 
+
+
+@torch.no_grad()
+def test_shared_down_loaded_alone_with_other_zero_points():
+    """The fused path reads the shared expert's down projection in place: asymmetric zero points loaded into it alone
+    reach the kernels as zeros read (on the CPU a wrong symmetric=True would raise), and the block still matches."""
+    block, cfg = quantized_block("deepseek_v3")
+    fused, _ = fused_copy(block)
+    down = fused.shared.down_proj
+    asym = ForgeAWQLinear.from_linear(torch.nn.Linear(down.in_features, down.out_features, bias=False), group_size=G,
+                                      symmetric=False)
+    down.load_state_dict(asym.state_dict())
+    block.shared.down_proj.load_state_dict(asym.state_dict())
+    assert not down.zeros_are_8 and fused.fused_shared_gate_up_zeros_are_8
+    x = torch.randn(3, cfg.hidden_size)
+    torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-6)
 
 
 @torch.no_grad()

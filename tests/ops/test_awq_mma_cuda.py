@@ -128,7 +128,7 @@ def test_rows_of_x_are_independent():
     (7168, 512, 128, 1, 3, 2, 4, False),   # as 18432x7168 dispatches at one row
     (1024, 256, 128, 1, 2, 2, 8, True),    # one row, prefetching loop
     (2048, 192, 64, 1, 3, 1, 8, False),    # one row, items of 64 k
-    (1024, 256, 128, 1, 1, 2, 8, False),   # one row on 8 warps, items of 128 k: not R1 (awq_mma.cu)
+    (1024, 256, 128, 1, 1, 2, 8, False),   # one row on 8 warps, items of 128 k (the launcher keeps the full fold)
     (1024, 256, 128, 3, 2, 2, 4, False),
     (2048, 512, 128, 16, 3, 2, 8, False),  # two row tiles
     (1024, 256, 128, 16, 1, 2, 8, True),

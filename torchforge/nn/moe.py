@@ -84,7 +84,9 @@ class ForgeMoE(nn.Module):
         return ids, weights
 
     fused_decode = False  # class default: modules pickled before the fused decode path existed
-    fused_shared_zeros_are_8 = False  # the folded shared expert's zero points all 8 (torchforge.ops.zero_points)
+    # the fused copy of the shared gate_up has all its zero points 8 (torchforge.ops.zero_points); its down projection
+    # is read in place, so its own module's flag is asked on each call
+    fused_shared_gate_up_zeros_are_8 = False
     fused_router = False
 
     @torch.no_grad()
@@ -107,7 +109,7 @@ class ForgeMoE(nn.Module):
         self.register_buffer("fused_shared_gate_up_qweight", q, persistent=False)
         self.register_buffer("fused_shared_gate_up_scales", s, persistent=False)
         self.register_buffer("fused_shared_gate_up_qzeros", z, persistent=False)
-        self.fused_shared_zeros_are_8 = zeros_are_8(z, self.shared.down_proj.qzeros)
+        self.fused_shared_gate_up_zeros_are_8 = zeros_are_8(z)
         if not self.fused_decode:
             self.register_load_state_dict_post_hook(_refresh_fused_shared)
         self.fused_decode = True
@@ -131,7 +133,8 @@ class ForgeMoE(nn.Module):
         down = self.shared.down_proj
         shared = ((self.fused_shared_gate_up_qweight, self.fused_shared_gate_up_scales,
                    self.fused_shared_gate_up_qzeros), (down.qweight, down.scales, down.qzeros))
-        return self.experts(x, ids, weights, shared=shared, shared_zeros_are_8=self.fused_shared_zeros_are_8)
+        zeros_8 = self.fused_shared_gate_up_zeros_are_8 and getattr(down, "zeros_are_8", False)
+        return self.experts(x, ids, weights, shared=shared, shared_zeros_are_8=zeros_8)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -154,4 +157,4 @@ def _refresh_fused_shared(module: ForgeMoE, incompatible_keys) -> None:
     q, s, z = shared_gate_up(module.shared)
     module.fused_shared_gate_up_qweight, module.fused_shared_gate_up_scales = q, s
     module.fused_shared_gate_up_qzeros = z
-    module.fused_shared_zeros_are_8 = zeros_are_8(z, module.shared.down_proj.qzeros)
+    module.fused_shared_gate_up_zeros_are_8 = zeros_are_8(z)

@@ -4,7 +4,9 @@ Symmetric codes (RTN / GPTQ with `symmetric`, the w4a16-rtn preset) have every z
 kernels then need not read qzeros (csrc/awq_mma.cuh, load_group / fold with SYM: 370 instead of 449 SASS instructions
 per item of the one-row loop). The flag is a promise, as act_perm's values are: a module makes it once, after looking
 at its zero points (`zeros_are_8`, in use_mma_layout); the ops check it on the CPU only (on CUDA that would be a host
-sync per call), and the paths other than those kernels read qzeros anyway.
+sync per call), and the paths other than those kernels read qzeros anyway. A captured CUDA graph keeps the kernel it
+was captured with: after loading other zero points into a captured model in place, capture again (torch.compile
+recompiles by itself: the modules' flag is a guarded attribute).
 """
 from __future__ import annotations
 
