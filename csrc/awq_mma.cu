@@ -280,9 +280,7 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
     using T = decltype(t);
     using S = decltype(sv);
     const bool one_tile = m <= 8;  // one 8-row MMA tile of x is enough
-    // one row (decode at batch 1): the fold leaves out the C elements of odd rows (awq_mma.cuh, fold R1). Not for the
-    // plain loop of 8 warps on items of 128 k: there ptxas (CUDA 13.0) reloads addresses and kernel parameters inside
-    // the loop at 128 registers, 486 SASS instructions per item against 449 without R1 (410 with 4 warps).
+    // one row (decode at batch 1): the fold leaves out the C elements of odd rows (awq_mma.cuh, fold R1)
     auto run = [&](auto nt, auto cpg, auto r1, auto sym) {
       constexpr int NT = decltype(nt)::value, CPG = decltype(cpg)::value;
       constexpr bool R1 = decltype(r1)::value, SYM = decltype(sym)::value;
@@ -303,6 +301,9 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
                             : go(launch<T, S, NT, CPG, 8, true, false, R1, SYM>);
       }
       if (prefetch) return cudaErrorInvalidValue;
+      // not R1 for the plain loop of 8 warps on items of 128 k: there ptxas (CUDA 13.0) reloads addresses and kernel
+      // parameters inside the loop at 128 registers, 486 SASS instructions per item against 449 without (410 with
+      // 4 warps)
       return warps == 4 ? go(launch<T, S, NT, CPG, 4, false, false, R1, SYM>)
                         : go(launch<T, S, NT, CPG, 8, false, false, R1 && CPG == 1, SYM>);
     };
@@ -310,7 +311,7 @@ cudaError_t awq_mma_launch(int dtype, int scale_dtype, const void* x, const int3
     using I2 = std::integral_constant<int, 2>;
     using Yes = std::true_type;
     using No = std::false_type;
-    const bool one_row = m == 1 && g != 32 && (warps == 4 || prefetch || item_chunks == 1);
+    const bool one_row = m == 1 && g != 32;
     // symmetric: the caller's word that every zero point is 8 (not read then; groups of 32 read them anyway)
     auto pick = [&](auto nt, auto cpg, auto r1) {
       return symmetric && g != 32 ? run(nt, cpg, r1, Yes{}) : run(nt, cpg, r1, No{});

@@ -155,17 +155,16 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
         that does not fit (OC and IC multiples of 64, the group size 32 or a multiple of 64). A layer on the AWQ
         layout (use_awq_layout) moves on to it where it fits. Act-order layers store their rows sorted by group
         and permute x on each call (``act_perm``)."""
-        if self.weight_layout == "mma":
-            self._look_at_zeros()
-            return True
-        if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
-            return False
-        if self.weight_layout == "awq":  # already AWQ words, rows sorted by group: only the fragment order changes
-            self.qweight, self.weight_layout = awq_to_mma_layout(self.qweight), "mma"
-            add_mma_tickets(self)
-            self._look_at_zeros()
-            return True
-        return self._switch_layout("mma")
+        if self.weight_layout != "mma":
+            if not mma_layout_fits(self.in_features, self.out_features, self.group_size):
+                return False
+            if self.weight_layout == "awq":  # already AWQ words, rows sorted by group: only the fragment order changes
+                self.qweight, self.weight_layout = awq_to_mma_layout(self.qweight), "mma"
+                add_mma_tickets(self)
+            elif not self._switch_layout("mma"):
+                return False
+        self._look_at_zeros()
+        return True
 
     @torch.no_grad()
     def use_awq_layout(self) -> bool:
@@ -192,7 +191,6 @@ class ForgeGPTQLinear(W4LinearMixin, nn.Module):
         self.weight_layout = layout
         if layout == "mma":
             add_mma_tickets(self)
-        self._look_at_zeros()
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

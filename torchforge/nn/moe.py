@@ -105,11 +105,7 @@ class ForgeMoE(nn.Module):
 
         if fold_reason(self.experts, self.shared, self.shared_expert_gate) is not None:
             return False
-        q, s, z = shared_gate_up(self.shared)
-        self.register_buffer("fused_shared_gate_up_qweight", q, persistent=False)
-        self.register_buffer("fused_shared_gate_up_scales", s, persistent=False)
-        self.register_buffer("fused_shared_gate_up_qzeros", z, persistent=False)
-        self.fused_shared_gate_up_zeros_are_8 = zeros_are_8(z)
+        _fold_shared_gate_up(self)
         if not self.fused_decode:
             self.register_load_state_dict_post_hook(_refresh_fused_shared)
         self.fused_decode = True
@@ -152,9 +148,15 @@ class ForgeMoE(nn.Module):
         return out.reshape(shape)
 
 
+def _fold_shared_gate_up(module: ForgeMoE) -> None:
+    """The fused copy of the shared expert's gate_up (non-persistent buffers) and whether its zero points are all 8."""
+    q, s, z = shared_gate_up(module.shared)
+    module.register_buffer("fused_shared_gate_up_qweight", q, persistent=False)
+    module.register_buffer("fused_shared_gate_up_scales", s, persistent=False)
+    module.register_buffer("fused_shared_gate_up_qzeros", z, persistent=False)
+    module.fused_shared_gate_up_zeros_are_8 = zeros_are_8(z)
+
+
 def _refresh_fused_shared(module: ForgeMoE, incompatible_keys) -> None:
     """load_state_dict post-hook: the fused copy of the shared expert's gate_up follows newly loaded weights."""
-    q, s, z = shared_gate_up(module.shared)
-    module.fused_shared_gate_up_qweight, module.fused_shared_gate_up_scales = q, s
-    module.fused_shared_gate_up_qzeros = z
-    module.fused_shared_gate_up_zeros_are_8 = zeros_are_8(z)
+    _fold_shared_gate_up(module)
