@@ -3,9 +3,10 @@
     python bench/decode_read_ceiling.py [--shapes 18432x7168,7168x7168] [--m 1]
 
 Columns (microseconds, CUDA graphs, every weight rotated through L2 as in w4a16_linear.py):
-  op          awq_mma_linear as dispatched on the mma layout (int4 words + fp16 scales + qzeros);
+  op          awq_mma_linear as a module dispatches it on the mma layout (int4 words + fp16 scales, + qzeros
+              unless every zero point is 8: awq_quantize's symmetric codes, which the kernel does not read then);
   read        the fastest of a few configurations of a streaming read (Triton, 16-byte loads, one int32 sum per
-              program) of the same words + scales + qzeros bytes: what a kernel that only reads them can reach;
+              program) of the same bytes as the op: what a kernel that only reads them can reach;
   words in decode order   the int4 words alone (96% of the bytes) read as the decode kernel reads them at one row
               (3 K slices of 4-warp blocks, a round of 4 items of 4 KB per block at a time), without its arithmetic;
               `pipelined`: the same with Triton's 3-stage software pipeline (the next rounds in flight);
@@ -99,6 +100,7 @@ def rows(shapes: str, ms: str) -> list:
     from torchforge.ops.awq_mma import awq_mma_linear
     from torchforge.ops.awq_mma_cuda import mma_tickets
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
+    from torchforge.ops.zero_points import zeros_are_8
 
     out = []
     for shape in shapes.split(","):
@@ -107,13 +109,15 @@ def rows(shapes: str, ms: str) -> list:
         qw, sc, qz = torchforge.ops.awq_quantize(w, group_size=G)
         mma, tickets = awq_to_mma_layout(qw), mma_tickets(OC, w.device)
         w_same = torch.randn(OC // 4, IC, device="cuda", dtype=torch.bfloat16) * 0.02
-        # the op's bytes as one int32 buffer for the read kernel: words, scales (fp16 pairs), qzeros
-        flat = torch.cat([mma.flatten(), sc.flatten().view(torch.int32), qz.flatten()])
+        sym = zeros_are_8(qz)  # what ForgeAWQLinear.zeros_are_8 tells the kernel
+        # the op's bytes as one int32 buffer for the read kernel: words, scales (fp16 pairs), qzeros if it reads them
+        flat = torch.cat([mma.flatten(), sc.flatten().view(torch.int32)] + ([] if sym else [qz.flatten()]))
         nbytes = flat.numel() * 4
         for M in map(int, ms.split(",")):
             x = torch.randn(M, IC, device="cuda", dtype=torch.bfloat16)
             L2Rotation.start(nbytes, mma, sc, qz)
-            t_op = 1e3 * bench_graph_ms(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets), rep_ms=50)
+            t_op = 1e3 * bench_graph_ms(lambda: awq_mma_linear(x, mma, sc, qz, G, tickets=tickets, symmetric=sym),
+                                        rep_ms=50)
             L2Rotation.start(nbytes, flat)
             t_read, cfg = read_us(flat)
             L2Rotation.start(mma.numel() * 4, mma)
@@ -124,7 +128,7 @@ def rows(shapes: str, ms: str) -> list:
             t_bf16 = 1e3 * bench_graph_ms(lambda: torch.nn.functional.linear(x, w), rep_ms=50)
             L2Rotation.stop()
             tb = lambda b, t: f"{b / t / 1e6:.2f}"  # noqa: E731  bytes / us -> TB/s
-            out.append([shape, M, f"{nbytes / 1e6:.1f}", f"{t_op:.1f}", f"{t_read:.1f}", cfg,
+            out.append([shape, M, "8" if sym else "read", f"{nbytes / 1e6:.1f}", f"{t_op:.1f}", f"{t_read:.1f}", cfg,
                         f"{t_order[1]:.1f}", f"{t_order[3]:.1f}", f"{t_same:.1f}",
                         f"{t_bf16:.1f}", tb(nbytes, t_op), tb(nbytes, t_read), tb(w_same.numel() * 2, t_same),
                         tb(w.numel() * 2, t_bf16), f"{t_read / t_op:.2f}", f"{t_bf16 / t_op:.2f}x",
@@ -145,7 +149,7 @@ def main() -> int:
     print(f"device: {device_line()}")
     print("\nthe decode kernel against a plain read of its bytes (us, CUDA graphs, weights rotated; TB/s on the bytes "
           "each reads):")
-    print(markdown_table(["W", "M", "MB read", "op", "read", "read cfg", "words in decode order",
+    print(markdown_table(["W", "M", "zeros", "MB read", "op", "read", "read cfg", "words in decode order",
                           "same, pipelined", "bf16 same bytes", "bf16", "op TB/s",
                           "read TB/s", "bf16 same TB/s", "bf16 TB/s", "read/op", "bf16/op", "bf16/read"], table))
     return 0
