@@ -75,6 +75,15 @@
 //   loop, built for 12 warps per SM (168 registers, no spills): 18432x7168 at 16 rows 34.8 against 29.9 us in the
 //   dispatched configuration (3 slices, 4 warps), 31.6 at best (1 slice) against 29.9; on 7168x7168 it helped the
 //   4-warp configurations (16.6 against 18.4 us in 2 slices) but none reached the dispatched 8-warp one (13.8).
+//   Forty-first session (H200), both dropped: "stream mode", a grid of as many blocks as the SMs hold at once, each
+//   on an equal contiguous range of all column blocks' items (column block major), its warps taking the range's
+//   items in turn and flushing each column block they meet (shared-memory sum, then a partial with a ticket per
+//   column block and the last block adding them in block order), so that no block runs in a second round: (a) 4-warp
+//   blocks, 4 per SM, the rolling loop per column block: 18432x7168 24.3 us at one row against 22.5 (3 slices), 30.8
+//   against 29.3 at 16 rows, 7168x7168 14.1 against 10.0; (b) 8-warp blocks, one per SM, the prefetching loop running
+//   on across column blocks: 27.3 / 35.0 on 18432x7168 (1-slice prefetching loop 26.8 / 34.8), 7168x7168 15.0 against
+//   10.0. Bits within tolerance, sanitizer-clean. K slices 5, 7, 9 and 14 (fewer items a warp, more rounds) were
+//   slower than 3 in the same order; so neither the second round of blocks nor the short last one is what costs.
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
