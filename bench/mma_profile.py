@@ -17,6 +17,8 @@ def main() -> int:
     p.add_argument("--shape", default="18432x7168", help="OCxIC")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--symmetric", action="store_true", help="zero points all 8, not read (as modules dispatch "
+                                                             "symmetric checkpoints)")
     p.add_argument("--wgmma", default="", help="block_m,tile_set,splits,group_m[,ws]: run csrc/awq_wgmma.cu instead "
                                             "(ws 1: the producer warp)")
     args = p.parse_args()
@@ -30,6 +32,8 @@ def main() -> int:
     torch.manual_seed(0)
     qw = torch.randint(-2**31, 2**31 - 1, (ic, oc // 8), dtype=torch.int32, device="cuda")
     qz = torch.randint(-2**31, 2**31 - 1, (ic // g, oc // 8), dtype=torch.int32, device="cuda")
+    if args.symmetric:
+        qz.fill_(0x88888888 - 2**32)
     sc = (torch.rand(ic // g, oc, device="cuda") * 0.01).half()
     mma = awq_to_mma_layout(qw)
     x = torch.randn(args.m, ic, device="cuda", dtype=torch.bfloat16)
@@ -38,7 +42,7 @@ def main() -> int:
             bm, tw, splits, gm, *ws = map(int, args.wgmma.split(","))
             launch_awq_wgmma_cuda(x, mma, sc, qz, g, config=(bm, tw, splits, gm, bool(ws and ws[0])))
         else:
-            launch_awq_mma_cuda(x, mma, sc, qz, g)
+            launch_awq_mma_cuda(x, mma, sc, qz, g, symmetric=args.symmetric)
     torch.cuda.synchronize()
     return 0
 

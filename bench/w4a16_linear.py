@@ -131,10 +131,10 @@ def cuda_gemv_sweep(shapes: str) -> list:
     return out
 
 
-def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8") -> list:
-    """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices (item chunks as
-    configured), warps and the prefetching loop, with fp16 scales and with bf16 ones (as after
-    `model.to(torch.bfloat16)`), kept tickets, against bf16, tinygemm and the AWQ-layout op as dispatched
+def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8", chunk_counts: str = "") -> list:
+    """The extension's tensor-core kernel on the mma layout (csrc/awq_mma.cu) over its K slices, item chunks (as
+    configured, or `chunk_counts`: items of 64 or 128 k), warps and the prefetching loop, with fp16 scales and with
+    bf16 ones (as after `model.to(torch.bfloat16)`), kept tickets, against bf16, tinygemm and the AWQ-layout op as dispatched
     (`w4a16_linear`), in the same run."""
     import torchforge
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_cuda, mma_cuda_launch_config
@@ -155,26 +155,28 @@ def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8") -> l
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             default_splits, chunks, default_warps, default_pf = mma_cuda_launch_config(M, IC, OC, G, sms)
             default = (default_splits, chunks)
-            pfs = (False, True) if chunks == 2 else (False,)  # the prefetching loop: items of 128 k only
             counts = sorted({*map(int, split_counts.split(",")), default[0]})
-            configs = [(s, w_, sc, pf) for s in counts for w_ in (4, 8) for pf in pfs]
-            configs.append((default[0], default_warps, sc.bfloat16(), default_pf))
+            configs = []
+            for ch in (sorted(set(map(int, chunk_counts.split(",")))) if chunk_counts else (chunks,)):
+                pfs = (False, True) if ch == 2 else (False,)  # the prefetching loop: items of 128 k only
+                configs += [(s, w_, sc, pf, ch) for s in counts for w_ in (4, 8) for pf in pfs]
+            configs.append((default[0], default_warps, sc.bfloat16(), default_pf, chunks))
             # zeros "8": symmetric=True, qzeros not read (these codes are symmetric: awq_quantize's default)
             configs = [c + (sym,) for c in configs for sym in ((False, True) if zeros_8 else (False,))]
-            for splits, warps, scales, pf, sym in configs:
-                if splits > IC // (64 * chunks):
+            for splits, warps, scales, pf, ch, sym in configs:
+                if splits > IC // (64 * ch) or G % (64 * ch):
                     continue
-                f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=chunks,  # noqa: E731
+                f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=ch,  # noqa: E731
                                                 warps=warps, prefetch=pf, tickets=tickets, symmetric=sym)
                 rel = ((f().float() - ref).norm() / ref.norm()).item()
                 t = bench_graph_ms(f, rep_ms=30)
                 out.append([shape, M, str(scales.dtype).removeprefix("torch."), "8" if sym else "read", splits, warps,
-                            "yes" if pf else "",
-                            "*" if (splits, warps, pf) == (default[0], default_warps, default_pf) else "", t,
+                            ch, "yes" if pf else "",
+                            "*" if (splits, warps, pf, ch) == (default[0], default_warps, default_pf, chunks) else "", t,
                             f"{t * 1e3:.1f}", wbytes / t / 1e6, t_op,
                             t_tg, t_bf16, t_bf16 / t, t_tg / t, f"{rel:.1e}"])
             print("done", shape, M, flush=True)
-    out.sort(key=lambda r: (r[0], r[1], r[8]))
+    out.sort(key=lambda r: (r[0], r[1], r[9]))
     L2Rotation.stop()
     return out
 
@@ -619,6 +621,8 @@ def main() -> int:
     ap.add_argument("--cublas-fit", default="", help="M list: time dequantize + cuBLAS in parts against the "
                                                      "dispatch's estimate of it, then stop")
     ap.add_argument("--mma-splits", default="1,2,3,4,6,8", help="with --mma-cuda-sweep: the K slice counts tried")
+    ap.add_argument("--mma-chunks", default="", help="with --mma-cuda-sweep: the item chunk counts tried (1: items of "
+                                                     "64 k, 2: 128 k; default: as dispatched)")
     ap.add_argument("--mma-sweep", default="", help="M list: time the tensor-core kernel's configurations, then stop")
     ap.add_argument("--wgmma-sweep", default="",
                     help="M list: time the extension's Hopper kernel (csrc/awq_wgmma.cu) over its configurations, "
@@ -660,10 +664,11 @@ def main() -> int:
                        ["W", "rows", "splits", "default", "ms", "int4 GB/s", "Triton GEMV ms", "tinygemm ms",
                         "bf16 ms", "bf16/ms", "rel err"])
     if args.mma_cuda_sweep:
-        return _report(mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits),
+        return _report(mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits, args.mma_chunks),
                        "CUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
                        "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:",
-                       ["W", "M", "scales", "zeros", "splits", "warps", "prefetch", "default", "ms", "us", "int4 GB/s",
+                       ["W", "M", "scales", "zeros", "splits", "warps", "chunks", "prefetch", "default", "ms", "us",
+                        "int4 GB/s",
                         "op ms",
                         "tinygemm ms", "bf16 ms",
                         "bf16/ms", "tinygemm/ms", "rel err"])
