@@ -84,6 +84,18 @@
 //   on across column blocks: 27.3 / 35.0 on 18432x7168 (1-slice prefetching loop 26.8 / 34.8), 7168x7168 15.0 against
 //   10.0. Bits within tolerance, sanitizer-clean. K slices 5, 7, 9 and 14 (fewer items a warp, more rounds) were
 //   slower than 3 in the same order; so neither the second round of blocks nor the short last one is what costs.
+//   Forty-second session (H200), all three dropped. ncu's stall samples by instruction (bench/ncu_decode_stalls.sh) put
+//   42% of 18432x7168's one-row samples on the fold's first use of a scale: load_group asks for the item's scales only
+//   after its MMAs, and each 128-byte scale row is read by one warp, from DRAM. (a) The group's scale (and zero) words
+//   asked for with the next item's layout words, one 32-bit word a lane, spread by shuffles at the fold, the next
+//   item's first chunk's loads held before its second chunk's MMAs by a __syncwarp: the wait moved to the words and
+//   the time stayed (22.3 us symmetric; zeros read 23.1-23.4 against 22.2, 8 rows 23.4 against 22.6-22.8); with two
+//   row tiles every placement spilled (96-164 bytes in registers, 108-164 staged by cp.async). (b) The rolling loop for
+//   two row tiles on items of 64 k (128 registers, no spills): 18432x7168 at 16 rows 30.5 against 29.3 (the plain loop
+//   on 128 k), 7168x7168 14.7 against 13.4. (c) One row with x's row in shared memory (cp.async, read per chunk), which
+//   took the rolling loop to 95-96 registers for 5 blocks of 4 warps per SM: 31.3 against 22.5 us as dispatched.
+//   ncu (bench/ncu_read_vs_decode.sh): bench/decode_read_ceiling.py's read of the same words in the same order runs
+//   24.5 warps per SM (56 registers) against this kernel's 13.7 (114), for the same 68 MB from DRAM.
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
