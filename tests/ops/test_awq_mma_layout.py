@@ -172,8 +172,8 @@ def test_mma_cuda_warps_rule():
 
 def test_mma_cuda_launch_config_rules():
     """(splits, item_chunks, warps, prefetch) on 132 SMs: the prefetching loop where the grid is at most one 8-warp
-    block per SM walking the whole K, but 2 plain K slices at 9-16 rows there; 3 K slices up to 16 rows on a 4-warp grid;
-    both with at least 48 items."""
+    block per SM walking the whole K, but 2 plain K slices at 9-16 rows there; 3 K slices up to 16 rows on a 4-warp grid
+    (one row: only where that grid fits two rounds of blocks); both with at least 48 items."""
     from torchforge.ops.awq_mma_cuda import mma_cuda_launch_config, mma_cuda_prefetch
 
     assert mma_cuda_prefetch(112, 132, 8, 2, 1)       # 7168x7168 up to 16 rows
@@ -191,6 +191,10 @@ def test_mma_cuda_launch_config_rules():
     # 18432x7168: 288 tiles of 4-warp blocks up to 16 rows, in 3 K slices
     assert [cfg(m, 7168, 18432) for m in (1, 8, 9, 16, 17)] == [(3, 2, 4, False), (3, 2, 4, False), (3, 2, 4, False),
                                                                (3, 2, 4, False), (1, 2, 8, False)]
+    # 24576x7168: 384 tiles, 3 slices would take a third round of 4-warp blocks; one row takes 1 slice (the rest were
+    # not swept)
+    assert [cfg(m, 7168, 24576) for m in (1, 2, 16)] == [(1, 2, 4, False), (3, 2, 4, False), (3, 2, 4, False)]
+    assert cfg(1, 7168, 22528) == (3, 2, 4, False)     # 352 tiles: exactly two rounds
     assert cfg(16, 4096, 18432) == (1, 2, 4, False)    # 32 items: too few for slices
     assert cfg(16, 7168, 16384) == (1, 2, 8, False)    # 256 tiles: a grid of 8-warp blocks
     # groups of 32: 8-warp blocks, the fewest K slices that fill 0.8 of the last wave of them (2 per SM)

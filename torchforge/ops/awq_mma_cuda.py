@@ -121,7 +121,11 @@ def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) ->
     7168x7168 at 16 rows: 13.8 against the prefetching loop's 14.7 (H100: 14.9 against 15.0-15.2). With 8-warp grids
     slices lost on the H100: 16384x7168 27.0 against 24.9, 12288x7168 22.8 against 22.2, 14336x4096 16.7 against 14.3
     (2 slices, the best with slices); with few items the prefetching loop won at 16 rows (6144x1536: 4.7-4.8 against
-    5.3-5.7)."""
+    5.3-5.7).
+    One row past 8/3 tiles per SM (forty-second session, H200, symmetric codes, two runs each within 0.1 us): the
+    3-slice grid of 4-warp blocks needs a third round of blocks, and one slice is faster. 24576x7168 (384 tiles) 24.3
+    against 28.8 us (zeros read 25.2 against 29.1), where 18432x7168 (288 tiles, two rounds) keeps 3 slices: 22.5
+    against 22.3 in one, 22.6 against 23.9 zeros read. 2-16 rows were not swept, so they keep 3 slices."""
     tiles = -(-m // 16) * (n // 64)
     if group_size == 32:
         return mma_cuda_g32_splits(tiles, k // 64, sms), 1, 8, False
@@ -130,7 +134,7 @@ def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) ->
     prefetch = mma_cuda_prefetch(tiles * splits, sms, warps, item_chunks, splits)
     if splits == 1 and m <= 16 and k // (64 * item_chunks) >= 48:
         if warps == 4:
-            return 3, item_chunks, 4, False
+            return (1 if m == 1 and 3 * tiles > 8 * sms else 3), item_chunks, 4, False
         if prefetch and m > 8:
             return 2, item_chunks, 8, False
     return splits, item_chunks, warps, prefetch
