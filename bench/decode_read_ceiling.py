@@ -7,8 +7,12 @@ Columns (microseconds, CUDA graphs, every weight rotated through L2 as in w4a16_
               unless every zero point is 8: awq_quantize's symmetric codes, which the kernel does not read then);
   read        the fastest of a few configurations of a streaming read (Triton, 16-byte loads, one int32 sum per
               program) of the same bytes as the op: what a kernel that only reads them can reach;
-  words in decode order   the int4 words alone (96% of the bytes) read as the decode kernel reads them at one row
-              (3 K slices of 4-warp blocks, a round of 4 items of 4 KB per block at a time), without its arithmetic;
+  words in decode order   the int4 words alone (96% of the bytes) read as the plain (not prefetching) decode loop
+              reads them, without its arithmetic: the K slices, warps per block and item size that
+              mma_cuda_launch_config dispatches for the shape and M (3 slices of 4-warp blocks, items of 4 KB, on
+              18432x7168 at one row), one round of an item per warp at a time. Where the dispatch takes the
+              prefetching loop (7168x7168 at one row: one 8-warp block per column block, two items ahead) this is
+              the same grid read one round at a time, not that loop's order;
               `pipelined`: the same with Triton's 3-stage software pipeline (the next rounds in flight);
   bf16 same   F.linear on a bf16 weight of [OC / 4, IC], as many bytes as the int4 words: cuBLAS at that size;
   bf16        F.linear on the bf16 weight [OC, IC] (the goal's baseline).
@@ -61,11 +65,12 @@ def _read_decode_order_kernel(src, out, n_cb, cb_words, items, SPLITS: tl.conste
     tl.store(out + pid, tl.sum(acc, axis=0))
 
 
-def read_decode_order_us(words: torch.Tensor, splits: int, warps: int, stages: int) -> float:
+def read_decode_order_us(words: torch.Tensor, splits: int, warps: int, stages: int, item_chunks: int = 2) -> float:
     """The mma-layout words [N / 64, K * 8] read in the decode kernel's order (splits K slices of warps-warp blocks,
-    items of 128 k = 1024 words), one round of items at a time (stages 1) or pipelined by Triton."""
+    items of 64 k x item_chunks = 512 x item_chunks words), one round of items at a time (stages 1) or pipelined by
+    Triton."""
     n_cb, cb_words = words.shape[0], words.shape[1]
-    item = 1024
+    item = 512 * item_chunks
     items = cb_words // item
     rounds = triton.cdiv(items, splits * warps)
     out = torch.empty(n_cb * splits, dtype=torch.int32, device=words.device)
@@ -98,10 +103,11 @@ def read_us(src: torch.Tensor) -> tuple[float, str]:
 def rows(shapes: str, ms: str) -> list:
     import torchforge
     from torchforge.ops.awq_mma import awq_mma_linear
-    from torchforge.ops.awq_mma_cuda import mma_tickets
+    from torchforge.ops.awq_mma_cuda import mma_cuda_launch_config, mma_tickets
     from torchforge.ops.awq_mma_layout import awq_to_mma_layout
     from torchforge.ops.zero_points import zeros_are_8
 
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     out = []
     for shape in shapes.split(","):
         OC, IC = map(int, shape.split("x"))
@@ -121,7 +127,8 @@ def rows(shapes: str, ms: str) -> list:
             L2Rotation.start(nbytes, flat)
             t_read, cfg = read_us(flat)
             L2Rotation.start(mma.numel() * 4, mma)
-            t_order = {st: read_decode_order_us(mma, 3, 4, st) for st in (1, 3)}
+            splits, chunks, warps, _ = mma_cuda_launch_config(M, IC, OC, G, sms)
+            t_order = {st: read_decode_order_us(mma, splits, warps, st, chunks) for st in (1, 3)}
             L2Rotation.start(w_same.numel() * 2, w_same)
             t_same = 1e3 * bench_graph_ms(lambda: torch.nn.functional.linear(x, w_same), rep_ms=50)
             L2Rotation.start(w.numel() * 2, w)
@@ -129,7 +136,7 @@ def rows(shapes: str, ms: str) -> list:
             L2Rotation.stop()
             tb = lambda b, t: f"{b / t / 1e6:.2f}"  # noqa: E731  bytes / us -> TB/s
             out.append([shape, M, "8" if sym else "read", f"{nbytes / 1e6:.1f}", f"{t_op:.1f}", f"{t_read:.1f}", cfg,
-                        f"{t_order[1]:.1f}", f"{t_order[3]:.1f}", f"{t_same:.1f}",
+                        f"{t_order[1]:.1f}", f"{t_order[3]:.1f}", f"{splits}/{warps}/{64 * chunks}", f"{t_same:.1f}",
                         f"{t_bf16:.1f}", tb(nbytes, t_op), tb(nbytes, t_read), tb(w_same.numel() * 2, t_same),
                         tb(w.numel() * 2, t_bf16), f"{t_read / t_op:.2f}", f"{t_bf16 / t_op:.2f}x",
                         f"{t_bf16 / t_read:.2f}x"])
@@ -150,7 +157,7 @@ def main() -> int:
     print("\nthe decode kernel against a plain read of its bytes (us, CUDA graphs, weights rotated; TB/s on the bytes "
           "each reads):")
     print(markdown_table(["W", "M", "zeros", "MB read", "op", "read", "read cfg", "words in decode order",
-                          "same, pipelined", "bf16 same bytes", "bf16", "op TB/s",
+                          "same, pipelined", "order: slices/warps/k", "bf16 same bytes", "bf16", "op TB/s",
                           "read TB/s", "bf16 same TB/s", "bf16 TB/s", "read/op", "bf16/op", "bf16/read"], table))
     return 0
 

@@ -1,6 +1,7 @@
 # Nsight Compute: the one-row decode kernel (csrc/awq_mma.cu, as dispatched, symmetric codes) against
-# bench/decode_read_ceiling.py's read of the same words in the same order (3 K slices of 4-warp programs, no
-# arithmetic): occupancy, DRAM and L2 traffic, at boost clocks. Device only, extension built:
+# bench/decode_read_ceiling.py's read of the same words in the same order (no arithmetic; the K slices, warps and
+# item size mma_cuda_launch_config dispatches at one row: 3 slices of 4-warp blocks on 18432x7168), with occupancy,
+# DRAM and L2 traffic, at boost clocks. Device only, extension built:
 #   SHAPE=18432x7168 bash bench/ncu_read_vs_decode.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 SHAPE=${SHAPE:-18432x7168}
@@ -16,6 +17,8 @@ run read_decode_order -k regex:_read_decode_order -s 1 -c 1 python3 -c "
 import sys; sys.path.insert(0, 'bench')
 import torch
 from decode_read_ceiling import read_decode_order_us
+from torchforge.ops.awq_mma_cuda import mma_cuda_launch_config
 oc, ic = map(int, '$SHAPE'.split('x'))
+splits, chunks, warps, _ = mma_cuda_launch_config(1, ic, oc, 128, torch.cuda.get_device_properties(0).multi_processor_count)
 w = torch.randint(-2**31, 2**31 - 1, (oc // 64, ic * 8), dtype=torch.int32, device='cuda')
-print(read_decode_order_us(w, 3, 4, 1))"
+print(splits, warps, chunks, read_decode_order_us(w, splits, warps, 1, chunks))"

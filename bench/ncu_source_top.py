@@ -21,11 +21,14 @@ def _number(text: str) -> float:
         return 0.0
 
 
-def read_source_page(text: str) -> list[dict]:
+def read_source_page(text: str, name: str = "the source page") -> list[dict]:
     """One dict per SASS instruction: address, source, samples and the per-reason samples (ncu names those columns
     stall_<reason>; the "(Not Issued)" ones are left out, they are a subset)."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if "Source" in line and "Address" in line)
+    start = next((i for i, line in enumerate(lines) if "Source" in line and "Address" in line), None)
+    if start is None:
+        raise ValueError(f"{name}: no header line with 'Address' and 'Source' columns; export the page with "
+                         "ncu -i REPORT --page source --csv --print-source sass")
     rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
     head = rows[0]
     reasons = [c for c in head if c.startswith("stall_") and not c.endswith("(Not Issued)")]
@@ -62,7 +65,7 @@ def main() -> int:
     p.add_argument("csv")
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
-    instructions = read_source_page(open(args.csv, encoding="utf-8", errors="replace").read())
+    instructions = read_source_page(open(args.csv, encoding="utf-8", errors="replace").read(), args.csv)
     hot, by_op, by_reason = summary(instructions, args.top)
     total = sum(i["samples"] for i in instructions) or 1.0
     print(f"{len(instructions)} instructions, {total:.0f} samples")

@@ -164,7 +164,7 @@ def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8", chun
             # zeros "8": symmetric=True, qzeros not read (these codes are symmetric: awq_quantize's default)
             configs = [c + (sym,) for c in configs for sym in ((False, True) if zeros_8 else (False,))]
             for splits, warps, scales, pf, ch, sym in configs:
-                if splits > IC // (64 * ch) or G % (64 * ch):
+                if splits > IC // (64 * ch) or (G % (64 * ch) and not (G == 32 and ch == 1)):  # groups of 32: 64-k items
                     continue
                 f = lambda: launch_awq_mma_cuda(x, mma, scales, qz, G, splits=splits, item_chunks=ch,  # noqa: E731
                                                 warps=warps, prefetch=pf, tickets=tickets, symmetric=sym)
@@ -665,7 +665,7 @@ def main() -> int:
                         "bf16 ms", "bf16/ms", "rel err"])
     if args.mma_cuda_sweep:
         return _report(mma_cuda_sweep(args.shapes, args.mma_cuda_sweep, args.mma_splits, args.mma_chunks),
-                       "CUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps and prefetch; "
+                       "CUDA tensor-core kernel on the mma layout (csrc/awq_mma.cu), CUDA graph, bf16 x; * = default splits, warps, chunks and prefetch; "
                        "op = w4a16_linear on the AWQ layout as dispatched; tinygemm and bf16 in the same run:",
                        ["W", "M", "scales", "zeros", "splits", "warps", "chunks", "prefetch", "default", "ms", "us",
                         "int4 GB/s",

@@ -90,7 +90,7 @@
 //   asked for with the next item's layout words, one 32-bit word a lane, spread by shuffles at the fold, the next
 //   item's first chunk's loads held before its second chunk's MMAs by a __syncwarp: the wait moved to the words and
 //   the time stayed (22.3 us symmetric; zeros read 23.1-23.4 against 22.2, 8 rows 23.4 against 22.6-22.8); with two
-//   row tiles every placement spilled (96-164 bytes in registers, 108-164 staged by cp.async). (b) The rolling loop for
+//   row tiles every placement spilled (96-116 bytes in registers, 108-164 staged by cp.async). (b) The rolling loop for
 //   two row tiles on items of 64 k (128 registers, no spills): 18432x7168 at 16 rows 30.5 against 29.3 (the plain loop
 //   on 128 k), 7168x7168 14.7 against 13.4. (c) One row with x's row in shared memory (cp.async, read per chunk), which
 //   took the rolling loop to 95-96 registers for 5 blocks of 4 warps per SM: 31.3 against 22.5 us as dispatched.

@@ -24,3 +24,8 @@ def test_hottest_instruction_and_shares():
     assert hot[0]["reasons"] == {"long_sb": 5.0, "wait": 1.0}  # the "(Not Issued)" subset is left out
     assert by_op == pytest.approx({"HADD2": 0.6, "LDG": 0.2, "BRA": 0.2})  # a predicate is not the opcode
     assert by_reason == pytest.approx({"wait": 0.5, "long_sb": 0.5})
+
+
+def test_a_page_without_its_header_names_the_file():
+    with pytest.raises(ValueError, match=r"stalls\.csv: no header line with 'Address' and 'Source'"):
+        ncu_source_top.read_source_page('"Kernel Name","void k(int)"\n==ERROR== no kernels profiled\n', "stalls.csv")

@@ -111,7 +111,8 @@ def mma_cuda_launch_config(m: int, k: int, n: int, group_size: int, sms: int) ->
     """(splits, item_chunks, warps, prefetch) of the dense CUDA kernel for x [m, k] and n output columns on `sms` SMs:
     groups of 32 take mma_cuda_g32_splits and 8-warp blocks; others mma_cuda_config, mma_cuda_warps and
     mma_cuda_prefetch, except where there are at least 48 items and
-    - mma_cuda_warps takes 4-warp blocks (more than 2 and at most 3 tiles per SM): 3 K slices, still 4-warp blocks;
+    - mma_cuda_warps takes 4-warp blocks (more than 2 and at most 3 tiles per SM): 3 K slices, still 4-warp blocks
+      (at one row only where the 3-slice grid fits in two rounds of blocks, 3 x tiles <= 8 x SMs; else 1 slice);
     - at 9-16 rows mma_cuda_prefetch would take the prefetching loop (one block per SM): 2 plain K slices.
     The items of 16 rows (two 8-row MMA tiles) cost twice the tensor work of 8 rows, and 2-3 4-warp blocks leave
     about 9 warps per SM to hide it; with 3 K slices each SM holds 16 (the rest run in a second wave). H100, kept
