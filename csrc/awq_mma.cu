@@ -19,9 +19,10 @@
 // * magic: 128 in bf16 (0x4300), 1024 in fp16 (0x6400), where the ulp is 1, so OR-ing a code in
 //   gives c + q exactly. The MMA sums x (c + q) per group; an MMA with all-ones A gives sum x for
 //   each row of x in the same fragment positions; and once per group, in fp32:
-//   acc += s * (sum x (c + q) - (c + z) sum x). No per-weight subtract or multiply. Except with groups of 32 (G32),
-//   where an MMA's k spans two groups: each register is then dequantized to the reference's (q - z) s (awq_mma.cuh,
-//   item_dq). H100, 16 rows, bf16 x, fp16 scales: 18432x7168 0.042 ms (2.3x bf16), 7168x7168 0.021 (1.8x); the AWQ
+//   acc += s * (sum x (c + q) - (c + z) sum x). No per-weight subtract or multiply. Two row tiles of symmetric codes
+//   subtract c + 8 from each A register instead (exact) and need no sum of x (awq_mma.cuh, ZA). Except with groups
+//   of 32 (G32), where an MMA's k spans two groups: each register is then dequantized to the reference's (q - z) s
+//   (awq_mma.cuh, item_dq). H100, 16 rows, bf16 x, fp16 scales: 18432x7168 0.042 ms (2.3x bf16), 7168x7168 0.021 (1.8x); the AWQ
 //   layout's Triton kernel, which groups of 32 ran before, 0.096 / 0.047 (BENCHMARKS.md, thirty-first session).
 // * Block = 8 warps (or 4: mma_cuda_warps, mma_cuda_launch_config) on 64 output columns and 16 rows
 //   of x; the warps (and with splits > 1 the blocks along grid.z) take work items of 1 or 2 chunks (64 or 128 k,
@@ -96,6 +97,11 @@
 //   took the rolling loop to 95-96 registers for 5 blocks of 4 warps per SM: 31.3 against 22.5 us as dispatched.
 //   ncu (bench/ncu_read_vs_decode.sh): bench/decode_read_ceiling.py's read of the same words in the same order runs
 //   24.5 warps per SM (56 registers) against this kernel's 13.7 (114), for the same 68 MB from DRAM.
+//   Forty-third session (H200), where the time goes (bench/mma_decode_ablation.sh: timing-only builds, us, 18432x7168,
+//   symmetric): at one row as dispatched (3 slices of 4 warps) 22.1-22.4; with nothing read from memory (words, x,
+//   scales made in registers) 15.6; with the loads and no arithmetic 20.1; without the words only 17.2. In one slice:
+//   22.0, 17.1, 16.5. So the 3-slice grid's loads alone (its second round of blocks, the partials) take 90% of its
+//   time and its arithmetic alone 70%, and one slice swaps them. Half the MMAs changed nothing at one row (21.8).
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
@@ -113,9 +119,7 @@ namespace awq_mma_detail {
 // costs at one row (how much of the 16-row time is the x traffic from L2; a block reads 16 x K of x, as many bytes as
 // its int4 words). Twenty-eighth session, H100, 16 rows as dispatched: 7168x7168 14.6 -> 13.2 us, 18432x7168 33.1 ->
 // 30.9 (30.0 in one slice of 4-warp blocks). So even with x free the 7168x7168 decode misses 3x bf16 (12.6 us).
-#ifndef TORCHFORGE_MMA_ABLATE
-#define TORCHFORGE_MMA_ABLATE 0
-#endif
+// (TORCHFORGE_MMA_ABLATE and its other bits: awq_mma.cuh.)
 
 template <int W, bool PF>
 constexpr int kMinBlocks = PF ? 8 / W : 16 / W;

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "ptx_loads.cuh"
 
@@ -12,6 +13,17 @@ namespace torchforge {
 namespace awq_mma_detail {
 
 using ptx::ld_stream;
+
+// Timing-only builds (bench/mma_decode_ablation.cu; the results are wrong, only the times count), bits of
+// TORCHFORGE_MMA_ABLATE: 1 = every lane reads row 0's x (awq_mma.cu); 2 = x is not read (each chunk's fragment made
+// from the item index); 4 = scales and zero words are not read (the fold's are constants); 8 = no dequantization nor
+// MMAs (each word XOR-ed into one sum); 16 = the weight words are not read (made from the item index); 32 = no MMAs
+// for the sums of x (xs); 64 = one more bf16x2 / f16x2 subtract per A register; 128 = the MMAs of column tiles 2 and 3
+// left out (their A registers XOR-ed into one sum).
+#ifndef TORCHFORGE_MMA_ABLATE
+#define TORCHFORGE_MMA_ABLATE 0
+#endif
+constexpr int kMmaAblate = TORCHFORGE_MMA_ABLATE;
 
 constexpr int kCols = 64;  // output columns of one layout column block: 4 MMA tiles of 16
 
@@ -152,10 +164,13 @@ __device__ __forceinline__ void b_frags(uint32_t (&b0)[NT], uint32_t (&b1)[NT], 
 struct NoOp {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
-template <typename T, int NT, int CPG, typename XLoad, typename Done = NoOp>
+// ZA (symmetric codes, two row tiles): the zero point goes into A instead, each register (magic + q) - (magic + 8) =
+// q - 8 (exact: small integers), so part = sum_k x (q - 8) and xs is not computed (no all-ones MMAs; see fold).
+template <typename T, int NT, int CPG, bool ZA = false, typename XLoad, typename Done = NoOp>
 __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[NT][4], const uint4 (&w)[CPG * 4],
                                           XLoad&& xload, Done&& done = Done{}) {
   using Tr = Traits<T>;
+  constexpr uint32_t kMagic8 = Tr::kMagic2 + 0x00080008u;  // (magic + 8, magic + 8)
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -170,20 +185,53 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
     uint4 xv[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j) xload(c, j, xv[j]);
+    if constexpr ((kMmaAblate & 8) != 0) {  // the loads without the arithmetic (timing only)
+      uint32_t h = __float_as_uint(part[0][0][0]);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint4 ws = w[c * 4 + s];
+        h ^= ws.x ^ ws.y ^ ws.z ^ ws.w;
+        done(c, s);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j) h ^= xv[j][0].x ^ xv[j][1].w;
+      part[0][0][0] = __uint_as_float(h);
+      continue;
+    }
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint32_t b0[NT], b1[NT];
       b_frags(b0, b1, xv, s);
+      if constexpr ((kMmaAblate & 32) == 0 && !ZA) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) Tr::mma_ones(xs[j], b0[j], b1[j]);
+        for (int j = 0; j < NT; ++j) Tr::mma_ones(xs[j], b0[j], b1[j]);
+      }
       const uint4 ws = w[c * 4 + s];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t wv = word(ws, i);
-        const uint32_t a0 = and_or(wv, 0x000F000Fu, Tr::kMagic2);
-        const uint32_t a1 = and_or(wv >> 4, 0x000F000Fu, Tr::kMagic2);
-        const uint32_t a2 = and_or(wv >> 8, 0x000F000Fu, Tr::kMagic2);
-        const uint32_t a3 = and_or(wv >> 12, 0x000F000Fu, Tr::kMagic2);
+        uint32_t a0 = and_or(wv, 0x000F000Fu, Tr::kMagic2);
+        uint32_t a1 = and_or(wv >> 4, 0x000F000Fu, Tr::kMagic2);
+        uint32_t a2 = and_or(wv >> 8, 0x000F000Fu, Tr::kMagic2);
+        uint32_t a3 = and_or(wv >> 12, 0x000F000Fu, Tr::kMagic2);
+        if constexpr (ZA) {
+          a0 = Pair<T>::sub(a0, kMagic8);
+          a1 = Pair<T>::sub(a1, kMagic8);
+          a2 = Pair<T>::sub(a2, kMagic8);
+          a3 = Pair<T>::sub(a3, kMagic8);
+        }
+        if constexpr ((kMmaAblate & 64) != 0) {  // one more pair op per A register (timing only)
+          a0 = Pair<T>::sub(a0, Tr::kMagic2);
+          a1 = Pair<T>::sub(a1, Tr::kMagic2);
+          a2 = Pair<T>::sub(a2, Tr::kMagic2);
+          a3 = Pair<T>::sub(a3, Tr::kMagic2);
+        }
+        if constexpr ((kMmaAblate & 128) != 0) {  // half the column tiles' MMAs (timing only)
+          if (i >= 2) {
+            part[i][0][0] = __uint_as_float(__float_as_uint(part[i][0][0]) ^ a0 ^ a1 ^ a2 ^ a3);
+            continue;
+          }
+        }
 #pragma unroll
         for (int j = 0; j < NT; ++j) Tr::mma(part[i][j], a0, a1, a2, a3, b0[j], b1[j]);
       }
@@ -204,6 +252,15 @@ struct GroupVals {
 template <bool SYM, typename S>
 __device__ __forceinline__ void load_group(GroupVals<S>& v, const S* __restrict__ sc, const uint32_t* __restrict__ qz,
                                            int N, int cb, int group, int g) {
+  if constexpr ((kMmaAblate & 4) != 0) {  // timing only: constant scales and zeros, not read
+    const unsigned short one = std::is_same<S, __half>::value ? 0x3C00u : 0x3F80u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v.s[i] = *reinterpret_cast<const S*>(&one);
+      v.z[i] = 0x88888888u;
+    }
+    return;
+  }
   const S* srow = sc + static_cast<size_t>(group) * N + cb * kCols + g;
   const uint32_t* zrow = qz + static_cast<size_t>(group) * (N / 8) + cb * (kCols / 8);
 #pragma unroll
@@ -247,15 +304,23 @@ __device__ __forceinline__ float magic_plus_zero(uint32_t zword, int zshift) {
 // and 3 (row 2t + 1) never do, so they are left out (zero; their rows are not stored). SYM: z = 8 (load_group).
 // SASS instructions per item of the one-row decode loop, 4 warps, items of 128 k (nvcc 13.0, sm_90a): 449; 410 with
 // R1; 370 with R1 and SYM.
-template <typename T, int NT, bool R1, bool SYM, typename S>
+template <typename T, int NT, bool R1, bool SYM, bool ZA = false, typename S>
 __device__ __forceinline__ void fold(float (&acc)[4][NT][4], const float (&part)[4][NT][4], const float (&xs)[NT][4],
                                      const GroupVals<S>& v, int zshift) {
   using Tr = Traits<T>;
   static_assert(!R1 || NT == 1, "one row of x is one row tile");
+  static_assert(!ZA || (SYM && !R1), "the zero in A is 8: symmetric codes");
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float s0 = scale_f(v.s[2 * i]);
     const float s1 = scale_f(v.s[2 * i + 1]);
+    if constexpr (ZA) {  // part = sum x (q - 8) already (item_sums)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = fmaf(e < 2 ? s0 : s1, part[i][j][e], acc[i][j][e]);
+      continue;
+    }
     const float zc0 = SYM ? Tr::kMagic + 8.0f : magic_plus_zero<T>(v.z[2 * i], zshift);
     const float zc1 = SYM ? Tr::kMagic + 8.0f : magic_plus_zero<T>(v.z[2 * i + 1], zshift);
 #pragma unroll
@@ -370,9 +435,27 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
                                            int items, int first, int workers, int chunks_per_group, int g) {
   zero_acc(acc);
   const int zshift = awq_shift(g);
+  // Two row tiles of symmetric codes: the 8 in A (item_sums ZA). H200, 18432x7168 at 16 rows in 3 slices of 4 warps
+  // 28.8 -> 27.0 us, 12 rows 28.7 -> 26.6, 7168x7168 at 16 rows (2 slices of 8 warps) 13.1 -> 12.9 (forty-third
+  // session, bench/mma_decode_ablation.sh). Not with one row tile: there the MMAs barely count (TORCHFORGE_MMA_ABLATE
+  // 32, no all-ones MMAs: 22.1 -> 22.0 us at one row; 128, half the others: 21.8), while the extra subtracts do (64:
+  // 22.7); at 16 rows 32 gave 26.2 and 128 25.9 from 28.8.
+  constexpr bool ZA = SYM && NT == 2 && !G32;
   // this lane's layout word i of an item, and its x of chunk c of an item for row tile j (two uint4)
-  auto word_at = [&](int item, int i) { return ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32); };
+  auto word_at = [&](int item, int i) {
+    if constexpr ((kMmaAblate & 16) != 0) {  // timing only: words made, not read
+      const uint32_t h = static_cast<uint32_t>(item * CPG * 4 + i) * 0x9E3779B9u;
+      return make_uint4(h, h ^ 0x11111111u, h ^ 0x22222222u, h ^ 0x44444444u);
+    }
+    return ld_stream(wbase + (static_cast<size_t>(item) * CPG * 4 + i) * 32);
+  };
   auto x_at = [&](int item, int c, int j, uint4(&v)[2]) {
+    if constexpr ((kMmaAblate & 2) != 0) {  // timing only: x made, not read
+      const uint32_t h = 0x3F803F80u ^ (static_cast<uint32_t>(item * CPG + c + j) & 0x00070007u);
+      v[0] = make_uint4(h, h, h, h);
+      v[1] = v[0];
+      return;
+    }
     const uint4* p = xb + xoff[j] + (item * CPG + c) * 8;
     v[0] = __ldg(p);
     v[1] = __ldg(p + 1);
@@ -397,7 +480,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
   auto fold_group = [&](const float(&part)[4][NT][4], const float(&xs)[NT][4], int item) {
     GroupVals<S> gv;
     load_group<SYM>(gv, sc, qz, N, cb, pow2 ? item >> group_shift : item / items_per_group, g);
-    fold<T, NT, R1, SYM>(acc, part, xs, gv, zshift);
+    fold<T, NT, R1, SYM, ZA>(acc, part, xs, gv, zshift);
   };
 
   if constexpr (!PF && NT == 1) {
@@ -427,7 +510,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       const bool more = next < items;
       float part[4][NT][4];
       float xs[NT][4];
-      item_sums<T, NT, CPG>(
+      item_sums<T, NT, CPG, ZA>(
           part, xs, w,
           [&](int c, int j, uint4(&v)[2]) {
             v[0] = xr[c][j][0];
@@ -447,7 +530,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
       for (int i = 0; i < CPG * 4; ++i) w[i] = word_at(item, i);
       float part[4][NT][4];
       float xs[NT][4];
-      item_sums<T, NT, CPG>(part, xs, w, [&](int c, int j, uint4(&v)[2]) { x_at(item, c, j, v); });
+      item_sums<T, NT, CPG, ZA>(part, xs, w, [&](int c, int j, uint4(&v)[2]) { x_at(item, c, j, v); });
       fold_group(part, xs, item);
     }
   } else {
@@ -463,11 +546,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
     auto compute = [&](const ItemRegs<S, NT, CPG>& r) {
       float part[4][NT][4];
       float xs[NT][4];
-      item_sums<T, NT, CPG>(part, xs, r.w, [&](int c, int j, uint4(&v)[2]) {
+      item_sums<T, NT, CPG, ZA>(part, xs, r.w, [&](int c, int j, uint4(&v)[2]) {
         v[0] = r.x[c][j][0];
         v[1] = r.x[c][j][1];
       });
-      fold<T, NT, R1, SYM>(acc, part, xs, r.gv, zshift);
+      fold<T, NT, R1, SYM, ZA>(acc, part, xs, r.gv, zshift);
     };
     ItemRegs<S, NT, CPG> a, b;
     int item = first;

@@ -284,7 +284,8 @@ def test_grouped_shared_expert_equals_stacked(device, T, k, G, monkeypatch):
 def test_cuda_symmetric_same_bits_without_reading_zeros(T, k, G, warps, monkeypatch):
     """symmetric=True on the grouped kernel, direct (one row per block: the one-row fold too) and sorted, with a shared
     expert: the bits of the kernel that reads the zero points, and none read (zero words of 0 passed: same bits).
-    Groups of 32 read them anyway."""
+    Blocks of 16 rows (T = 40: 20 routed rows per expert, moe_sorted_block_rows) put the 8 into each A register
+    instead (awq_mma.cuh ZA): within a rounding of those bits. Groups of 32 read them anyway."""
     import torchforge.ops.awq_mma_cuda as mma_cuda
     from torchforge.ops.awq_mma_cuda import launch_awq_mma_moe_cuda
 
@@ -301,7 +302,11 @@ def test_cuda_symmetric_same_bits_without_reading_zeros(T, k, G, warps, monkeypa
     run = lambda z, zs, sym: launch_awq_mma_moe_cuda(x, ids, stacked[0], stacked[1], z, G, k,  # noqa: E731
                                                      (shared[0], shared[1], zs), symmetric=sym)
     part = run(stacked[2], shared[2], True)
-    assert torch.equal(part, run(stacked[2], shared[2], False))
+    read = run(stacked[2], shared[2], False)
+    if mma_cuda.moe_sorted_block_rows(T * k, E) <= 8 or G == 32 or T == 1:
+        assert torch.equal(part, read)
+    else:
+        assert ((part.double() - read.double()).norm() / read.double().norm()) < 1e-3
     if G != 32:
         assert torch.equal(part, run(torch.zeros_like(stacked[2]), torch.zeros_like(shared[2]), True))
 
