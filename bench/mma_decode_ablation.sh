@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where the decode kernel's time goes: builds bench/mma_decode_ablation.cu (csrc/awq_mma.cu as it is) once per
 # setting of TORCHFORGE_MMA_ABLATE in ABLATIONS (awq_mma.cuh: 2 = x not read, 4 = scales and zeros not read,
-# 8 = no dequantization nor MMAs, 16 = words not read; sums of these; 0 = the kernel as it is), in parallel, then
+# 8 = no dequantization nor MMAs, 16 = words not read, 32 = no all-ones MMAs, 64 = one more subtract per A register,
+# 128 = half the column tiles' MMAs; sums of these; 0 = the kernel as it is), in parallel, then
 # times every configuration of CONFIGS on each build, ROUNDS times in turn (builds interleaved, so that clock drift
 # hits them alike). Device only (nvcc, sm_90a), no torch needed; one table on stdout, logs under $OUT.
 #   An entry of ABLATIONS may add other macros, comma-separated: "0,NAME=1" (an experiment's switch; the forty-third
@@ -25,14 +26,16 @@ flags() {  # "8" -> -DTORCHFORGE_MMA_ABLATE=8; "0,NAME=1" -> also -DNAME=1
   done
   echo "$out"
 }
+declare -A pid=()
 for a in $ABLATIONS; do
+  rm -f "/tmp/mma_ablate$(tag "$a")"  # a warm machine keeps /tmp: never time an earlier call's binary
   # shellcheck disable=SC2046
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc $(flags "$a") \
     -o "/tmp/mma_ablate$(tag "$a")" bench/mma_decode_ablation.cu > "$OUT/mma_ablate_build$(tag "$a").log" 2>&1 &
+  pid[$a]=$!
 done
-wait
 for a in $ABLATIONS; do
-  [ -x "/tmp/mma_ablate$(tag "$a")" ] || { echo "build $a failed:"; tail -5 "$OUT/mma_ablate_build$(tag "$a").log"; exit 1; }
+  wait "${pid[$a]}" || { echo "build $a failed:"; tail -5 "$OUT/mma_ablate_build$(tag "$a").log"; exit 1; }
 done
 header="| OC x IC | M | slices | k/item | warps | prefetch | zeros |"
 sep="|---|---|---|---|---|---|---|"

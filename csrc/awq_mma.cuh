@@ -15,8 +15,9 @@ namespace awq_mma_detail {
 using ptx::ld_stream;
 
 // Timing-only builds (bench/mma_decode_ablation.cu; the results are wrong, only the times count), bits of
-// TORCHFORGE_MMA_ABLATE: 1 = every lane reads row 0's x (awq_mma.cu); 2 = x is not read (each chunk's fragment made
-// from the item index); 4 = scales and zero words are not read (the fold's are constants); 8 = no dequantization nor
+// TORCHFORGE_MMA_ABLATE: 1 = every lane reads row 0's x (awq_mma.cu, the dense kernel only); 2 = x is not read (each
+// chunk's fragment made from the item index); 4 = scales and zero words are not read (the fold's are constants; groups
+// of 32 still read theirs, load_group_z16); 8 = no dequantization nor
 // MMAs (each word XOR-ed into one sum); 16 = the weight words are not read (made from the item index); 32 = no MMAs
 // for the sums of x (xs); 64 = one more bf16x2 / f16x2 subtract per A register; 128 = the MMAs of column tiles 2 and 3
 // left out (their A registers XOR-ed into one sum).
