@@ -161,8 +161,9 @@ def mma_cuda_sweep(shapes: str, ms: str, split_counts: str = "1,2,3,4,6,8", chun
                 pfs = (False, True) if ch == 2 else (False,)  # the prefetching loop: items of 128 k only
                 configs += [(s, w_, sc, pf, ch) for s in counts for w_ in (4, 8) for pf in pfs]
             configs.append((default[0], default_warps, sc.bfloat16(), default_pf, chunks))
-            # zeros "8": symmetric=True, qzeros not read (these codes are symmetric: awq_quantize's default)
-            configs = [c + (sym,) for c in configs for sym in ((False, True) if zeros_8 else (False,))]
+            # zeros "8": symmetric=True, qzeros not read (these codes are symmetric: awq_quantize's default); groups
+            # of 32 read them anyway, so no such rows there
+            configs = [c + (sym,) for c in configs for sym in ((False, True) if zeros_8 and G != 32 else (False,))]
             for splits, warps, scales, pf, ch, sym in configs:
                 if splits > IC // (64 * ch) or (G % (64 * ch) and not (G == 32 and ch == 1)):  # groups of 32: 64-k items
                     continue
