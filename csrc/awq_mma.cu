@@ -22,8 +22,9 @@
 //   acc += s * (sum x (c + q) - (c + z) sum x). No per-weight subtract or multiply. Two row tiles of symmetric codes
 //   subtract c + 8 from each A register instead (exact) and need no sum of x (awq_mma.cuh, ZA). Except with groups
 //   of 32 (G32), where an MMA's k spans two groups: each register is then dequantized to the reference's (q - z) s
-//   (awq_mma.cuh, item_dq). H100, 16 rows, bf16 x, fp16 scales: 18432x7168 0.042 ms (2.3x bf16), 7168x7168 0.021 (1.8x); the AWQ
-//   layout's Triton kernel, which groups of 32 ran before, 0.096 / 0.047 (BENCHMARKS.md, thirty-first session).
+//   (awq_mma.cuh, item_dq). H100, 16 rows, bf16 x, fp16 scales: 18432x7168 0.042 ms (2.3x bf16), 7168x7168 0.021
+//   (1.8x); the AWQ layout's Triton kernel, which groups of 32 ran before, 0.096 / 0.047 (BENCHMARKS.md, thirty-first
+//   session).
 // * Block = 8 warps (or 4: mma_cuda_warps, mma_cuda_launch_config) on 64 output columns and 16 rows
 //   of x; the warps (and with splits > 1 the blocks along grid.z) take work items of 1 or 2 chunks (64 or 128 k,
 //   inside one quantization group) in turn: 4 or 8 x 16 B in flight per thread. Warps are summed through shared

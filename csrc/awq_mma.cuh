@@ -17,10 +17,10 @@ using ptx::ld_stream;
 // Timing-only builds (bench/mma_decode_ablation.cu; the results are wrong, only the times count), bits of
 // TORCHFORGE_MMA_ABLATE: 1 = every lane reads row 0's x (awq_mma.cu, the dense kernel only); 2 = x is not read (each
 // chunk's fragment made from the item index); 4 = scales and zero words are not read (the fold's are constants; groups
-// of 32 still read theirs, load_group_z16); 8 = no dequantization nor
-// MMAs (each word XOR-ed into one sum); 16 = the weight words are not read (made from the item index); 32 = no MMAs
-// for the sums of x (xs); 64 = one more bf16x2 / f16x2 subtract per A register; 128 = the MMAs of column tiles 2 and 3
-// left out (their A registers XOR-ed into one sum).
+// of 32 still read theirs, load_group_z16); 8 = no dequantization nor MMAs (each word XOR-ed into one sum); 16 = the
+// weight words are not read (made from the item index); 32 = no MMAs for the sums of x (xs); 64 = one more bf16x2 /
+// f16x2 subtract per A register; 128 = the MMAs of column tiles 2 and 3 left out (their A registers XOR-ed into one
+// sum).
 #ifndef TORCHFORGE_MMA_ABLATE
 #define TORCHFORGE_MMA_ABLATE 0
 #endif
@@ -215,18 +215,14 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
         uint32_t a1 = and_or(wv >> 4, 0x000F000Fu, Tr::kMagic2);
         uint32_t a2 = and_or(wv >> 8, 0x000F000Fu, Tr::kMagic2);
         uint32_t a3 = and_or(wv >> 12, 0x000F000Fu, Tr::kMagic2);
-        if constexpr (ZA) {
-          a0 = Pair<T>::sub(a0, kMagic8);
-          a1 = Pair<T>::sub(a1, kMagic8);
-          a2 = Pair<T>::sub(a2, kMagic8);
-          a3 = Pair<T>::sub(a3, kMagic8);
-        }
-        if constexpr ((kMmaAblate & 64) != 0) {  // one more pair op per A register (timing only)
-          a0 = Pair<T>::sub(a0, Tr::kMagic2);
-          a1 = Pair<T>::sub(a1, Tr::kMagic2);
-          a2 = Pair<T>::sub(a2, Tr::kMagic2);
-          a3 = Pair<T>::sub(a3, Tr::kMagic2);
-        }
+        auto subtract = [&](uint32_t pair) {
+          a0 = Pair<T>::sub(a0, pair);
+          a1 = Pair<T>::sub(a1, pair);
+          a2 = Pair<T>::sub(a2, pair);
+          a3 = Pair<T>::sub(a3, pair);
+        };
+        if constexpr (ZA) subtract(kMagic8);
+        if constexpr ((kMmaAblate & 64) != 0) subtract(Tr::kMagic2);  // one more pair op per A register (timing only)
         if constexpr ((kMmaAblate & 128) != 0) {  // half the column tiles' MMAs (timing only)
           if (i >= 2) {
             part[i][0][0] = __uint_as_float(__float_as_uint(part[i][0][0]) ^ a0 ^ a1 ^ a2 ^ a3);
