@@ -103,6 +103,13 @@
 //   scales made in registers) 15.6; with the loads and no arithmetic 20.1; without the words only 17.2. In one slice:
 //   22.0, 17.1, 16.5. So the 3-slice grid's loads alone (its second round of blocks, the partials) take 90% of its
 //   time and its arithmetic alone 70%, and one slice swaps them. Half the MMAs changed nothing at one row (21.8).
+//   Forty-fourth session (H200, BENCHMARKS.md), both dropped: (a) the zero in A for zeros read at 9-16 rows (the
+//   group's zero words and scales loaded with the item's words, each column tile's two zeros in one register, folded
+//   into HADD2's .H0_H0 / .H1_H1 operands): 18432x7168 at 16 rows 29.7 against 29.7 us, 12 rows 29.2 against 29.4,
+//   7168x7168 13.5 against 13.5 (the 4-warp loop spilled 76 bytes; scales loaded after the MMAs: 88 bytes, 31.2; zero
+//   words as two 16-byte loads: 100 bytes); the prefetching loop, which holds the values already, 14.3 against 14.4.
+//   (b) One row in 8-warp blocks on 64-k items at 80 registers (3 blocks per SM, one round of blocks): 18432x7168
+//   23.6 us in 1 slice, 23.2 in 2, against 22.4 as dispatched; 24576x7168 24.0 against 23.9.
 //
 // This file needs only the CUDA headers: the torch op is in ops.cpp.
 #include <type_traits>
