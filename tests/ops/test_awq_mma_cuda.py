@@ -131,6 +131,7 @@ def test_rows_of_x_are_independent():
     (1024, 256, 128, 1, 1, 2, 8, False),   # one row on 8 warps, items of 128 k (the launcher keeps the full fold)
     (1024, 256, 128, 3, 2, 2, 4, False),
     (2048, 512, 128, 16, 3, 2, 8, False),  # two row tiles
+    (2048, 512, 128, 16, 3, 2, 4, False),  # two row tiles on 4 warps, as 18432x7168 dispatches at 16 rows
     (1024, 256, 128, 16, 1, 2, 8, True),
     (256, 128, 32, 3, 2, 1, 4, False),     # groups of 32 read their zero points anyway
 ])
