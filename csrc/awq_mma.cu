@@ -18,7 +18,8 @@
 //   `(w >> 4r) & 0x000F000F | magic`, with no reordering at run time.
 // * magic: 128 in bf16 (0x4300), 1024 in fp16 (0x6400), where the ulp is 1, so OR-ing a code in
 //   gives c + q exactly. The MMA sums x (c + q) per group; an MMA with all-ones A gives sum x for
-//   each row of x in the same fragment positions; and once per group, in fp32:
+//   each row of x in the same fragment positions (two row tiles: one MMA of x as A against all-ones B, then shuffles;
+//   awq_mma.cuh, XS16); and once per group, in fp32:
 //   acc += s * (sum x (c + q) - (c + z) sum x). No per-weight subtract or multiply. Two row tiles of symmetric codes
 //   subtract c + 8 from each A register instead (exact) and need no sum of x (awq_mma.cuh, ZA). Except with groups
 //   of 32 (G32), where an MMA's k spans two groups: each register is then dequantized to the reference's (q - z) s

@@ -172,6 +172,14 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
                                           XLoad&& xload, Done&& done = Done{}) {
   using Tr = Traits<T>;
   constexpr uint32_t kMagic8 = Tr::kMagic2 + 0x00080008u;  // (magic + 8, magic + 8)
+  // XS16 (two row tiles, zeros read): the two row tiles' B fragments are, as they are, the A fragment of x's 16 rows
+  // (a0..a3 = b0[0], b0[1], b1[0], b1[1]), so one MMA against all-ones B gives sum_k x for all 16 rows instead of one
+  // all-ones-A MMA per tile; lane 4 r holds row r's sum in c0 and row 8 + r's in c2, moved to the fold's fragment
+  // positions (row 8 j + 2 t + e % 2) by four shuffles per item. 72 instead of 80 MMAs per item, 4 more moves per
+  // k-step (the A quad must be 4 consecutive registers); same sums (bench/mma_decode_ablation.sh). H200, zeros read:
+  // 18432x7168 at 16 rows 29.7 -> 28.7 us, 12 rows 29.4 -> 28.4, 64 rows 92.4 -> 89.3; 7168x7168 at 16 rows 13.6 ->
+  // 13.5 (forty-fifth session). The grouped kernel's 128-k two-tile loop went from 80-92 bytes spilled to 16.
+  constexpr bool kXs16 = NT == 2 && !ZA;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -203,7 +211,9 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
     for (int s = 0; s < 4; ++s) {
       uint32_t b0[NT], b1[NT];
       b_frags(b0, b1, xv, s);
-      if constexpr ((kMmaAblate & 32) == 0 && !ZA) {
+      if constexpr ((kMmaAblate & 32) == 0 && kXs16) {
+        Tr::mma(xs[0], b0[0], b0[1], b1[0], b1[1], Tr::kOnes2, Tr::kOnes2);
+      } else if constexpr ((kMmaAblate & 32) == 0 && !ZA) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) Tr::mma_ones(xs[j], b0[j], b1[j]);
       }
@@ -234,6 +244,15 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
       }
       done(c, s);
     }
+  }
+  if constexpr (kXs16) {
+    const int src = 8 * (threadIdx.x & 3);  // lanes 8 t (rows 2 t, 8 + 2 t) and 8 t + 4 (rows 2 t + 1, 9 + 2 t)
+    const float r0 = __shfl_sync(0xFFFFFFFFu, xs[0][0], src), r1 = __shfl_sync(0xFFFFFFFFu, xs[0][0], src + 4);
+    const float r8 = __shfl_sync(0xFFFFFFFFu, xs[0][2], src), r9 = __shfl_sync(0xFFFFFFFFu, xs[0][2], src + 4);
+    xs[0][0] = xs[0][2] = r0;
+    xs[0][1] = xs[0][3] = r1;
+    xs[1][0] = xs[1][2] = r8;
+    xs[1][1] = xs[1][3] = r9;
   }
 }
 
