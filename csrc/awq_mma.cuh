@@ -455,7 +455,8 @@ __device__ __forceinline__ void accumulate(float (&acc)[4][NT][4], const uint4* 
   // 28.8 -> 27.0 us, 12 rows 28.7 -> 26.6, 7168x7168 at 16 rows (2 slices of 8 warps) 13.1 -> 12.9 (forty-third
   // session, bench/mma_decode_ablation.sh). Not with one row tile: there the MMAs barely count (TORCHFORGE_MMA_ABLATE
   // 32, no all-ones MMAs: 22.1 -> 22.0 us at one row; 128, half the others: 21.8), while the extra subtracts do (64:
-  // 22.7); at 16 rows 32 gave 26.2 and 128 25.9 from 28.8.
+  // 22.7); at 16 rows 32 gave 26.2 and 128 25.9 from 28.8. Against XS16's sums with the 8 in the fold instead: 26.9
+  // against 27.8 us (forty-fifth session).
   constexpr bool ZA = SYM && NT == 2 && !G32;
   // this lane's layout word i of an item, and its x of chunk c of an item for row tile j (two uint4)
   auto word_at = [&](int item, int i) {
