@@ -176,7 +176,7 @@ __device__ __forceinline__ void item_sums(float (&part)[4][NT][4], float (&xs)[N
   // (a0..a3 = b0[0], b0[1], b1[0], b1[1]), so one MMA against all-ones B gives sum_k x for all 16 rows instead of one
   // all-ones-A MMA per tile; lane 4 r holds row r's sum in c0 and row 8 + r's in c2, moved to the fold's fragment
   // positions (row 8 j + 2 t + e % 2) by four shuffles per item. 72 instead of 80 MMAs per item, 4 more moves per
-  // k-step (the A quad must be 4 consecutive registers); same sums (bench/mma_decode_ablation.sh). H200, zeros read:
+  // k-step (the A quad must be 4 consecutive registers); the same output sums in bench/mma_decode_ablation.sh. H200:
   // 18432x7168 at 16 rows 29.7 -> 28.7 us, 12 rows 29.4 -> 28.4, 64 rows 92.4 -> 89.3; 7168x7168 at 16 rows 13.6 ->
   // 13.5 (forty-fifth session). The grouped kernel's 128-k two-tile loop went from 80-92 bytes spilled to 16.
   constexpr bool kXs16 = NT == 2 && !ZA;
